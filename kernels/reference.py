@@ -1,0 +1,98 @@
+"""Plain-PyTorch twins of the Triton kernels: the CPU path and the tests' ground truth.
+
+KV cache layout, per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
+(index 0 = K, 1 = V). A token's slot is block_id * block_size + offset.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from worker_svc.attention.base import AttentionMetadata
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter new K/V [T, Hkv, D] into the paged cache at `slot_mapping` [T]."""
+    _, num_blocks, block_size, hkv, d = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, hkv, d)
+    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def gather_kv(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V of one sequence's first `seq_len` tokens, [seq_len, Hkv, D] each."""
+    block_size = kv_cache.shape[2]
+    n_blocks = (seq_len + block_size - 1) // block_size
+    blocks = kv_cache[:, block_table[:n_blocks].long()]  # [2, n, bs, Hkv, D]
+    kv = blocks.flatten(1, 2)[:, :seq_len]
+    return kv[0], kv[1]
+
+
+def paged_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Attention of each query token to its sequence's cached context, causal within the chunk.
+
+    q: [T, H, D]; returns [T, H, D]. The new tokens' K/V must already be in the cache.
+    """
+    num_heads = q.shape[1]
+    hkv = kv_cache.shape[3]
+    group = num_heads // hkv
+    out = torch.empty_like(q)
+    starts = meta.query_start_loc.tolist() if meta.query_start_loc.device.type != "cpu" else None
+    start = 0
+    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
+        if starts is not None:
+            start = starts[i]
+        k, v = gather_kv(kv_cache, meta.block_tables[i], seq_len)
+        qi = q[start : start + q_len].transpose(0, 1)  # [H, q_len, D]
+        k = k.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)  # [H, seq_len, D]
+        v = v.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
+        # Query j sits at absolute position seq_len - q_len + j and sees keys 0..that position.
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos
+        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale)
+        out[start : start + q_len] = o.transpose(0, 1)
+        start += q_len
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm fused with the residual add: returns (normed, new_residual).
+
+    new_residual = x + residual (or x when residual is None), computed in x's dtype;
+    the norm itself runs in fp32, as in Hugging Face's LlamaRMSNorm.
+    """
+    if residual is not None:
+        x = x + residual
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype), x
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NeoX-style (rotate-half) rotary embedding, as Hugging Face's Llama applies it.
+
+    positions: [T]; q: [T, H, D]; k: [T, Hkv, D]; cos_sin_cache: [max_pos, D] holding
+    cos in the first D/2 columns and sin in the last D/2 (fp32).
+    """
+    cs = cos_sin_cache[positions]
+    half = cs.shape[-1] // 2
+    cos = cs[:, None, :half]
+    sin = cs[:, None, half:]
+
+    def rot(x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        x1, x2 = xf[..., :half], xf[..., half:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    return rot(q), rot(k)

@@ -1,0 +1,96 @@
+"""Sampling parameters, validated on construction with OpenAI/vLLM-style ranges."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+_SEED_LIMIT = 2**63
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range; `param` names it (OpenAI error `param`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+def _check_number(name: str, value: float, lo: float, hi: float, lo_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise SamplingParamsError(name, f"must be a number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise SamplingParamsError(name, f"must be finite, got {value}")
+    too_low = value <= lo if lo_open else value < lo
+    if too_low or value > hi:
+        left = "(" if lo_open else "["
+        raise SamplingParamsError(name, f"must be in {left}{lo}, {hi}], got {value}")
+
+
+def _check_int(name: str, value: int, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SamplingParamsError(name, f"must be an integer, got {type(value).__name__}")
+    if value < lo or (hi is not None and value > hi):
+        bound = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise SamplingParamsError(name, f"must be {bound}, got {value}")
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = all tokens
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # multiplicative, over prompt + output tokens (HF/vLLM style)
+    presence_penalty: float = 0.0  # additive, over output tokens (OpenAI style)
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None = up to the context length
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # matched on detokenized text (offline + gateway)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None = no logprobs; k >= 0 = sampled token + top-k
+    max_logprobs: int = 20
+
+    def __post_init__(self) -> None:
+        if self.top_k == -1:
+            self.top_k = 0
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop_token_ids = list(self.stop_token_ids)
+        self.stop = list(self.stop)
+        self.validate()
+
+    def validate(self) -> None:
+        _check_int("n", self.n, 1, 128)
+        _check_number("temperature", self.temperature, 0.0, 2.0)
+        _check_number("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _check_int("top_k", self.top_k, 0)
+        _check_number("min_p", self.min_p, 0.0, 1.0)
+        _check_number("repetition_penalty", self.repetition_penalty, 0.0, 2.0, lo_open=True)
+        _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, -_SEED_LIMIT, _SEED_LIMIT - 1)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1)
+        _check_int("min_tokens", self.min_tokens, 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise SamplingParamsError(
+                "min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, 0)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise SamplingParamsError("stop", "must be non-empty strings")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, self.max_logprobs)
+        if not isinstance(self.ignore_eos, bool):
+            raise SamplingParamsError("ignore_eos", "must be a boolean")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

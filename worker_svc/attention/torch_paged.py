@@ -1,0 +1,24 @@
+"""Reference paged-attention backend in plain PyTorch (the CPU path)."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import reference
+from worker_svc.attention.base import AttentionMetadata
+
+
+class TorchPagedBackend:
+    name = "torch"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        reference.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        return reference.paged_attention(q, kv_cache, meta, scale)
