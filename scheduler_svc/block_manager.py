@@ -1,0 +1,188 @@
+"""Paged KV block accounting for one worker: ref counts, free list, automatic prefix caching.
+
+Blocks of finished requests keep their content key and stay reusable until the
+free list hands them out again (least recently freed first). The scheduler owns
+this object; the worker only ever sees block ids.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from scheduler_svc.prefix_hash import extend_block_keys
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    key: bytes | None = None  # content key once the block is full and scheduled for compute
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # tokens looked up
+    hits: int = 0  # tokens found cached
+    requests_hit: int = 0
+
+
+@dataclass
+class BlockTable:
+    """One sequence's blocks and the content keys of its full blocks."""
+
+    block_ids: list[int] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
+
+
+class BlockManager:
+    def __init__(
+        self, num_blocks: int, block_size: int, fingerprint: bytes = b"", enable_prefix_caching: bool = True
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.fingerprint = fingerprint
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks in eviction order (front = evicted first). Cached blocks wait here too.
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[bytes, int] = {}  # content key -> block id
+        self.tables: dict[str, BlockTable] = {}
+        self.stats = PrefixCacheStats()
+
+    # ----- queries -----
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free) / self.num_blocks
+
+    def block_ids(self, seq_id: str) -> list[int]:
+        table = self.tables.get(seq_id)
+        return table.block_ids if table else []
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def longest_cached_prefix(self, token_ids: list[int]) -> list[int]:
+        """Block ids of the longest run of leading full blocks already cached (no refs taken)."""
+        if not self.enable_prefix_caching:
+            return []
+        keys = extend_block_keys([], token_ids, self.block_size, self.fingerprint)
+        hits: list[int] = []
+        for key in keys:
+            block_id = self.cached.get(key)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    # ----- allocation -----
+    def allocate(self, seq_id: str, token_ids: list[int], num_computed: int, num_new: int) -> list[int] | None:
+        """Make room for `num_new` tokens after `num_computed` of `token_ids`.
+
+        On a sequence's first call this takes references on its cached prefix
+        (`num_computed` must then equal the cached length the planner got from
+        `longest_cached_prefix`). Returns the newly appended block ids, or None
+        (nothing changed) when the free list is too short.
+        """
+        table = self.tables.get(seq_id)
+        hits: list[int] = []
+        if table is None:
+            hits = self.longest_cached_prefix(token_ids)[: num_computed // self.block_size]
+            assert len(hits) * self.block_size == num_computed, "first allocation starts at the cached prefix"
+        have = len(table.block_ids) if table else len(hits)
+        need = self.blocks_needed(num_computed + num_new) - have
+        # Cached hits sitting in the free list are taken out of it, so they cannot also be fresh blocks.
+        reusable = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        if need > len(self.free) - reusable:
+            return None
+        if table is None:
+            table = self.tables[seq_id] = BlockTable()
+            for block_id in hits:
+                self._take(block_id)
+                table.block_ids.append(block_id)
+            table.num_cached_blocks = len(hits)
+        new_ids = [self._take_fresh() for _ in range(max(need, 0))]
+        table.block_ids.extend(new_ids)
+        self._register_full_blocks(table, token_ids, num_computed + num_new)
+        return new_ids
+
+    def free_seq(self, seq_id: str) -> None:
+        """Drop a sequence's references; its blocks join the free list, tail first."""
+        table = self.tables.pop(seq_id, None)
+        if table is None:
+            return
+        for block_id in reversed(table.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0
+            if block.ref_count == 0:
+                self.free[block_id] = None
+
+    def record_lookup(self, num_tokens: int, num_hit: int) -> None:
+        self.stats.queries += num_tokens
+        self.stats.hits += num_hit
+        self.stats.requests_hit += num_hit > 0
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached key (e.g. after a worker restarts with an empty cache)."""
+        for block in self.blocks:
+            if block.ref_count == 0:
+                block.key = None
+        self.cached = {k: b for k, b in self.cached.items() if self.blocks[b].key == k}
+
+    # ----- internals -----
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free[block_id]
+        block.ref_count += 1
+
+    def _take_fresh(self) -> int:
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.key is not None:  # evict its cached content
+            if self.cached.get(block.key) == block_id:
+                del self.cached[block.key]
+            block.key = None
+        block.ref_count = 1
+        return block_id
+
+    def _register_full_blocks(self, table: BlockTable, token_ids: list[int], num_tokens: int) -> None:
+        """Give keys to blocks that will be full once `num_tokens` are computed.
+
+        Registering at schedule time is safe: the worker writes a layer's K/V for
+        the whole batch before that layer attends, so a second sequence of the
+        same step that hits these blocks reads them already filled.
+        """
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(num_tokens, len(token_ids)) // self.block_size
+        if num_full <= table.num_cached_blocks:
+            return
+        extend_block_keys(table.keys, token_ids[: num_full * self.block_size], self.block_size, self.fingerprint)
+        for i in range(table.num_cached_blocks, num_full):
+            block = self.blocks[table.block_ids[i]]
+            key = table.keys[i]
+            if block.key is None and key not in self.cached:
+                block.key = key
+                self.cached[key] = block.block_id
+        table.num_cached_blocks = num_full
+
+    def check_invariants(self) -> None:
+        """Ref counts equal table references; free list = unreferenced blocks (tests call this)."""
+        refs = [0] * self.num_blocks
+        for table in self.tables.values():
+            for block_id in table.block_ids:
+                refs[block_id] += 1
+        for block in self.blocks:
+            assert block.ref_count == refs[block.block_id], f"block {block.block_id} ref mismatch"
+            assert (block.ref_count == 0) == (block.block_id in self.free), f"block {block.block_id} free mismatch"
+        for key, block_id in self.cached.items():
+            assert self.blocks[block_id].key == key

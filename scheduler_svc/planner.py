@@ -1,0 +1,267 @@
+"""Step planning for one worker: continuous batching with chunked prefill and preemption.
+
+Each step spends a token budget: running requests first (decodes, then the rest
+of chunked prefills), then waiting requests in policy order. When blocks run
+out, the newest (or lowest-priority) running request is preempted: its blocks
+are freed and it is recomputed later from prompt + tokens so far, usually
+cheaply, because its full blocks stay in the prefix cache until evicted.
+
+The planner knows no transport: it hands out `StepPlan`s and takes `StepResult`s.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.request import FinishReason, Request, RequestDelta, RequestStatus
+from services.step import NewSequence, ScheduledSequence, StepPlan, StepResult
+
+
+@dataclass
+class PlannerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    # Longest prefill chunk one request may take in a step (0 = the whole budget).
+    long_prefill_token_threshold: int = 0
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # or "priority"
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+
+
+class RequestRejected(ValueError):
+    """The request can never run here (too long for the context or the KV cache)."""
+
+
+class Planner:
+    def __init__(self, config: PlannerConfig, blocks: BlockManager) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []  # in policy order
+        self.running: list[Request] = []  # in admission order
+        self._on_worker: set[str] = set()  # sequences whose state the worker holds
+        self._to_drop: list[str] = []  # finished/aborted since the last plan
+        self._to_preempt: list[str] = []
+        self._step_id = 0
+        self.num_preemptions = 0
+
+    # ----- requests -----
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise RequestRejected(f"duplicate request id {req.request_id!r}")
+        if not req.prompt_token_ids:
+            raise RequestRejected("the prompt is empty")
+        limit = self.config.max_model_len
+        if req.num_tokens >= limit:
+            raise RequestRejected(f"prompt of {req.num_tokens} tokens leaves no room in max_model_len {limit}")
+        if not self.config.enable_chunked_prefill and req.num_tokens > self.config.max_num_batched_tokens:
+            raise RequestRejected(
+                f"prompt of {req.num_tokens} tokens exceeds max_num_batched_tokens "
+                f"{self.config.max_num_batched_tokens} and chunked prefill is off"
+            )
+        max_tokens = req.sampling_params.max_tokens or limit
+        longest = min(req.num_tokens + max_tokens, limit)
+        if self.blocks.blocks_needed(longest) > self.blocks.num_blocks:
+            raise RequestRejected(
+                f"{longest} tokens need more KV blocks than the cache holds ({self.blocks.num_blocks})"
+            )
+        self.requests[req.request_id] = req
+        self._enqueue(req, front=False)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return None
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._finish(req, FinishReason.ABORT)
+        return req
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def has_work_for_worker(self) -> bool:
+        return self.has_unfinished() or bool(self._to_drop or self._to_preempt)
+
+    # ----- planning -----
+    def schedule(self) -> StepPlan:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        chunk = cfg.long_prefill_token_threshold or budget
+        plan = StepPlan(step_id=self._step_id)
+        self._step_id += 1
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget, chunk)
+            new_blocks = self.blocks.allocate(req.request_id, req.all_token_ids, req.num_computed_tokens, num_new)
+            while new_blocks is None:
+                victim = self._pick_victim(self.running[i:])
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+                new_blocks = self.blocks.allocate(
+                    req.request_id, req.all_token_ids, req.num_computed_tokens, num_new
+                )
+            if new_blocks is None:
+                continue  # req itself was preempted; running[i] is now the next one
+            self._add_to_plan(plan, req, num_new, new_blocks)
+            budget -= num_new
+            i += 1
+
+        # New admissions only when nothing was preempted, so a freed block is not fought over.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting[0]
+            tokens = req.all_token_ids
+            hits = self.blocks.longest_cached_prefix(tokens)
+            # Always compute at least the last token: its logits give the next token.
+            bs = self.blocks.block_size
+            num_computed = min(len(hits) * bs, (len(tokens) - 1) // bs * bs)
+            num_new = min(len(tokens) - num_computed, budget, chunk)
+            if not cfg.enable_chunked_prefill and num_new < len(tokens) - num_computed:
+                break
+            new_blocks = self.blocks.allocate(req.request_id, tokens, num_computed, num_new)
+            if new_blocks is None:
+                break
+            self.waiting.pop(0)
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_computed
+                self.blocks.record_lookup(len(tokens), num_computed)
+            req.num_computed_tokens = num_computed
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._add_to_plan(plan, req, num_new, new_blocks)
+            budget -= num_new
+
+        plan.finished_ids, self._to_drop = self._to_drop, []
+        plan.preempted_ids, self._to_preempt = self._to_preempt, []
+        return plan
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[RequestDelta]:
+        """Advance computed-token counts, append sampled tokens, finish what must stop."""
+        touched: dict[str, Request] = {}
+        for seq_id, num_new in [(s.seq_id, s.num_new_tokens) for s in plan.new_seqs] + [
+            (s.seq_id, s.num_new_tokens) for s in plan.scheduled
+        ]:
+            req = self.requests.get(seq_id)
+            if req is not None and req.status is RequestStatus.RUNNING:
+                req.num_computed_tokens += num_new
+        new_tokens: dict[str, list[int]] = {}
+        for seq_id, token_id, logprobs in zip(result.seq_ids, result.token_ids, result.logprobs, strict=True):
+            req = self.requests.get(seq_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step was in flight
+            req.output_token_ids.append(token_id)
+            req.output_logprobs.append(logprobs)
+            new_tokens.setdefault(seq_id, []).append(token_id)
+            touched[seq_id] = req
+            reason = self._stop_reason(req, token_id)
+            if reason is not None:
+                self._finish(req, reason)
+        deltas = []
+        for seq_id, req in touched.items():
+            n = len(new_tokens[seq_id])
+            deltas.append(self.delta(req, n))
+        return deltas
+
+    def delta(self, req: Request, num_new: int) -> RequestDelta:
+        return RequestDelta(
+            request_id=req.request_id,
+            new_token_ids=req.output_token_ids[len(req.output_token_ids) - num_new :],
+            new_logprobs=req.output_logprobs[len(req.output_logprobs) - num_new :],
+            finish_reason=req.finish_reason,
+            num_prompt_tokens=len(req.prompt_token_ids),
+            num_output_tokens=len(req.output_token_ids),
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+        )
+
+    # ----- internals -----
+    def _add_to_plan(self, plan: StepPlan, req: Request, num_new: int, new_blocks: list[int]) -> None:
+        if req.request_id in self._on_worker:
+            plan.scheduled.append(ScheduledSequence(req.request_id, num_new, new_blocks))
+            return
+        self._on_worker.add(req.request_id)
+        plan.new_seqs.append(
+            NewSequence(
+                seq_id=req.request_id,
+                token_ids=req.all_token_ids,
+                num_prompt_tokens=len(req.prompt_token_ids),
+                block_ids=list(self.blocks.block_ids(req.request_id)),
+                num_computed_tokens=req.num_computed_tokens,
+                num_new_tokens=num_new,
+                sampling_params=req.sampling_params,
+            )
+        )
+
+    def _stop_reason(self, req: Request, token_id: int) -> FinishReason | None:
+        sp = req.sampling_params
+        n_out = len(req.output_token_ids)
+        if n_out >= sp.min_tokens:
+            if token_id in sp.stop_token_ids:
+                req.stop_token_id = token_id
+                return FinishReason.STOP
+            if not sp.ignore_eos and token_id in req.eos_token_ids:
+                return FinishReason.STOP
+        if sp.max_tokens is not None and n_out >= sp.max_tokens:
+            return FinishReason.LENGTH
+        if req.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        self.blocks.free_seq(req.request_id)
+        if req.request_id in self._on_worker:
+            self._on_worker.discard(req.request_id)
+            self._to_drop.append(req.request_id)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        del self.requests[req.request_id]
+
+    def _pick_victim(self, candidates: list[Request]) -> Request:
+        if self.config.policy == "priority":
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return candidates[-1]
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.blocks.free_seq(req.request_id)
+        if req.request_id in self._on_worker:
+            self._on_worker.discard(req.request_id)
+            self._to_preempt.append(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(req, front=True)
+
+    def _enqueue(self, req: Request, front: bool) -> None:
+        if req.status is not RequestStatus.PREEMPTED:
+            req.status = RequestStatus.WAITING
+        if self.config.policy == "priority":
+            keys = [(r.priority, r.arrival_time) for r in self.waiting]
+            self.waiting.insert(bisect.bisect_right(keys, (req.priority, req.arrival_time)), req)
+        elif front:
+            self.waiting.insert(0, req)
+        else:
+            self.waiting.append(req)

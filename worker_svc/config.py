@@ -1,0 +1,38 @@
+"""Worker configuration: one dataclass, built from CLI flags/env by the service, passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class WorkerConfig:
+    model: str | None = None  # HF folder or .gguf path; None = the embedded SmolLM2-135M-Instruct
+    cache_dir: str | None = None  # converted-model cache (default $LLMESH_CACHE or ~/.cache/llmesh)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
+    attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
+    load_format: str = "auto"  # auto | dummy (random weights made on the device)
+    block_size: int = 16
+    num_kv_blocks: int = 0  # 0 = from the memory budget below
+    kv_cache_memory: int = 1 << 30  # bytes of KV cache on CPU
+    gpu_memory_utilization: float = 0.9  # fraction of device memory for weights + KV on CUDA
+    max_model_len: int = 0  # 0 = the model's max_position_embeddings
+    max_num_seqs: int = 64  # largest decode batch (CUDA graph capture sizes go up to it)
+    enforce_eager: bool = False  # no CUDA graphs
+    seed: int = 0
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+        names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        if self.dtype not in names:
+            raise ValueError(f"dtype must be one of auto, {', '.join(names)}; got {self.dtype!r}")
+        return names[self.dtype]

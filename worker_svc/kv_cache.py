@@ -1,0 +1,40 @@
+"""The paged KV cache tensors of one worker, sized from a memory budget."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker_svc.models.config import ModelConfig
+
+
+@dataclass
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, model: ModelConfig, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        return cls(model.num_layers, model.num_kv_heads, model.head_dim, block_size, dtype)
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int) -> int:
+    return max(budget_bytes // spec.bytes_per_block, 0)
+
+
+def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device | str) -> list[torch.Tensor]:
+    """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer.
+
+    Zero-filled, so that a padded or masked read of a never-written slot is finite.
+    """
+    shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]

@@ -1,0 +1,281 @@
+"""The Llama-family decoder in plain PyTorch, over a paged KV cache.
+
+One class serves Llama 2/3 (and SmolLM2), Mistral, Qwen2/2.5 and Qwen3; the config's
+flags (qkv bias, q/k norm, tied embeddings, rope scaling) select the differences.
+
+The batch is flat (varlen): `input_ids`/`positions` are [T] over all sequences of
+the step, and the attention backend uses `AttentionMetadata` to find each token's
+sequence in the paged cache. So the model has no batch dimension and no padding.
+
+Mistral's sliding window is NOT applied: every layer attends to the full context.
+Results equal Hugging Face's only while a sequence is no longer than the window
+(4096 for Mistral 7B); `ModelConfig.sliding_window` records it so callers can cap
+the context length.
+
+Projections are merged as in vLLM: q/k/v into one `qkv_proj` and gate/up into one
+`gate_up_proj`, fewer and larger matmuls. `load_weights` takes Hugging Face's
+unmerged names and copies each into its slice.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.reference import rms_norm, rotary_embedding
+from worker_svc.attention.base import AttentionBackend, AttentionMetadata
+from worker_svc.models.config import ModelConfig
+
+
+def compute_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """RoPE inverse frequencies [head_dim/2] in fp32, exactly as transformers computes them."""
+    dim = config.head_dim
+    base = config.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    rope_type = scaling["rope_type"]
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        factor = scaling["factor"]
+        low_freq_factor = scaling["low_freq_factor"]
+        high_freq_factor = scaling["high_freq_factor"]
+        old_context_len = scaling["original_max_position_embeddings"]
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are divided by `factor`, short ones kept, the band between blended.
+        inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, inv_freq_llama)
+    raise NotImplementedError(f"rope type {rope_type!r}")
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds the [max_pos, head_dim] cos|sin cache that `rotary_embedding` indexes by position.
+
+    The cache is derived data: it is always fp32 and is recomputed (not converted)
+    whenever the module moves, so `model.to(torch.bfloat16)` or `to_empty()` from the
+    meta device never degrade or garble it.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.register_buffer("cos_sin_cache", self._build(torch.device("cpu")), persistent=False)
+
+    def _build(self, device: torch.device) -> torch.Tensor:
+        if device.type == "meta":
+            return torch.empty(self.config.max_position_embeddings, self.config.head_dim, device=device)
+        inv_freq = compute_inv_freq(self.config).to(device)
+        t = torch.arange(self.config.max_position_embeddings, device=device, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        super()._apply(fn, recurse)
+        self.cos_sin_cache = self._build(self.cos_sin_cache.device)
+        return self
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary_embedding(positions, q, k, self.cos_sin_cache)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm(x, self.weight, self.eps, residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        self.scale = self.head_dim**-0.5
+        self.backend = backend
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)[0]
+            k = self.k_norm(k)[0]
+        q, k = rotary(positions, q, k)
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(
+            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
+        )
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotary: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream travels beside `hidden` so each norm fuses the add.
+        x, residual = self.input_layernorm(hidden, residual)
+        x = self.self_attn(positions, x, rotary, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral / Qwen2 / Qwen3 causal LM over a paged KV cache."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config)
+        # Tied models reuse the embedding matrix; no separate parameter exists.
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def set_backend(self, backend: AttentionBackend) -> None:
+        """Swap the attention implementation (e.g. torch reference ↔ Triton) in every layer."""
+        self.backend = backend
+        for layer in self.layers:
+            layer.self_attn.backend = backend
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final hidden states [T, hidden] of a flat batch; writes the new K/V into `kv_caches`."""
+        hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(positions, hidden, residual, self.rotary, kv_caches[i], meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [N, vocab] in fp32 for the rows of `hidden` the caller wants to sample."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # ---- weights -------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into our (partly merged) parameters.
+
+        Every parameter must be written exactly once; a missing or unknown name is an error,
+        because a silently random weight produces plausible-looking garbage.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        cfg = self.config
+        # HF name suffix -> (our suffix, row offset, row count) inside a merged parameter.
+        merged = {
+            "self_attn.q_proj": ("self_attn.qkv_proj", 0, cfg.q_size),
+            "self_attn.k_proj": ("self_attn.qkv_proj", cfg.q_size, cfg.kv_size),
+            "self_attn.v_proj": ("self_attn.qkv_proj", cfg.q_size + cfg.kv_size, cfg.kv_size),
+            "mlp.gate_proj": ("mlp.gate_up_proj", 0, cfg.intermediate_size),
+            "mlp.up_proj": ("mlp.gate_up_proj", cfg.intermediate_size, cfg.intermediate_size),
+        }
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue  # old checkpoints saved the derived buffer; we compute our own
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints still store the duplicate
+            key = name.removeprefix("model.")
+            target, offset, size = key, 0, None
+            for hf, (ours, off, rows) in merged.items():
+                if f".{hf}." in key:
+                    target, offset, size = key.replace(hf, ours), off, rows
+                    break
+            param = params.get(target)
+            if param is None:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in {cfg.architecture}")
+            dest = param.data if size is None else param.data.narrow(0, offset, size)
+            if dest.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            loaded.add(key)
+        expected = {n.removeprefix("model.") for n in self.expected_weight_names()}
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+
+    def expected_weight_names(self) -> list[str]:
+        """The Hugging Face tensor names this model needs (what `load_weights` checks for)."""
+        names: list[str] = []
+        for name, _ in self.named_parameters():
+            if name.startswith("lm_head."):
+                names.append(name)
+                continue
+            if ".qkv_proj." in name:
+                names += [name.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")]
+            elif ".gate_up_proj." in name:
+                names += [name.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj")]
+            else:
+                names.append(name)
+        return [n if n.startswith("lm_head.") else "model." + n for n in names]

@@ -1,0 +1,312 @@
+"""Batched token sampling: logits [B, V] -> one token id (and optional logprobs) per row.
+
+Pure torch ops, so the same code runs on CPU and CUDA. The whole step costs exactly
+one device->host copy: every result (sampled ids, and the logprob tensors when some
+row asked for them) is packed into one int32 tensor and copied once. Everything the
+host needs to decide (which stages run, which rows are greedy, how many top
+logprobs) comes from the Python-side SamplingParams, never from device values, so
+no stage syncs on its own. Host->device copies of per-row parameters are issued
+non-blocking.
+
+Order of operations (as vLLM v1):
+  1. logprobs from the raw logits (log_softmax before any processing);
+  2. min_tokens: EOS ids (unless ignore_eos) and stop_token_ids -> -inf while the
+     sequence has fewer than min_tokens output tokens;
+  3. repetition_penalty (HF style, over prompt + output tokens);
+  4. presence / frequency penalties (OpenAI style, over output tokens, with counts);
+  5. greedy rows (temperature == 0) take the argmax;
+  6. other rows: / temperature, top_k, top_p, min_p, then an exponential race
+     (argmax(probs / Exp(1) noise)), which samples from the filtered distribution
+     with one noise tensor per row whatever filters ran.
+
+Seeded rows draw their noise from a generator seeded by a hash of (seed, number of
+tokens generated so far), so the k-th token of a seeded request is drawn the same
+way whatever else shares the batch, at any row position, after preemption and
+recompute, and in another process (on the same kind of device: CPU and CUDA
+generators produce different streams).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+from services.sampling_params import SamplingParams
+from services.step import TokenLogprobs
+
+_NEG_INF = float("-inf")
+_MASK63 = (1 << 63) - 1
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one sequence of the batch."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # tokens generated so far for this sequence
+    eos_token_ids: list[int]  # model's EOS ids (masked until min_tokens reached unless ignore_eos)
+
+
+def seeded_draw_seed(seed: int, num_output_tokens: int) -> int:
+    """Generator seed for the draw of token number `num_output_tokens` of a seeded request.
+
+    A hash rather than e.g. `seed + step` so that neighbouring seeds do not share
+    shifted noise streams; sha256 because Python's hash() is salted per process.
+    """
+    data = seed.to_bytes(8, "little", signed=True) + num_output_tokens.to_bytes(8, "little")
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little") & _MASK63
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device | str, seed: int | None = None) -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        # Unseeded rows share this generator; seeded rows reseed `_seeded_gen` per draw.
+        self._gen = torch.Generator(device=self.device)
+        if seed is None:
+            self._gen.seed()
+        else:
+            self._gen.manual_seed(seed & _MASK63)
+        self._seeded_gen = torch.Generator(device=self.device)
+        self._arange_v = torch.arange(vocab_size, device=self.device)
+
+    # -- helpers --------------------------------------------------------------
+
+    def _to_dev(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        # Built on the host and copied non-blocking: a blocking H2D copy would also
+        # synchronize the stream, and the only sync of a step is the final D2H copy.
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+    def _private_copy(self, logits: torch.Tensor) -> torch.Tensor:
+        # Padded lm_head columns (logits wider than the vocab) are never sampled. One
+        # private contiguous float32 copy lets the processors work in place without
+        # touching the caller's tensor.
+        fmt = torch.contiguous_format
+        return logits[:, : self.vocab_size].to(torch.float32, copy=True, memory_format=fmt)
+
+    def _padded(self, seqs: list[list[int]]) -> torch.Tensor:
+        """[R, L] int64 token ids padded with `vocab_size` (a scratch column, sliced off later)."""
+        width = max(1, max(len(s) for s in seqs))
+        pad = self.vocab_size
+        return self._to_dev([s + [pad] * (width - len(s)) for s in seqs], torch.int64)
+
+    # -- the step -------------------------------------------------------------
+
+    def sample(
+        self, logits: torch.Tensor, rows: list[SamplingRow]
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        num_rows = len(rows)
+        if num_rows == 0:
+            return [], []
+        if logits.dim() != 2 or logits.shape[0] != num_rows or logits.shape[1] < self.vocab_size:
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {num_rows} rows x {self.vocab_size}")
+        logits = self._private_copy(logits)
+
+        lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if lp_rows else None
+
+        logits = self._process(logits, rows)
+
+        greedy_rows = [i for i, r in enumerate(rows) if r.params.greedy]
+        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if not random_rows:
+            sampled = logits.argmax(dim=-1)
+        elif not greedy_rows:
+            sampled = self._sample_random(logits, rows)
+        else:
+            sampled = torch.empty(num_rows, dtype=torch.int64, device=self.device)
+            g_idx = self._to_dev(greedy_rows, torch.int64)
+            r_idx = self._to_dev(random_rows, torch.int64)
+            sampled[g_idx] = logits[g_idx].argmax(dim=-1)
+            sampled[r_idx] = self._sample_random(logits[r_idx], [rows[i] for i in random_rows])
+
+        return self._gather_results(sampled, raw_logprobs, rows, lp_rows)
+
+    # -- logit processors (all rows, greedy included) -------------------------
+
+    def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Stages 2-4 (min_tokens, repetition, presence/frequency) on a copy: what greedy rows
+        take the argmax of. `sample` runs the same code; this entry point is for tests and
+        debugging."""
+        return self._process(self._private_copy(logits), rows)
+
+    def _process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        logits = self._apply_min_tokens(logits, rows)
+        logits = self._apply_repetition_penalty(logits, rows)
+        return self._apply_presence_frequency(logits, rows)
+
+    # Each works in place on the sampler's private copy of the logits and returns it.
+
+    def _apply_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        row_idx: list[int] = []
+        tok_idx: list[int] = []
+        for i, r in enumerate(rows):
+            p = r.params
+            if len(r.output_token_ids) >= p.min_tokens:
+                continue
+            banned = set(p.stop_token_ids)
+            if not p.ignore_eos:
+                banned.update(r.eos_token_ids)
+            for t in banned:
+                if 0 <= t < self.vocab_size:  # stop ids outside the vocab can never be sampled anyway
+                    row_idx.append(i)
+                    tok_idx.append(t)
+        if not row_idx:
+            return logits
+        idx = self._to_dev([row_idx, tok_idx], torch.int64)
+        logits[idx[0], idx[1]] = _NEG_INF
+        return logits
+
+    def _apply_repetition_penalty(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        sel = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+        if not sel:
+            return logits
+        seen = torch.zeros(len(sel), self.vocab_size + 1, dtype=torch.bool, device=self.device)
+        tokens = self._padded([rows[i].prompt_token_ids + rows[i].output_token_ids for i in sel])
+        seen.scatter_(1, tokens, True)
+        seen = seen[:, : self.vocab_size]
+        penalty = self._to_dev([rows[i].params.repetition_penalty for i in sel], torch.float32)[:, None]
+        idx = self._to_dev(sel, torch.int64)
+        sub = logits[idx]
+        # HF/vLLM: shrink towards zero, i.e. divide positive logits and multiply negative ones.
+        penalized = torch.where(sub > 0, sub / penalty, sub * penalty)
+        logits[idx] = torch.where(seen, penalized, sub)
+        return logits
+
+    def _apply_presence_frequency(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        sel = [
+            i
+            for i, r in enumerate(rows)
+            if (r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0) and r.output_token_ids
+        ]
+        if not sel:
+            return logits
+        tokens = self._padded([rows[i].output_token_ids for i in sel])
+        counts = torch.zeros(len(sel), self.vocab_size + 1, dtype=torch.float32, device=self.device)
+        counts.scatter_add_(1, tokens, torch.ones_like(tokens, dtype=torch.float32))
+        counts = counts[:, : self.vocab_size]
+        pres = self._to_dev([rows[i].params.presence_penalty for i in sel], torch.float32)[:, None]
+        freq = self._to_dev([rows[i].params.frequency_penalty for i in sel], torch.float32)[:, None]
+        idx = self._to_dev(sel, torch.int64)
+        logits[idx] = logits[idx] - freq * counts - pres * (counts > 0).float()
+        return logits
+
+    # -- random sampling (non-greedy rows only) -------------------------------
+
+    def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        vocab = self.vocab_size
+        temps = [r.params.temperature for r in rows]
+        if any(t != 1.0 for t in temps):
+            logits = logits / self._to_dev(temps, torch.float32)[:, None]
+
+        ks = [r.params.top_k if 0 < r.params.top_k < vocab else 0 for r in rows]
+        ps = [r.params.top_p for r in rows]
+        need_k = any(k > 0 for k in ks)
+        need_p = any(p < 1.0 for p in ps)
+        if need_k or need_p:
+            # One ascending sort serves both filters; masks are built in sorted space and
+            # scattered back, so top_k keeps exactly k tokens even when logits tie.
+            sorted_logits, sorted_idx = logits.sort(dim=-1)
+            if need_k:
+                keep = self._to_dev([k if k > 0 else vocab for k in ks], torch.int64)
+                drop = self._arange_v[None, :] < (vocab - keep)[:, None]
+                sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+            if need_p:
+                # Nucleus: drop the low tail whose total mass is <= 1 - top_p (renormalised
+                # after top_k, as vLLM); the most likely token always stays.
+                cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+                tail = self._to_dev([1.0 - p for p in ps], torch.float32)[:, None]
+                drop = cum <= tail
+                drop[:, -1] = False
+                sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+            logits = torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+        min_ps = [r.params.min_p for r in rows]
+        if any(mp > 0.0 for mp in min_ps):
+            # prob < min_p * max_prob  <=>  logit < max_logit + log(min_p) (after temperature);
+            # in log space it does not matter that top_k/top_p already renormalised.
+            log_min_p = self._to_dev([math.log(mp) if mp > 0 else _NEG_INF for mp in min_ps], torch.float32)
+            threshold = logits.amax(dim=-1, keepdim=True) + log_min_p[:, None]
+            logits = logits.masked_fill(logits < threshold, _NEG_INF)
+
+        probs = logits.softmax(dim=-1)
+        noise = self._exponential_noise(rows)
+        return (probs / noise).argmax(dim=-1)
+
+    def _exponential_noise(self, rows: list[SamplingRow]) -> torch.Tensor:
+        """[R, V] Exp(1) noise: unseeded rows in one draw, seeded rows each from their own seed."""
+        vocab = self.vocab_size
+        noise = torch.empty(len(rows), vocab, dtype=torch.float32, device=self.device)
+        unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
+        if len(unseeded) == len(rows):
+            noise.exponential_(generator=self._gen)
+        elif unseeded:
+            block = torch.empty(len(unseeded), vocab, dtype=torch.float32, device=self.device)
+            block.exponential_(generator=self._gen)
+            noise[self._to_dev(unseeded, torch.int64)] = block
+        for i, r in enumerate(rows):
+            if r.params.seed is not None:
+                self._seeded_gen.manual_seed(seeded_draw_seed(r.params.seed, len(r.output_token_ids)))
+                # Always a fresh contiguous [V] draw, so the values cannot depend on the batch.
+                noise[i] = torch.empty(vocab, dtype=torch.float32, device=self.device).exponential_(
+                    generator=self._seeded_gen
+                )
+        # Exp(1) noise of exactly 0 would turn a zero probability into 0/0 = nan.
+        return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+    # -- results ------------------------------------------------------------
+
+    def _gather_results(
+        self,
+        sampled: torch.Tensor,
+        raw_logprobs: torch.Tensor | None,
+        rows: list[SamplingRow],
+        lp_rows: list[int],
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        num_rows = len(rows)
+        sampled = sampled.to(torch.int32)
+        if raw_logprobs is None:
+            return sampled.cpu().tolist(), [None] * num_rows
+
+        # Pack everything into one int32 tensor (floats bit-cast, not converted) so that
+        # the step costs a single device->host copy.
+        n_lp = len(lp_rows)
+        k_max = max(rows[i].params.logprobs or 0 for i in lp_rows)
+        lp_idx = self._to_dev(lp_rows, torch.int64)
+        lp = raw_logprobs[lp_idx]  # [L, V]
+        tok = sampled[lp_idx].long()
+        tok_lp = lp.gather(1, tok[:, None])  # [L, 1]
+        # Rank 1 = most likely; tokens tied with the sampled one do not push it down.
+        rank = (lp > tok_lp).sum(dim=-1, dtype=torch.int32) + 1
+        parts = [sampled, tok_lp[:, 0].view(torch.int32), rank]
+        if k_max > 0:
+            top_lp, top_ids = lp.topk(k_max, dim=-1)
+            parts += [top_ids.to(torch.int32).reshape(-1), top_lp.reshape(-1).view(torch.int32)]
+        host = torch.cat(parts).cpu()
+
+        ids = host[:num_rows].tolist()
+        off = num_rows
+        tok_lps = host[off : off + n_lp].view(torch.float32).tolist()
+        off += n_lp
+        ranks = host[off : off + n_lp].tolist()
+        off += n_lp
+        if k_max > 0:
+            top_ids_h = host[off : off + n_lp * k_max].view(n_lp, k_max).tolist()
+            off += n_lp * k_max
+            top_lps_h = host[off : off + n_lp * k_max].view(torch.float32).view(n_lp, k_max).tolist()
+
+        out: list[TokenLogprobs | None] = [None] * num_rows
+        for j, i in enumerate(lp_rows):
+            k = rows[i].params.logprobs or 0
+            out[i] = TokenLogprobs(
+                token_id=ids[i],
+                logprob=tok_lps[j],
+                rank=ranks[j],
+                top_token_ids=top_ids_h[j][:k] if k else [],
+                top_logprobs=top_lps_h[j][:k] if k else [],
+            )
+        return ids, out
