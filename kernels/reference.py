@@ -96,3 +96,17 @@ def rotary_embedding(
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
     return rot(q), rot(k)
+
+
+def merge_attn_partials(partial_out: torch.Tensor, partial_lse: torch.Tensor) -> torch.Tensor:
+    """Combine split-K (flash-decoding) segments of attention into one output.
+
+    partial_out: [T, H, S, D], each segment's softmax-normalised output over its keys;
+    partial_lse: [T, H, S], each segment's logsumexp of scores (-inf when it saw no key).
+    Returns [T, H, D] fp32: sum_s exp(lse_s - logsumexp_s(lse_s)) * out_s.
+    """
+    lse = partial_lse.float()
+    total = torch.logsumexp(lse, dim=-1, keepdim=True)
+    # A row whose segments all lack keys would give -inf - -inf = NaN: weight it 0 instead.
+    w = torch.exp(lse - total).nan_to_num(0.0)
+    return (w.unsqueeze(-1) * partial_out.float()).sum(dim=-2)

@@ -75,3 +75,18 @@ class StepResult:
     seq_ids: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+
+
+@dataclass
+class WorkerInfo:
+    """What the scheduler needs to plan for a worker (its `GetWorkerInfo` answer)."""
+
+    model_name: str
+    fingerprint: bytes
+    block_size: int
+    num_kv_blocks: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    worker_id: str = ""
+    max_num_seqs: int = 64

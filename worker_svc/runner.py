@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from services.sampling_params import SamplingParams
-from services.step import NewSequence, StepPlan, StepResult
+from services.step import NewSequence, StepPlan, StepResult, WorkerInfo
 from worker_svc.attention.base import AttentionMetadata
 from worker_svc.config import WorkerConfig
 from worker_svc.kv_cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
@@ -22,19 +22,6 @@ from worker_svc.model_files import resolve_model
 from worker_svc.sampler import Sampler, SamplingRow
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class WorkerInfo:
-    """What the scheduler needs to plan for this worker."""
-
-    model_name: str
-    fingerprint: bytes
-    block_size: int
-    num_kv_blocks: int
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: list[int]
 
 
 @dataclass
@@ -103,6 +90,7 @@ class ModelRunner:
             max_model_len=self.max_model_len,
             vocab_size=self.model_config.vocab_size,
             eos_token_ids=list(self.model_config.eos_token_ids),
+            max_num_seqs=self.config.max_num_seqs,
         )
 
     # ----- state -----

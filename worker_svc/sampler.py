@@ -29,9 +29,11 @@ generators produce different streams).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from services.sampling_params import SamplingParams
@@ -62,6 +64,9 @@ def seeded_draw_seed(seed: int, num_output_tokens: int) -> int:
 
 
 class Sampler:
+    # Above this k, sorting the vocabulary once beats torch.topk.
+    TOPK_PATH_MAX_K = 1024
+
     def __init__(self, vocab_size: int, device: torch.device | str, seed: int | None = None) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
@@ -73,13 +78,21 @@ class Sampler:
             self._gen.manual_seed(seed & _MASK63)
         self._seeded_gen = torch.Generator(device=self.device)
         self._arange_v = torch.arange(vocab_size, device=self.device)
+        self._pin = self.device.type == "cuda"
 
     # -- helpers --------------------------------------------------------------
 
     def _to_dev(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        # Built on the host and copied non-blocking: a blocking H2D copy would also
-        # synchronize the stream, and the only sync of a step is the final D2H copy.
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+        return self._upload(torch.tensor(values, dtype=dtype))
+
+    def _upload(self, host: torch.Tensor) -> torch.Tensor:
+        # Non-blocking from pinned memory: a blocking H2D copy synchronizes the stream, and
+        # the driver may also wait for the stream before copying from pageable memory, which
+        # would stall the host behind the model's forward. torch's caching host allocator
+        # keeps the pinned block alive until the copy has run.
+        if self._pin:
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
 
     def _private_copy(self, logits: torch.Tensor) -> torch.Tensor:
         # Padded lm_head columns (logits wider than the vocab) are never sampled. One
@@ -88,11 +101,27 @@ class Sampler:
         fmt = torch.contiguous_format
         return logits[:, : self.vocab_size].to(torch.float32, copy=True, memory_format=fmt)
 
-    def _padded(self, seqs: list[list[int]]) -> torch.Tensor:
-        """[R, L] int64 token ids padded with `vocab_size` (a scratch column, sliced off later)."""
-        width = max(1, max(len(s) for s in seqs))
-        pad = self.vocab_size
-        return self._to_dev([s + [pad] * (width - len(s)) for s in seqs], torch.int64)
+    def _flat_token_index(self, seqs: list[list[int]]) -> torch.Tensor:
+        """Device int64 indices `row * vocab + token` of every token of every seq, for
+        index_fill_/index_add_ into a flattened [R, V] tensor.
+
+        Built with numpy from one chained iterator: per-token Python work is what makes
+        penalties slow for long sequences (ids outside the vocab are dropped, not trusted).
+        """
+        vocab = self.vocab_size
+        lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
+        toks = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=int(lengths.sum()))
+        row_of = np.repeat(np.arange(len(seqs), dtype=np.int64), lengths)
+        ok = (toks >= 0) & (toks < vocab)
+        flat = row_of[ok] * vocab + toks[ok]
+        return self._upload(torch.from_numpy(flat))
+
+    def _rows(self, logits: torch.Tensor, sel: list[int]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(index tensor or None when `sel` is every row, the selected rows of logits)."""
+        if len(sel) == logits.shape[0]:
+            return None, logits
+        idx = self._to_dev(sel, torch.int64)
+        return idx, logits[idx]
 
     # -- the step -------------------------------------------------------------
 
@@ -142,8 +171,7 @@ class Sampler:
     # Each works in place on the sampler's private copy of the logits and returns it.
 
     def _apply_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        row_idx: list[int] = []
-        tok_idx: list[int] = []
+        flat_idx: list[int] = []  # row * vocab + token, into the flattened logits
         for i, r in enumerate(rows):
             p = r.params
             if len(r.output_token_ids) >= p.min_tokens:
@@ -153,28 +181,32 @@ class Sampler:
                 banned.update(r.eos_token_ids)
             for t in banned:
                 if 0 <= t < self.vocab_size:  # stop ids outside the vocab can never be sampled anyway
-                    row_idx.append(i)
-                    tok_idx.append(t)
-        if not row_idx:
+                    flat_idx.append(i * self.vocab_size + t)
+        if not flat_idx:
             return logits
-        idx = self._to_dev([row_idx, tok_idx], torch.int64)
-        logits[idx[0], idx[1]] = _NEG_INF
+        # index_fill_ takes the scalar as a kernel argument; `logits[rows, toks] = -inf` would
+        # copy a host scalar to the device and synchronize.
+        logits.view(-1).index_fill_(0, self._to_dev(flat_idx, torch.int64), _NEG_INF)
         return logits
 
     def _apply_repetition_penalty(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         sel = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
         if not sel:
             return logits
-        seen = torch.zeros(len(sel), self.vocab_size + 1, dtype=torch.bool, device=self.device)
-        tokens = self._padded([rows[i].prompt_token_ids + rows[i].output_token_ids for i in sel])
-        seen.scatter_(1, tokens, True)
-        seen = seen[:, : self.vocab_size]
+        seen = torch.zeros(len(sel) * self.vocab_size, dtype=torch.bool, device=self.device)
+        seen.index_fill_(
+            0,
+            self._flat_token_index([rows[i].prompt_token_ids + rows[i].output_token_ids for i in sel]),
+            True,
+        )
+        seen = seen.view(len(sel), self.vocab_size)
         penalty = self._to_dev([rows[i].params.repetition_penalty for i in sel], torch.float32)[:, None]
-        idx = self._to_dev(sel, torch.int64)
-        sub = logits[idx]
+        idx, sub = self._rows(logits, sel)
         # HF/vLLM: shrink towards zero, i.e. divide positive logits and multiply negative ones.
-        penalized = torch.where(sub > 0, sub / penalty, sub * penalty)
-        logits[idx] = torch.where(seen, penalized, sub)
+        penalized = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
+        if idx is None:
+            return penalized
+        logits[idx] = penalized
         return logits
 
     def _apply_presence_frequency(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -185,14 +217,18 @@ class Sampler:
         ]
         if not sel:
             return logits
-        tokens = self._padded([rows[i].output_token_ids for i in sel])
-        counts = torch.zeros(len(sel), self.vocab_size + 1, dtype=torch.float32, device=self.device)
-        counts.scatter_add_(1, tokens, torch.ones_like(tokens, dtype=torch.float32))
-        counts = counts[:, : self.vocab_size]
+        flat = self._flat_token_index([rows[i].output_token_ids for i in sel])
+        counts = torch.zeros(len(sel) * self.vocab_size, dtype=torch.float32, device=self.device)
+        # Adding 1.0s is exact in float32 whatever order the atomics run in.
+        counts.index_add_(0, flat, torch.ones(flat.shape, dtype=torch.float32, device=self.device))
+        counts = counts.view(len(sel), self.vocab_size)
         pres = self._to_dev([rows[i].params.presence_penalty for i in sel], torch.float32)[:, None]
         freq = self._to_dev([rows[i].params.frequency_penalty for i in sel], torch.float32)[:, None]
-        idx = self._to_dev(sel, torch.int64)
-        logits[idx] = logits[idx] - freq * counts - pres * (counts > 0).float()
+        idx, sub = self._rows(logits, sel)
+        penalized = sub - freq * counts - pres * (counts > 0).float()
+        if idx is None:
+            return penalized
+        logits[idx] = penalized
         return logits
 
     # -- random sampling (non-greedy rows only) -------------------------------
@@ -207,7 +243,17 @@ class Sampler:
         ps = [r.params.top_p for r in rows]
         need_k = any(k > 0 for k in ks)
         need_p = any(p < 1.0 for p in ps)
-        if need_k or need_p:
+        if need_k and not need_p and max(ks) <= self.TOPK_PATH_MAX_K:
+            # top_k alone: a partial topk is far cheaper than sorting the whole vocabulary.
+            # Scattering "keep" through the top indices keeps exactly k tokens even on ties.
+            k_max = max(ks)
+            k_dev = self._to_dev(ks, torch.int64)  # 0 = no top_k for this row
+            top_idx = logits.topk(k_max, dim=-1, sorted=True).indices
+            in_k = self._arange_v[:k_max][None, :] < k_dev[:, None]
+            keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, top_idx, in_k)
+            keep |= (k_dev == 0)[:, None]
+            logits = logits.masked_fill(~keep, _NEG_INF)
+        elif need_k or need_p:
             # One ascending sort serves both filters; masks are built in sorted space and
             # scattered back, so top_k keeps exactly k tokens even when logits tie.
             sorted_logits, sorted_idx = logits.sort(dim=-1)

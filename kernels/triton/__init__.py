@@ -10,8 +10,9 @@ and CPU and CUDA runs can share one process.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -49,17 +50,44 @@ class DualKernel:
             self._interpreted = InterpretedFunction(self.fn, **self._jit_kwargs)
         return self._interpreted
 
-    def for_device(self, device: torch.device) -> Any:
-        return self.interpreted if is_interpreted(device) else self.compiled
-
     def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., Any]:
         """`kernel[grid](*args)`, as with `triton.jit`; the first tensor argument picks the mode."""
 
         def launch(*args: Any, **kwargs: Any) -> Any:
             device = next(a.device for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
-            return self.for_device(device)[grid](*args, **kwargs)
+            if not is_interpreted(device):
+                return self.compiled[grid](*args, **kwargs)
+            with _interpretable_lang():
+                return self.interpreted[grid](*args, **kwargs)
 
         return launch
+
+
+@contextlib.contextmanager
+def _interpretable_lang() -> Iterator[None]:
+    """Make triton.language's own jit'd helpers (tl.sum, tl.max, tl.zeros, tl.cdiv, ...) callable
+    from interpreted code for the duration of a launch.
+
+    Triton decides at its own import whether those helpers are compiled or interpreted
+    (TRITON_INTERPRET), and whoever imported triton first may not have set it. Swapping them
+    for interpreted twins around each CPU launch removes that dependence on import order.
+    Not thread-safe against a concurrent *compiled* launch in the same process.
+    """
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    swapped: dict[str, Any] = {}
+    for name in dir(tl):
+        member = getattr(tl, name)
+        if isinstance(member, JITFunction):
+            swapped[name] = member
+            setattr(tl, name, InterpretedFunction(member.fn))
+    try:
+        yield
+    finally:
+        for name, member in swapped.items():
+            setattr(tl, name, member)
 
 
 def dual_jit(fn: Callable[..., Any]) -> DualKernel:

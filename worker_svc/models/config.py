@@ -87,7 +87,6 @@ class ModelConfig:
         if not archs:
             raise ValueError("config.json has no 'architectures' entry")
         arch = archs[0]
-        # Some multimodal-style configs nest the text model; the families we serve don't.
         hidden = int(cfg["hidden_size"])
         num_heads = int(cfg["num_attention_heads"])
         num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)

@@ -70,7 +70,8 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.register_buffer("cos_sin_cache", self._build(torch.device("cpu")), persistent=False)
+        # Built on the default device, so constructing under `torch.device("meta")` costs nothing.
+        self.register_buffer("cos_sin_cache", self._build(torch.get_default_device()), persistent=False)
 
     def _build(self, device: torch.device) -> torch.Tensor:
         if device.type == "meta":
@@ -146,9 +147,7 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(
-            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
-        )
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -193,7 +192,9 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config)
         # Tied models reuse the embedding matrix; no separate parameter exists.
         self.lm_head = (
-            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
 
     def set_backend(self, backend: AttentionBackend) -> None:

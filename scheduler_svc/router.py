@@ -1,0 +1,35 @@
+"""Pick the worker for a new request: longest cached prefix first, then least load.
+
+A worker whose queue is far longer than the least-loaded one loses its prefix
+advantage: recomputing a prefix is cheaper than waiting behind a long queue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler_svc.planner import Planner
+
+
+@dataclass
+class RouteChoice:
+    worker_id: str
+    cached_tokens: int
+    load: int
+
+
+def load_of(planner: Planner) -> int:
+    return planner.num_running + planner.num_waiting
+
+
+def route(planners: dict[str, Planner], token_ids: list[int], overload_margin: int) -> RouteChoice | None:
+    """None when there is no worker. `overload_margin`: extra queued requests a hit may cost."""
+    if not planners:
+        return None
+    choices = []
+    for worker_id, planner in planners.items():
+        hit_blocks = planner.blocks.longest_cached_prefix(token_ids)
+        choices.append(RouteChoice(worker_id, len(hit_blocks) * planner.blocks.block_size, load_of(planner)))
+    least = min(c.load for c in choices)
+    eligible = [c for c in choices if c.load <= least + overload_margin]
+    return max(eligible, key=lambda c: (c.cached_tokens, -c.load))  # first maximum wins ties

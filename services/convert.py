@@ -1,0 +1,288 @@
+"""Conversion at the gRPC edge: services' dataclasses <-> llmesh.v1 protobuf messages.
+
+Core logic (scheduler planner, model runner) takes and returns the plain
+dataclasses of services/step.py and services/sampling_params.py; servicers and
+clients call these functions and nothing else touches protobuf.
+
+Every conversion is lossless both ways, with two conventions the wire imposes:
+- logprobs travel as float32 (what the sampler computes them in), so values
+  that are not float32-representable come back rounded to float32;
+- `StepResult.logprobs` decodes to one entry per sampled token (None where the
+  sequence asked for none), the shape the worker produces; an empty list with
+  tokens encodes as "no logprobs" and decodes as all None.
+
+Malformed messages (column lengths that disagree) raise `ValueError`; invalid
+sampling parameters raise `SamplingParamsError`. Servicers map both to
+INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from llmesh.v1 import generation_pb2, worker_pb2
+from services.sampling_params import SamplingParams
+from services.step import NewSequence, ScheduledSequence, StepPlan, StepResult, TokenLogprobs, WorkerInfo
+
+# Engine defaults for proto fields left unset (proto3 `optional`). Read from the
+# dataclass so that the two cannot drift.
+_SP_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+
+# -- sampling parameters -----------------------------------------------------------
+
+
+def sampling_params_to_proto(sp: SamplingParams) -> generation_pb2.SamplingParams:
+    msg = generation_pb2.SamplingParams(
+        n=sp.n,
+        temperature=sp.temperature,
+        top_p=sp.top_p,
+        top_k=sp.top_k,
+        min_p=sp.min_p,
+        repetition_penalty=sp.repetition_penalty,
+        presence_penalty=sp.presence_penalty,
+        frequency_penalty=sp.frequency_penalty,
+        min_tokens=sp.min_tokens,
+        stop_token_ids=sp.stop_token_ids,
+        stop=sp.stop,
+        ignore_eos=sp.ignore_eos,
+        max_logprobs=sp.max_logprobs,
+    )
+    # None means "unset" on the wire (seed: random, max_tokens: to the context
+    # length, logprobs: none), so these are only set when present.
+    if sp.seed is not None:
+        msg.seed = sp.seed
+    if sp.max_tokens is not None:
+        msg.max_tokens = sp.max_tokens
+    if sp.logprobs is not None:
+        msg.logprobs = sp.logprobs
+    return msg
+
+
+def sampling_params_from_proto(msg: generation_pb2.SamplingParams) -> SamplingParams:
+    """Proto -> validated SamplingParams (raises SamplingParamsError on bad values)."""
+
+    def opt(name: str, unset: object) -> object:
+        return getattr(msg, name) if msg.HasField(name) else unset
+
+    return SamplingParams(
+        n=opt("n", _SP_DEFAULTS["n"]),
+        temperature=opt("temperature", _SP_DEFAULTS["temperature"]),
+        top_p=opt("top_p", _SP_DEFAULTS["top_p"]),
+        top_k=msg.top_k,
+        min_p=msg.min_p,
+        repetition_penalty=opt("repetition_penalty", _SP_DEFAULTS["repetition_penalty"]),
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        seed=opt("seed", None),
+        # Unset = up to the context length (the dataclass default of 16 is the
+        # offline API's; a gRPC client that wants 16 says so).
+        max_tokens=opt("max_tokens", None),
+        min_tokens=msg.min_tokens,
+        stop_token_ids=list(msg.stop_token_ids),
+        stop=list(msg.stop),
+        ignore_eos=msg.ignore_eos,
+        logprobs=opt("logprobs", None),
+        max_logprobs=opt("max_logprobs", _SP_DEFAULTS["max_logprobs"]),
+    )
+
+
+# -- logprobs ----------------------------------------------------------------------
+
+
+def logprobs_to_proto(
+    entries: Sequence[TokenLogprobs | None], token_ids: Sequence[int]
+) -> generation_pb2.Logprobs:
+    """Pack per-token logprobs (None = none for that token) into parallel columns.
+
+    `entries` is parallel to `token_ids`, or empty for "no logprobs at all". The
+    sampled token id is not repeated on the wire: it is token_ids[i].
+    """
+    msg = generation_pb2.Logprobs()
+    if not entries:
+        return msg
+    if len(entries) != len(token_ids):
+        raise ValueError(f"{len(entries)} logprobs entries for {len(token_ids)} tokens")
+    index: list[int] = []
+    logprob: list[float] = []
+    rank: list[int] = []
+    num_top: list[int] = []
+    top_ids: list[int] = []
+    top_lps: list[float] = []
+    for i, e in enumerate(entries):
+        if e is None:
+            continue
+        if e.token_id != token_ids[i]:
+            raise ValueError(
+                f"logprobs entry {i} is for token {e.token_id}, but token {token_ids[i]} was sampled"
+            )
+        if len(e.top_token_ids) != len(e.top_logprobs):
+            raise ValueError(
+                f"logprobs entry {i}: {len(e.top_token_ids)} top ids, {len(e.top_logprobs)} logprobs"
+            )
+        index.append(i)
+        logprob.append(e.logprob)
+        rank.append(e.rank)
+        num_top.append(len(e.top_token_ids))
+        top_ids.extend(e.top_token_ids)
+        top_lps.extend(e.top_logprobs)
+    msg.token_index.extend(index)
+    msg.logprob.extend(logprob)
+    msg.rank.extend(rank)
+    msg.num_top.extend(num_top)
+    msg.top_token_ids.extend(top_ids)
+    msg.top_logprobs.extend(top_lps)
+    return msg
+
+
+def logprobs_from_proto(msg: generation_pb2.Logprobs, token_ids: Sequence[int]) -> list[TokenLogprobs | None]:
+    """Unpack to one entry per token of `token_ids` (None where it has no logprobs)."""
+    out: list[TokenLogprobs | None] = [None] * len(token_ids)
+    n = len(msg.token_index)
+    if not (len(msg.logprob) == len(msg.rank) == len(msg.num_top) == n):
+        raise ValueError("Logprobs columns token_index/logprob/rank/num_top differ in length")
+    if len(msg.top_token_ids) != len(msg.top_logprobs) or sum(msg.num_top) != len(msg.top_token_ids):
+        raise ValueError("Logprobs top_token_ids/top_logprobs do not match num_top")
+    index, logprob, rank, num_top = (
+        list(msg.token_index),
+        list(msg.logprob),
+        list(msg.rank),
+        list(msg.num_top),
+    )
+    top_ids, top_lps = list(msg.top_token_ids), list(msg.top_logprobs)
+    pos = 0
+    for j, i in enumerate(index):
+        if i >= len(token_ids) or out[i] is not None:
+            raise ValueError(f"Logprobs token_index {i} is out of range or repeated")
+        k = num_top[j]
+        out[i] = TokenLogprobs(
+            token_id=token_ids[i],
+            logprob=logprob[j],
+            rank=rank[j],
+            top_token_ids=top_ids[pos : pos + k],
+            top_logprobs=top_lps[pos : pos + k],
+        )
+        pos += k
+    return out
+
+
+# -- step plan ---------------------------------------------------------------------
+
+
+def new_sequence_to_proto(seq: NewSequence) -> worker_pb2.NewSequence:
+    return worker_pb2.NewSequence(
+        seq_id=seq.seq_id,
+        token_ids=seq.token_ids,
+        num_prompt_tokens=seq.num_prompt_tokens,
+        block_ids=seq.block_ids,
+        num_computed_tokens=seq.num_computed_tokens,
+        num_new_tokens=seq.num_new_tokens,
+        sampling_params=sampling_params_to_proto(seq.sampling_params),
+    )
+
+
+def new_sequence_from_proto(msg: worker_pb2.NewSequence) -> NewSequence:
+    return NewSequence(
+        seq_id=msg.seq_id,
+        token_ids=list(msg.token_ids),
+        num_prompt_tokens=msg.num_prompt_tokens,
+        block_ids=list(msg.block_ids),
+        num_computed_tokens=msg.num_computed_tokens,
+        num_new_tokens=msg.num_new_tokens,
+        sampling_params=sampling_params_from_proto(msg.sampling_params),
+    )
+
+
+def step_plan_to_proto(plan: StepPlan) -> worker_pb2.StepPlan:
+    msg = worker_pb2.StepPlan(
+        step_id=plan.step_id,
+        new_seqs=[new_sequence_to_proto(s) for s in plan.new_seqs],
+        finished_ids=plan.finished_ids,
+        preempted_ids=plan.preempted_ids,
+    )
+    # Scheduled sequences go as columns: one message per plan, not per sequence.
+    sched = msg.scheduled
+    sched.seq_ids.extend([s.seq_id for s in plan.scheduled])
+    sched.num_new_tokens.extend([s.num_new_tokens for s in plan.scheduled])
+    sched.num_new_block_ids.extend([len(s.new_block_ids) for s in plan.scheduled])
+    sched.new_block_ids.extend([b for s in plan.scheduled for b in s.new_block_ids])
+    return msg
+
+
+def step_plan_from_proto(msg: worker_pb2.StepPlan) -> StepPlan:
+    sched = msg.scheduled
+    seq_ids, num_new, num_blocks = (
+        list(sched.seq_ids),
+        list(sched.num_new_tokens),
+        list(sched.num_new_block_ids),
+    )
+    blocks = list(sched.new_block_ids)
+    if not (len(num_new) == len(num_blocks) == len(seq_ids)):
+        raise ValueError(
+            "ScheduledSequences columns seq_ids/num_new_tokens/num_new_block_ids differ in length"
+        )
+    if sum(num_blocks) != len(blocks):
+        raise ValueError(
+            f"ScheduledSequences: num_new_block_ids sum to {sum(num_blocks)}, got {len(blocks)} ids"
+        )
+    scheduled: list[ScheduledSequence] = []
+    pos = 0
+    for seq_id, n, k in zip(seq_ids, num_new, num_blocks, strict=True):
+        scheduled.append(
+            ScheduledSequence(seq_id=seq_id, num_new_tokens=n, new_block_ids=blocks[pos : pos + k])
+        )
+        pos += k
+    return StepPlan(
+        step_id=msg.step_id,
+        new_seqs=[new_sequence_from_proto(s) for s in msg.new_seqs],
+        scheduled=scheduled,
+        finished_ids=list(msg.finished_ids),
+        preempted_ids=list(msg.preempted_ids),
+    )
+
+
+# -- step result -------------------------------------------------------------------
+
+
+def step_result_to_proto(result: StepResult) -> worker_pb2.StepResult:
+    if len(result.seq_ids) != len(result.token_ids):
+        raise ValueError(f"StepResult: {len(result.seq_ids)} seq_ids, {len(result.token_ids)} token_ids")
+    msg = worker_pb2.StepResult(step_id=result.step_id, seq_ids=result.seq_ids, token_ids=result.token_ids)
+    if any(e is not None for e in result.logprobs):
+        msg.logprobs.CopyFrom(logprobs_to_proto(result.logprobs, result.token_ids))
+    elif result.logprobs and len(result.logprobs) != len(result.token_ids):
+        raise ValueError(
+            f"StepResult: {len(result.logprobs)} logprobs entries for {len(result.token_ids)} tokens"
+        )
+    return msg
+
+
+def step_result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
+    seq_ids, token_ids = list(msg.seq_ids), list(msg.token_ids)
+    if len(seq_ids) != len(token_ids):
+        raise ValueError(f"StepResult: {len(seq_ids)} seq_ids, {len(token_ids)} token_ids")
+    return StepResult(
+        step_id=msg.step_id,
+        seq_ids=seq_ids,
+        token_ids=token_ids,
+        logprobs=logprobs_from_proto(msg.logprobs, token_ids),
+    )
+
+
+# -- worker info -------------------------------------------------------------------
+
+# WorkerInfo fields mirror the proto by name; proto-only fields (instance_id,
+# dtype, device, ...) are passed as keyword arguments / returned separately.
+_WORKER_INFO_FIELDS = [f.name for f in dataclasses.fields(WorkerInfo)]
+
+
+def worker_info_to_proto(info: WorkerInfo, **proto_only: object) -> worker_pb2.WorkerInfo:
+    """`proto_only` sets fields the dataclass lacks, e.g. instance_id=..., device=...."""
+    values = {name: getattr(info, name) for name in _WORKER_INFO_FIELDS}
+    return worker_pb2.WorkerInfo(**values, **proto_only)
+
+
+def worker_info_from_proto(msg: worker_pb2.WorkerInfo) -> WorkerInfo:
+    values = {name: getattr(msg, name) for name in _WORKER_INFO_FIELDS}
+    values["eos_token_ids"] = list(values["eos_token_ids"])
+    return WorkerInfo(**values)

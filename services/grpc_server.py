@@ -1,0 +1,368 @@
+"""The gRPC server bootstrap every llmesh service shares.
+
+    server = GrpcServer([Service.of("llmesh.v1.Worker", add_WorkerServicer_to_server, servicer)], cfg)
+    await server.start()              # bound, answering; health NOT_SERVING
+    ...load the model...
+    await server.set_serving()        # health SERVING
+    await server.run_until_stopped()  # SIGTERM/SIGINT -> drain -> return (exit 0)
+
+or, in one call, `await serve(services, cfg, on_started=load_then_set_serving)`.
+
+What it gives every service:
+- a grpc.aio server on 127.0.0.1 by default (ServerConfig.host), port 0 =
+  ephemeral (the bound port is returned);
+- message size limits and keepalive set deliberately (constants below);
+- grpc.health.v1, NOT_SERVING for "" and every service until set_serving();
+- server reflection for the services, health and reflection itself;
+- graceful drain on SIGTERM/SIGINT or stop(): health goes NOT_SERVING, drain
+  callbacks run (servicers end long-lived streams), new RPCs are refused,
+  in-flight RPCs get up to `shutdown_grace_s` to finish and are cancelled
+  after that; a second signal cancels them at once.
+
+Deadlines: grpc.aio cancels a handler whose deadline passes (CancelledError
+in the handler), so handlers need do nothing but let the cancellation through
+and pass `context.time_remaining()` on to calls they make downstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import signal
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc  # health: SERVICE_NAME, OVERALL_HEALTH
+from grpc_reflection.v1alpha import reflection
+
+from services.config import option
+
+log = logging.getLogger(__name__)
+
+# Largest message either way. gRPC's default receive limit (4 MiB) is too small
+# for us: a step plan that re-sends preempted sequences in full, a long text
+# prompt, or a batch of KV blocks (a few MiB each for 8B-class models) exceed
+# it. 64 MiB bounds the memory one message can pin while leaving headroom;
+# anything bigger must be chunked by its protocol, not sent whole.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+# Keepalive: Step and Generate streams live long and may sit idle; pings
+# detect a peer that vanished (node loss, half-open TCP) within ~40 s instead
+# of the OS's hours. Servers must also permit the clients' pings (every 20 s),
+# or they answer with GOAWAY "too_many_pings".
+SERVER_KEEPALIVE_TIME_MS = 30_000
+CLIENT_KEEPALIVE_TIME_MS = 20_000
+KEEPALIVE_TIMEOUT_MS = 10_000
+MIN_CLIENT_PING_INTERVAL_MS = 10_000
+
+DEFAULT_GRACE_S = 30.0
+
+
+@dataclass
+class ServerConfig:
+    """gRPC server settings; service configs subclass this to inherit the flags."""
+
+    host: str = option(
+        "127.0.0.1", help="address to bind; 127.0.0.1 keeps it private, 0.0.0.0 / :: expose it"
+    )
+    port: int = option(0, help="port to bind; 0 = any free port (the bound port is logged)")
+    shutdown_grace_s: float = option(
+        DEFAULT_GRACE_S, help="seconds in-flight RPCs get to finish after SIGTERM before they are cancelled"
+    )
+    max_message_bytes: int = option(MAX_MESSAGE_BYTES, help="largest gRPC message sent or received, in bytes")
+    max_concurrent_rpcs: int = option(0, help="RPCs served at once before RESOURCE_EXHAUSTED; 0 = no limit")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if self.max_message_bytes <= 0:
+            raise ValueError(f"max_message_bytes must be > 0, got {self.max_message_bytes}")
+        if self.max_concurrent_rpcs < 0:
+            raise ValueError(f"max_concurrent_rpcs must be >= 0, got {self.max_concurrent_rpcs}")
+
+
+@dataclass(frozen=True)
+class Service:
+    """One gRPC service to host: its full name (for health and reflection) and how to register it."""
+
+    name: str  # e.g. "llmesh.v1.Scheduler"
+    register: Callable[[grpc.aio.Server], None]
+
+    @classmethod
+    def of(cls, name: str, add_to_server: Callable[[Any, grpc.aio.Server], None], servicer: Any) -> Service:
+        """From a generated `add_XServicer_to_server` function and a servicer instance."""
+        return cls(name, lambda server: add_to_server(servicer, server))
+
+
+def host_port(host: str, port: int) -> str:
+    """`host:port`, with IPv6 literals bracketed."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        # gRPC sets SO_REUSEPORT by default on Linux: a second server on a taken
+        # port would then bind "successfully" and steal half the connections.
+        ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_time_ms", SERVER_KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
+    ]
+
+
+def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Options for clients of llmesh services (scheduler -> worker, gateway -> scheduler)."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", CLIENT_KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def insecure_channel(target: str, max_message_bytes: int = MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(target, options=channel_options(max_message_bytes))
+
+
+class HealthServicer(health_pb2_grpc.HealthServicer):
+    """grpc.health.v1 for asyncio, whose Watch streams end when the server drains.
+
+    Not grpc_health's aio servicer: its Watch never returns, so every watcher
+    (a kubelet, the scheduler watching its workers) would hold a graceful stop
+    for its whole grace period. Call set() from the event loop's thread.
+    """
+
+    def __init__(self) -> None:
+        self._status: dict[str, health_pb2.HealthCheckResponse.ServingStatus] = {}
+        self._changed = asyncio.Event()
+        self._shutting_down = False
+
+    def _notify(self) -> None:
+        # Swap in a fresh event and fire the old one: every waiter wakes exactly once.
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    def set(self, service: str, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+        """Set a service's status; ignored after enter_graceful_shutdown()."""
+        if self._shutting_down:
+            return
+        self._status[service] = status
+        self._notify()
+
+    def status(self, service: str = "") -> health_pb2.HealthCheckResponse.ServingStatus | None:
+        return self._status.get(service)
+
+    def enter_graceful_shutdown(self) -> None:
+        """Every service NOT_SERVING for good; Watch streams send it and end."""
+        for service in self._status:
+            self._status[service] = health_pb2.HealthCheckResponse.NOT_SERVING
+        self._shutting_down = True
+        self._notify()
+
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, context: Any
+    ) -> health_pb2.HealthCheckResponse:
+        status = self._status.get(request.service)
+        if status is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: Any) -> None:
+        last = None
+        while True:
+            # Take the event before reading the status, so that a change in
+            # between still wakes us (no lost wake-ups; one thread, no locks).
+            changed = self._changed
+            status = self._status.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+            if status != last:
+                await context.write(health_pb2.HealthCheckResponse(status=status))
+                last = status
+            if self._shutting_down:
+                return
+            await changed.wait()
+
+
+DrainCallback = Callable[[], Awaitable[None] | None]
+
+
+class GrpcServer:
+    """A grpc.aio server with health, reflection, deliberate limits and graceful drain."""
+
+    def __init__(
+        self,
+        services: Sequence[Service],
+        config: ServerConfig | None = None,
+        *,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    ) -> None:
+        self.config = config if config is not None else ServerConfig()
+        self.services = list(services)
+        self.draining = asyncio.Event()  # set when a drain starts; servicers may wait on it
+        self.port = 0
+        self._drain_callbacks: list[DrainCallback] = []
+        self._stop_requested = asyncio.Event()
+        self._stopping: asyncio.Task[None] | None = None
+        self._signal_count = 0
+        self._server = grpc.aio.server(
+            interceptors=list(interceptors),
+            options=server_options(self.config.max_message_bytes),
+            maximum_concurrent_rpcs=self.config.max_concurrent_rpcs or None,
+        )
+        self.health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        for svc in self.services:
+            svc.register(self._server)
+        names = [svc.name for svc in self.services]
+        reflection.enable_server_reflection(
+            [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
+        )
+
+    @property
+    def server(self) -> grpc.aio.Server:
+        return self._server
+
+    @property
+    def address(self) -> str:
+        """`host:port` that clients dial (valid after start)."""
+        return host_port(self.config.host, self.port)
+
+    def _health_names(self) -> list[str]:
+        return [health.OVERALL_HEALTH, *(svc.name for svc in self.services)]
+
+    async def start(self) -> int:
+        """Bind and start answering (health NOT_SERVING); return the bound port."""
+        for name in self._health_names():
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        address = host_port(self.config.host, self.config.port)
+        try:
+            port = self._server.add_insecure_port(address)
+        except RuntimeError as e:  # newer grpcio raises; older ones return 0
+            raise OSError(f"cannot bind gRPC server to {address}: {e}") from e
+        if port == 0:
+            raise OSError(f"cannot bind gRPC server to {address}")
+        self.port = port
+        await self._server.start()
+        log.info(
+            "grpc server started",
+            extra={"address": self.address, "services": [s.name for s in self.services]},
+        )
+        return port
+
+    async def set_serving(self, serving: bool = True) -> None:
+        """Flip health of "" and every service (ignored once draining: it stays NOT_SERVING)."""
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in self._health_names():
+            self.health.set(name, status)
+        if not self.draining.is_set():
+            log.info("health changed", extra={"serving": serving})
+
+    def on_drain(self, callback: DrainCallback) -> None:
+        """Run `callback` (sync or async) when a drain starts, before new RPCs are refused.
+
+        For servicers with long-lived streams: end them (or stop admitting work)
+        so that the drain need not wait out its grace period.
+        """
+        self._drain_callbacks.append(callback)
+
+    def request_stop(self) -> None:
+        """Ask run_until_stopped() to drain and return (call from the event loop's thread)."""
+        self._stop_requested.set()
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain: NOT_SERVING, drain callbacks, refuse new RPCs, wait <= grace for in-flight ones.
+
+        Idempotent; a second call with a smaller grace shortens the wait.
+        """
+        grace = self.config.shutdown_grace_s if grace is None else grace
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._drain(grace))
+        elif not self._stopping.done():
+            # grpc keeps the most restrictive grace of all stop() calls.
+            await self._server.stop(grace)
+        await asyncio.shield(self._stopping)
+
+    async def _drain(self, grace: float) -> None:
+        started = time.monotonic()
+        log.info("draining", extra={"grace_s": grace})
+        self.draining.set()
+        self.health.enter_graceful_shutdown()
+        for callback in self._drain_callbacks:
+            try:
+                result = callback()
+                if inspect.isawaitable(result):
+                    # A hung callback must not hold the drain past its grace.
+                    left = max(0.0, grace - (time.monotonic() - started))
+                    await asyncio.wait_for(result, timeout=left)
+            except Exception:  # a failing callback must not stop the drain
+                log.exception("drain callback failed")
+        await self._server.stop(max(0.0, grace - (time.monotonic() - started)))
+        log.info("grpc server stopped", extra={"drain_s": round(time.monotonic() - started, 3)})
+
+    def _on_signal(self, signum: int) -> None:
+        self._signal_count += 1
+        name = signal.Signals(signum).name
+        if self._signal_count == 1:
+            log.info("signal received, draining", extra={"signal": name})
+            self.request_stop()
+        else:
+            log.warning("second signal, cancelling in-flight RPCs", extra={"signal": name})
+            asyncio.ensure_future(self.stop(0))
+
+    async def run_until_stopped(self, *, handle_signals: bool = True) -> None:
+        """Wait for SIGTERM/SIGINT (or request_stop()), then drain and return."""
+        loop = asyncio.get_running_loop()
+        installed: list[signal.Signals] = []
+        # Signal handlers can only be installed from the main thread.
+        if handle_signals and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self._on_signal, sig)
+                installed.append(sig)
+        try:
+            # Not server.wait_for_termination(): cancelling it cancels grpc's own
+            # shutdown future, after which stop() never completes.
+            await self._stop_requested.wait()
+            await self.stop()
+        finally:
+            for sig in installed:
+                with contextlib.suppress(Exception):
+                    loop.remove_signal_handler(sig)
+
+
+async def serve(
+    services: Sequence[Service],
+    config: ServerConfig | None = None,
+    *,
+    on_started: Callable[[GrpcServer], Awaitable[None]] | None = None,
+    set_serving: bool = True,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+) -> None:
+    """Start a server, run `on_started` (load the model...), go SERVING, run until signalled, drain.
+
+    Returns once drained, so that `main()` can return 0. With set_serving=False
+    the service flips health itself (e.g. the scheduler once a worker registers).
+    """
+    server = GrpcServer(services, config, interceptors=interceptors)
+    await server.start()
+    try:
+        if on_started is not None:
+            await on_started(server)
+        if set_serving:
+            await server.set_serving(True)
+        await server.run_until_stopped()
+    finally:
+        await server.stop()

@@ -1,0 +1,154 @@
+"""The Triton kernels against their PyTorch twins at serving sizes, compiled for the GPU.
+
+Attention is compared with the twin run in fp32 on the same bf16 inputs; the kernel feeds
+tensor cores bf16 (Q, K, V and the softmax weights P) and accumulates in fp32, so it may
+differ by about one bf16 rounding of the output: atol = rtol = 2e-2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import random
+
+import pytest
+import torch
+
+import kernels.triton as kt
+from kernels import reference
+from tests.unit.kernels import PagedBatch, make_paged_batch, rope_cache
+
+pytestmark = pytest.mark.gpu
+
+pa_mod = importlib.import_module("kernels.triton.paged_attention")
+
+BF16_TOL = 2e-2
+
+
+def _batch(
+    seqs: list[tuple[int, int]], num_heads: int = 32, num_kv_heads: int = 8, head_dim: int = 128
+) -> PagedBatch:
+    return make_paged_batch(
+        seqs,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=16,
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
+
+
+def _check_attention(b: PagedBatch, out: torch.Tensor) -> None:
+    scale = b.q.shape[-1] ** -0.5
+    expected = reference.paged_attention(b.q.float(), b.kv_cache.float(), b.meta, scale)
+    assert out.dtype == b.q.dtype and not out.isnan().any()
+    torch.testing.assert_close(out.float(), expected, atol=BF16_TOL, rtol=BF16_TOL)
+
+
+def _decode_seqs(n: int, max_len: int, rng: random.Random) -> list[tuple[int, int]]:
+    return [(1, rng.randint(1, max_len)) for _ in range(n - 1)] + [(1, max_len)]
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 8])
+def test_decode_batch_64_contexts_to_8k(num_splits: int | None) -> None:
+    b = _batch(_decode_seqs(64, 8192, random.Random(1)))
+    out = kt.paged_attention(b.q, b.kv_cache, b.meta, 128**-0.5, num_splits=num_splits)
+    _check_attention(b, out)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(32, 32), (32, 8), (32, 4), (16, 2)])
+def test_decode_few_long_sequences_takes_split_k(num_heads: int, num_kv_heads: int) -> None:
+    b = _batch([(1, 8192), (1, 5000), (1, 77)], num_heads=num_heads, num_kv_heads=num_kv_heads)
+    assert pa_mod._choose_num_splits(b.meta, num_kv_heads, b.q.device) > 1
+    _check_attention(b, kt.paged_attention(b.q, b.kv_cache, b.meta, 128**-0.5))
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(32, 32), (32, 8), (32, 4)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_mixed_prefill_chunks_and_decodes(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    rng = random.Random(2)
+    seqs = [(512, 512 + 4096), (512, 1024), (2048, 2048), (37, 37 + 3000), (1, 1)]
+    seqs += _decode_seqs(32, 8192, rng)
+    b = _batch(seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    _check_attention(b, kt.paged_attention(b.q, b.kv_cache, b.meta, head_dim**-0.5))
+
+
+def test_attention_never_syncs_with_host() -> None:
+    decode = _batch(_decode_seqs(4, 8192, random.Random(3)))  # split-K + merge
+    mixed = _batch([(300, 1000), (1, 4000)])
+    for b in (decode, mixed):  # compile first: the first launch may query the device
+        kt.paged_attention(b.q, b.kv_cache, b.meta, 0.1)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for b in (decode, mixed):
+            kt.paged_attention(b.q, b.kv_cache, b.meta, 0.1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("num_seqs", [8, 64])
+def test_decode_replays_in_a_cuda_graph(num_seqs: int) -> None:
+    """Capture once, then replay with new lengths and block tables written into the same tensors."""
+    rng = random.Random(4)
+    b = _batch(_decode_seqs(num_seqs, 4096, rng))
+    meta = b.meta
+    out = torch.empty_like(b.q)
+    scale = 128**-0.5
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        kt.paged_attention(b.q, b.kv_cache, meta, scale, out=out)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kt.paged_attention(b.q, b.kv_cache, meta, scale, out=out)
+
+    # New step: shorter contexts (within the captured block-table width), new queries.
+    new_lens = [rng.randint(1, 4096) for _ in range(num_seqs)]
+    meta.seq_lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+    meta.seq_lens_cpu = new_lens
+    meta.max_seq_len = max(new_lens)
+    meta.block_tables.copy_(meta.block_tables[torch.randperm(num_seqs, device="cuda")])
+    b.q.copy_(torch.randn_like(b.q))
+    graph.replay()
+    _check_attention(b, out)
+
+
+def test_write_kv_cache_4k_tokens() -> None:
+    num_blocks, block_size, hkv, d, t = 2048, 16, 8, 128, 4096
+    qkv = torch.randn(t, (32 + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
+    k = qkv[:, 32 * d : (32 + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (32 + hkv) * d :].view(t, hkv, d)
+    slots = torch.randperm(num_blocks * block_size, device="cuda")[:t]
+    cache = torch.randn(2, num_blocks, block_size, hkv, d, device="cuda", dtype=torch.bfloat16)
+    expected = cache.clone()
+    kt.write_kv_cache(k, v, cache, slots)
+    reference.write_kv_cache(k, v, expected, slots)
+    torch.testing.assert_close(cache, expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_hidden_4096(with_residual: bool) -> None:
+    x = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn_like(x) if with_residual else None
+    weight = (1 + 0.1 * torch.randn(4096, device="cuda")).to(torch.bfloat16)
+    normed, new_residual = kt.rms_norm(x, weight, 1e-5, residual)
+    exp_normed, exp_residual = reference.rms_norm(x, weight, 1e-5, residual)
+    torch.testing.assert_close(new_residual, exp_residual, atol=0, rtol=0)
+    # The fp32 sum of squares may round differently; allow one bf16 ulp.
+    torch.testing.assert_close(normed, exp_normed, atol=BF16_TOL, rtol=BF16_TOL)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_rotary_32_heads_dim_128(inplace: bool) -> None:
+    t, h, hkv, d = 4096, 32, 8, 128
+    cos_sin = rope_cache(8192, d).cuda()
+    positions = torch.randint(0, 8192, (t,), device="cuda")
+    qkv = torch.randn(t, (h + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
+    q = qkv[:, : h * d].view(t, h, d)
+    k = qkv[:, h * d : (h + hkv) * d].view(t, hkv, d)
+    exp_q, exp_k = reference.rotary_embedding(positions, q, k, cos_sin)
+    out_q, out_k = kt.rotary_embedding(positions, q, k, cos_sin, inplace=inplace)
+    torch.testing.assert_close(out_q, exp_q, atol=BF16_TOL, rtol=BF16_TOL)
+    torch.testing.assert_close(out_k, exp_k, atol=BF16_TOL, rtol=BF16_TOL)

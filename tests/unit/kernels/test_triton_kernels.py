@@ -1,0 +1,229 @@
+"""Each Triton kernel against its PyTorch twin on fresh random inputs, under the interpreter.
+
+Shapes are tiny (the interpreter runs every program in Python) but chosen to hit the
+interesting paths: several query blocks per sequence, tiles that span several cache blocks,
+cached prefixes under a prefill chunk, GQA groups, masked (non power-of-two) dimensions,
+split-K segments that see no key.
+
+Tolerances: fp32 1e-5 (only summation order differs); fp16 2e-3 absolute on O(1) values
+(one rounding of P to fp16 before P@V, plus output rounding); bf16 3e-2 (the interpreter
+converts fp32 -> bf16 by truncation, not round-to-nearest, so outputs may sit one bf16 ulp
+off, 2^-7 relative).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import kernels.triton as kt
+from kernels import reference
+from tests.unit.kernels import make_paged_batch, rope_cache
+from worker_svc.attention.torch_paged import TorchPagedBackend
+from worker_svc.attention.triton_paged import TritonPagedBackend
+
+# The package re-exports the function `paged_attention`, which shadows the submodule's name
+# as an attribute: fetch the module itself to reach its internals.
+pa_mod = importlib.import_module("kernels.triton.paged_attention")
+
+ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 3e-2}
+
+# A mixed step: prefill chunks over cached prefixes, a whole prompt, decodes, one chunk long
+# enough for several query blocks, one sequence shorter than a cache block.
+MIXED = [(5, 40), (1, 17), (20, 20), (1, 70), (3, 3), (37, 50), (1, 1)]
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    torch.testing.assert_close(actual.float(), expected.float(), atol=ATOL[dtype], rtol=ATOL[dtype])
+
+
+# ----------------------------------------------------------------------------- KV write
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_write_kv_cache_matches_twin(dtype: torch.dtype) -> None:
+    num_blocks, block_size, hkv, d, t = 6, 16, 3, 24, 11
+    # k/v as column slices of a fused qkv projection: strided rows, contiguous head_dim.
+    qkv = torch.randn(t, (4 + 2 * hkv) * d, dtype=dtype)
+    k = qkv[:, 4 * d : (4 + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (4 + hkv) * d :].view(t, hkv, d)
+    slots = torch.randperm(num_blocks * block_size)[:t]
+    cache = torch.randn(2, num_blocks, block_size, hkv, d, dtype=dtype)
+    expected = cache.clone()
+    kt.write_kv_cache(k, v, cache, slots)
+    reference.write_kv_cache(k, v, expected, slots)
+    torch.testing.assert_close(cache, expected, atol=0, rtol=0)
+
+
+def test_write_kv_cache_casts_and_skips_padding() -> None:
+    num_blocks, block_size, hkv, d, t = 4, 16, 2, 16, 6
+    k = torch.randn(t, hkv, d)
+    v = torch.randn(t, hkv, d)
+    slots = torch.tensor([3, 17, -1, 40, -1, 63])
+    cache = torch.zeros(2, num_blocks, block_size, hkv, d, dtype=torch.float16)
+    expected = cache.clone()
+    kt.write_kv_cache(k, v, cache, slots)
+    keep = slots >= 0  # the twin knows no padding slots: feed it only the real ones
+    reference.write_kv_cache(k[keep], v[keep], expected, slots[keep])
+    torch.testing.assert_close(cache, expected, atol=0, rtol=0)
+
+
+# ----------------------------------------------------------------------------- RMSNorm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("hidden", [48, 64])
+def test_rms_norm_matches_twin(dtype: torch.dtype, with_residual: bool, hidden: int) -> None:
+    x = torch.randn(2, 3, hidden, dtype=dtype)
+    residual = torch.randn(2, 3, hidden, dtype=dtype) if with_residual else None
+    weight = (1 + 0.1 * torch.randn(hidden)).to(dtype)
+    normed, new_residual = kt.rms_norm(x, weight, 1e-6, residual)
+    exp_normed, exp_residual = reference.rms_norm(x, weight, 1e-6, residual)
+    assert normed.dtype == exp_normed.dtype and normed.shape == exp_normed.shape
+    _close(normed, exp_normed, dtype)
+    _close(new_residual, exp_residual, dtype)
+    if residual is None:
+        assert new_residual is x
+
+
+def test_rms_norm_fp32_weight_promotes() -> None:
+    x = torch.randn(4, 32, dtype=torch.float16)
+    weight = torch.randn(32)
+    normed, _ = kt.rms_norm(x, weight, 1e-5)
+    expected, _ = reference.rms_norm(x, weight, 1e-5)
+    assert normed.dtype == torch.float32
+    _close(normed, expected, torch.float16)
+
+
+# ----------------------------------------------------------------------------- rotary
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_rotary_matches_twin(dtype: torch.dtype, head_dim: int, inplace: bool) -> None:
+    t, h, hkv, max_pos = 7, 6, 2, 100
+    cos_sin = rope_cache(max_pos, head_dim)
+    positions = torch.randint(0, max_pos, (t,))
+    # q and k as views into one fused qkv tensor, as the model produces them.
+    qkv = torch.randn(t, (h + 2 * hkv) * head_dim, dtype=dtype)
+    q = qkv[:, : h * head_dim].view(t, h, head_dim)
+    k = qkv[:, h * head_dim : (h + hkv) * head_dim].view(t, hkv, head_dim)
+    exp_q, exp_k = reference.rotary_embedding(positions, q, k, cos_sin)
+    out_q, out_k = kt.rotary_embedding(positions, q, k, cos_sin, inplace=inplace)
+    _close(out_q, exp_q, dtype)
+    _close(out_k, exp_k, dtype)
+    if inplace:
+        assert out_q.data_ptr() == q.data_ptr()
+        _close(qkv[:, : h * head_dim].view(t, h, head_dim), exp_q, dtype)
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_paged_attention_mixed_batch(dtype: torch.dtype, head_dim: int, group: int) -> None:
+    hkv = 2
+    b = make_paged_batch(
+        MIXED, num_heads=hkv * group, num_kv_heads=hkv, head_dim=head_dim, block_size=16, dtype=dtype
+    )
+    scale = head_dim**-0.5
+    out = kt.paged_attention(b.q, b.kv_cache, b.meta, scale)
+    _close(out, reference.paged_attention(b.q, b.kv_cache, b.meta, scale), dtype)
+
+
+def test_paged_attention_bf16() -> None:
+    b = make_paged_batch(MIXED, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.bfloat16)
+    out = kt.paged_attention(b.q, b.kv_cache, b.meta, 0.2)
+    assert out.dtype == torch.bfloat16
+    _close(out, reference.paged_attention(b.q, b.kv_cache, b.meta, 0.2), torch.bfloat16)
+
+
+def test_paged_attention_odd_shapes() -> None:
+    """GQA group 3 (rows past BLOCK_Q * GROUP masked), head_dim 24 (padded to 32), block size 32."""
+    b = make_paged_batch(MIXED, num_heads=6, num_kv_heads=2, head_dim=24, block_size=32, dtype=torch.float32)
+    out = kt.paged_attention(b.q, b.kv_cache, b.meta, 0.3)
+    _close(out, reference.paged_attention(b.q, b.kv_cache, b.meta, 0.3), torch.float32)
+
+
+@pytest.mark.parametrize(("block_m", "tile"), [(16, 16), (32, 32), (16, 128)])
+def test_paged_attention_tile_shapes(monkeypatch: pytest.MonkeyPatch, block_m: int, tile: int) -> None:
+    """Tiles equal to, twice and eight times the cache block size; BLOCK_M below the chunk."""
+    monkeypatch.setattr(pa_mod, "_pick_config", lambda *_: pa_mod._Config(block_m, tile, 4, 2))
+    b = make_paged_batch(MIXED, num_heads=4, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32)
+    out = kt.paged_attention(b.q, b.kv_cache, b.meta, 0.3)
+    _close(out, reference.paged_attention(b.q, b.kv_cache, b.meta, 0.3), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("num_splits", [2, 4, 8])
+def test_paged_attention_split_k_decode(dtype: torch.dtype, group: int, num_splits: int) -> None:
+    # Long and short contexts together: with 8 segments over a 3-tile context most segments
+    # are empty and must drop out of the merge.
+    seqs = [(1, 300), (1, 17), (1, 129), (1, 2)]
+    b = make_paged_batch(seqs, num_heads=2 * group, num_kv_heads=2, head_dim=16, block_size=16, dtype=dtype)
+    out = kt.paged_attention(b.q, b.kv_cache, b.meta, 0.25, num_splits=num_splits)
+    _close(out, reference.paged_attention(b.q, b.kv_cache, b.meta, 0.25), dtype)
+
+
+def test_split_k_chosen_for_long_decode_only() -> None:
+    seqs = [(1, 1100), (1, 40)]
+    b = make_paged_batch(seqs, num_heads=2, num_kv_heads=1, head_dim=16, block_size=16, dtype=torch.float32)
+    assert pa_mod._choose_num_splits(b.meta, 1, b.q.device) > 1
+    # The default path takes the split for this batch and still matches.
+    out = kt.paged_attention(b.q, b.kv_cache, b.meta, 0.25)
+    _close(out, reference.paged_attention(b.q, b.kv_cache, b.meta, 0.25), torch.float32)
+    mixed = make_paged_batch(
+        [(2, 1100), (1, 40)], num_heads=2, num_kv_heads=1, head_dim=16, block_size=16, dtype=torch.float32
+    )
+    assert pa_mod._choose_num_splits(mixed.meta, 1, b.q.device) == 1
+    short = make_paged_batch(
+        [(1, 40)], num_heads=2, num_kv_heads=1, head_dim=16, block_size=16, dtype=torch.float32
+    )
+    assert pa_mod._choose_num_splits(short.meta, 1, b.q.device) == 1
+
+
+def test_merge_attn_partials_matches_twin() -> None:
+    t, h, s, d = 3, 4, 5, 24
+    partial_out = torch.randn(t, h, s, d)
+    partial_lse = 3 * torch.randn(t, h, s)
+    partial_lse[0, :, 1:] = float("-inf")  # segments that saw no key
+    partial_lse[2, 1, 3] = float("-inf")
+    partial_out[partial_lse == float("-inf")] = 0.0
+    out = kt.merge_attn_partials(partial_out, partial_lse)
+    _close(out, reference.merge_attn_partials(partial_out, partial_lse), torch.float32)
+    torch.testing.assert_close(out[0], partial_out[0, :, 0])
+
+
+def test_paged_attention_writes_into_out() -> None:
+    b = make_paged_batch(
+        [(3, 10), (1, 5)], num_heads=2, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32
+    )
+    out = torch.full_like(b.q, float("nan"))
+    result = kt.paged_attention(b.q, b.kv_cache, b.meta, 0.3, out=out)
+    assert result is out
+    _close(out, reference.paged_attention(b.q, b.kv_cache, b.meta, 0.3), torch.float32)
+
+
+# ----------------------------------------------------------------------------- backend
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_backend_is_drop_in_for_torch_backend(dtype: torch.dtype) -> None:
+    b = make_paged_batch(MIXED, num_heads=4, num_kv_heads=2, head_dim=16, block_size=16, dtype=dtype)
+    # Start both from a cache whose new-token slots hold garbage: each backend must write first.
+    stale = b.kv_cache.clone()
+    stale.view(2, -1, 2, 16)[:, b.meta.slot_mapping] = 100.0
+    cache_triton, cache_torch = stale.clone(), stale.clone()
+    k, v = torch.randn_like(b.k), torch.randn_like(b.v)
+    out = TritonPagedBackend().forward(b.q, k, v, cache_triton, b.meta, 0.3)
+    expected = TorchPagedBackend().forward(b.q, k, v, cache_torch, b.meta, 0.3)
+    assert TritonPagedBackend.name == "triton"
+    torch.testing.assert_close(cache_triton, cache_torch, atol=0, rtol=0)
+    _close(out, expected, dtype)
