@@ -39,7 +39,11 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc  # health: SERVICE_NAME, OVERALL_HEALTH
-from grpc_reflection.v1alpha import reflection
+
+try:  # reflection is a debugging aid: a machine without grpcio-reflection still serves
+    from grpc_reflection.v1alpha import reflection
+except ImportError:  # pragma: no cover - depends on the install
+    reflection = None
 
 from services.config import option
 
@@ -226,9 +230,12 @@ class GrpcServer:
         for svc in self.services:
             svc.register(self._server)
         names = [svc.name for svc in self.services]
-        reflection.enable_server_reflection(
-            [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
-        )
+        if reflection is not None:
+            reflection.enable_server_reflection(
+                [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
+            )
+        else:
+            log.warning("grpcio-reflection is not installed: server reflection is off")
 
     @property
     def server(self) -> grpc.aio.Server:

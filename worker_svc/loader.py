@@ -110,11 +110,20 @@ def _init_dummy(model: nn.Module, seed: int = 0) -> None:
             param.data.normal_(0.0, 0.02, generator=gen)
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(path: str | os.PathLike[str] | None, cache_dir: str | None = None) -> Any:
-    """The fast (Rust) tokenizer of a model folder / .gguf / default model, chat template included."""
+    """The fast (Rust) tokenizer of a model folder / .gguf / default model, chat template included.
+
+    None for a folder that ships no tokenizer (token-id-only use, e.g. random test models).
+    """
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_model(path, cache_dir), use_fast=True, local_files_only=True)
+    folder = resolve_model(path, cache_dir)
+    if not any(os.path.exists(os.path.join(folder, name)) for name in _TOKENIZER_FILES):
+        return None
+    return AutoTokenizer.from_pretrained(folder, use_fast=True, local_files_only=True)
 
 
 def model_fingerprint(path: str | os.PathLike[str] | None, cache_dir: str | None = None) -> bytes:
