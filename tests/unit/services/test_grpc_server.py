@@ -255,10 +255,13 @@ async def test_sigterm_drains_in_flight_and_exits_zero() -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        # Prepend, not replace: the packages may come from PYTHONPATH too.
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])},
     )
     try:
-        port = int(await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), timeout=20))
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), timeout=20)
+        assert line.strip(), f"server did not start: {proc.wait(5)=} {proc.stderr.read()}"
+        port = int(line)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             health = health_pb2_grpc.HealthStub(channel)
             assert (await health.Check(health_pb2.HealthCheckRequest(), timeout=5)).status == SERVING
