@@ -39,27 +39,60 @@ def paged_attention(
     """Attention of each query token to its sequence's cached context, causal within the chunk.
 
     q: [T, H, D]; returns [T, H, D]. The new tokens' K/V must already be in the cache.
+    Decodes (one query each) go through one batched call; prefill chunks one call each.
     """
-    num_heads = q.shape[1]
-    hkv = kv_cache.shape[3]
-    group = num_heads // hkv
     out = torch.empty_like(q)
     starts = meta.query_start_loc.tolist() if meta.query_start_loc.device.type != "cpu" else None
+    decodes: list[int] = []
     start = 0
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
         if starts is not None:
             start = starts[i]
-        k, v = gather_kv(kv_cache, meta.block_tables[i], seq_len)
-        qi = q[start : start + q_len].transpose(0, 1)  # [H, q_len, D]
-        k = k.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)  # [H, seq_len, D]
-        v = v.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
+        if q_len == 1:
+            decodes.append(i)
+        else:
+            k, v = gather_kv(kv_cache, meta.block_tables[i], seq_len)
+            out[start : start + q_len] = _attend_chunk(q[start : start + q_len], k, v, scale)
+        start += q_len
+    if decodes:
+        rows = torch.tensor(decodes, device=q.device)
+        token_index = meta.query_start_loc[rows].long()
+        out[token_index] = _attend_decodes(q[token_index], kv_cache, meta, rows, decodes, scale)
+    return out
+
+
+def _attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One sequence's chunk: q [q_len, H, D] against k/v [seq_len, Hkv, D]."""
+    q_len, seq_len = q.shape[0], k.shape[0]
+    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)
+    if q_len == seq_len:  # nothing cached before the chunk: plain causal attention
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+    else:
         # Query j sits at absolute position seq_len - q_len + j and sees keys 0..that position.
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
         mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos
-        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale)
-        out[start : start + q_len] = o.transpose(0, 1)
-        start += q_len
-    return out
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.transpose(0, 1)
+
+
+def _attend_decodes(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, rows: torch.Tensor,
+    rows_cpu: list[int], scale: float,
+) -> torch.Tensor:
+    """All single-query sequences at once: gather their blocks padded to the longest, mask the rest."""
+    block_size = kv_cache.shape[2]
+    lens = [meta.seq_lens_cpu[i] for i in rows_cpu]
+    max_len = max(lens)
+    n_blocks = (max_len + block_size - 1) // block_size
+    tables = meta.block_tables[rows, :n_blocks].long()  # [B, n]
+    kv = kv_cache[:, tables].flatten(2, 3)  # [2, B, n * bs, Hkv, D]
+    k = kv[0].transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
+    v = kv[1].transpose(1, 2).to(q.dtype)
+    valid = torch.arange(n_blocks * block_size, device=q.device)[None, :] < meta.seq_lens[rows][:, None]
+    o = F.scaled_dot_product_attention(
+        q[:, :, None, :], k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
+    )
+    return o[:, :, 0, :]
 
 
 def rms_norm(
