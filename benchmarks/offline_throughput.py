@@ -44,7 +44,9 @@ def bench_llmesh(model_path: str, reqs, dtype: str, device: str, **engine_kw) ->
 def bench_transformers(model_path: str, reqs, batch_size: int, dtype: torch.dtype, device: str):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa").to(device)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa").to(
+        device
+    )
     model.eval()
     pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0
 
@@ -58,8 +60,12 @@ def bench_transformers(model_path: str, reqs, batch_size: int, dtype: torch.dtyp
         new = max(o for _, o in batch)
         with torch.inference_mode():
             model.generate(
-                input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new,
-                min_new_tokens=new, do_sample=False, pad_token_id=pad,
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=pad,
             )
 
     run_batch(reqs[:2])  # warm-up
@@ -89,11 +95,17 @@ def main() -> None:
 
     path = resolve_model(args.model)
     reqs = make_workload(args.num_requests, ModelConfig.from_pretrained(path).vocab_size, args.seed)
-    print(f"workload: {len(reqs)} requests, {sum(len(p) for p, _ in reqs)} prompt tokens, "
-          f"{sum(o for _, o in reqs)} output tokens; torch threads={torch.get_num_threads()}")
+    print(
+        f"workload: {len(reqs)} requests, {sum(len(p) for p, _ in reqs)} prompt tokens, "
+        f"{sum(o for _, o in reqs)} output tokens; torch threads={torch.get_num_threads()}"
+    )
     rows = []
     dt, toks = bench_llmesh(
-        path, reqs, args.dtype, args.device, max_num_seqs=args.max_num_seqs,
+        path,
+        reqs,
+        args.dtype,
+        args.device,
+        max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
     rows.append(("llmesh", dt, toks))

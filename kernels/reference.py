@@ -76,8 +76,12 @@ def _attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
 
 def _attend_decodes(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, rows: torch.Tensor,
-    rows_cpu: list[int], scale: float,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    rows: torch.Tensor,
+    rows_cpu: list[int],
+    scale: float,
 ) -> torch.Tensor:
     """All single-query sequences at once: gather their blocks padded to the longest, mask the rest."""
     block_size = kv_cache.shape[2]

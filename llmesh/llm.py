@@ -83,8 +83,10 @@ class LLM:
                 outputs.append(out)
                 for j in range(sp.n):
                     # Children of a seeded request get distinct, reproducible seeds (vLLM convention).
-                    child_sp = sp if sp.n == 1 else dataclasses.replace(
-                        sp, n=1, seed=None if sp.seed is None else sp.seed + j
+                    child_sp = (
+                        sp
+                        if sp.n == 1
+                        else dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + j)
                     )
                     cid = f"{out.request_id}-{j}"
                     self.engine.add_request(cid, token_ids, child_sp, priority[i] if priority else 0)

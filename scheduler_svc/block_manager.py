@@ -83,7 +83,9 @@ class BlockManager:
         return hits
 
     # ----- allocation -----
-    def allocate(self, seq_id: str, token_ids: list[int], num_computed: int, num_new: int) -> list[int] | None:
+    def allocate(
+        self, seq_id: str, token_ids: list[int], num_computed: int, num_new: int
+    ) -> list[int] | None:
         """Make room for `num_new` tokens after `num_computed` of `token_ids`.
 
         On a sequence's first call this takes references on its cached prefix
@@ -166,7 +168,9 @@ class BlockManager:
         num_full = min(num_tokens, len(token_ids)) // self.block_size
         if num_full <= table.num_cached_blocks:
             return
-        extend_block_keys(table.keys, token_ids[: num_full * self.block_size], self.block_size, self.fingerprint)
+        extend_block_keys(
+            table.keys, token_ids[: num_full * self.block_size], self.block_size, self.fingerprint
+        )
         for i in range(table.num_cached_blocks, num_full):
             block = self.blocks[table.block_ids[i]]
             key = table.keys[i]
@@ -183,6 +187,8 @@ class BlockManager:
                 refs[block_id] += 1
         for block in self.blocks:
             assert block.ref_count == refs[block.block_id], f"block {block.block_id} ref mismatch"
-            assert (block.ref_count == 0) == (block.block_id in self.free), f"block {block.block_id} free mismatch"
+            assert (block.ref_count == 0) == (block.block_id in self.free), (
+                f"block {block.block_id} free mismatch"
+            )
         for key, block_id in self.cached.items():
             assert self.blocks[block_id].key == key

@@ -23,7 +23,7 @@ from typing import Protocol
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.planner import Planner, PlannerConfig, RequestRejected
 from scheduler_svc.request import FinishReason, Request, RequestDelta
-from scheduler_svc.router import load_of, route
+from scheduler_svc.router import route
 from services.sampling_params import SamplingParams
 from services.step import StepPlan, StepResult, WorkerInfo
 
@@ -126,7 +126,9 @@ class Mesh:
             raise NoWorkerAvailable("no worker is registered")
         bad = [t for t in prompt_token_ids if not 0 <= t < info.vocab_size]
         if bad:
-            raise RequestRejected(f"prompt token ids outside the vocabulary [0, {info.vocab_size}): {bad[:5]}")
+            raise RequestRejected(
+                f"prompt token ids outside the vocabulary [0, {info.vocab_size}): {bad[:5]}"
+            )
         req = Request(request_id, list(prompt_token_ids), params, list(info.eos_token_ids), priority)
         queue: asyncio.Queue = asyncio.Queue()
         self._place(req, queue)
@@ -198,8 +200,14 @@ class Mesh:
             if stream is None:
                 continue
             req = Request(
-                old.request_id, old.prompt_token_ids, old.sampling_params, old.eos_token_ids,
-                old.priority, old.arrival_time, list(old.output_token_ids), list(old.output_logprobs),
+                old.request_id,
+                old.prompt_token_ids,
+                old.sampling_params,
+                old.eos_token_ids,
+                old.priority,
+                old.arrival_time,
+                list(old.output_token_ids),
+                list(old.output_logprobs),
             )
             try:
                 self._place(req, stream.queue)

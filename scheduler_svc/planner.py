@@ -61,7 +61,9 @@ class Planner:
             raise RequestRejected("the prompt is empty")
         limit = self.config.max_model_len
         if req.num_tokens >= limit:
-            raise RequestRejected(f"prompt of {req.num_tokens} tokens leaves no room in max_model_len {limit}")
+            raise RequestRejected(
+                f"prompt of {req.num_tokens} tokens leaves no room in max_model_len {limit}"
+            )
         if not self.config.enable_chunked_prefill and req.num_tokens > self.config.max_num_batched_tokens:
             raise RequestRejected(
                 f"prompt of {req.num_tokens} tokens exceeds max_num_batched_tokens "
@@ -112,7 +114,9 @@ class Planner:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget, chunk)
-            new_blocks = self.blocks.allocate(req.request_id, req.all_token_ids, req.num_computed_tokens, num_new)
+            new_blocks = self.blocks.allocate(
+                req.request_id, req.all_token_ids, req.num_computed_tokens, num_new
+            )
             while new_blocks is None:
                 victim = self._pick_victim(self.running[i:])
                 self._preempt(victim)

@@ -55,7 +55,10 @@ class ModelRunner:
         self.model_path = resolve_model(config.model, config.cache_dir)
         self.backend = make_backend(config.attention_backend, self.device)
         self.model, self.model_config = load_model(
-            self.model_path, dtype=self.dtype, device=self.device, backend=self.backend,
+            self.model_path,
+            dtype=self.dtype,
+            device=self.device,
+            backend=self.backend,
             load_format=config.load_format,
         )
         mc = self.model_config

@@ -33,7 +33,9 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int, ignore_e
             kw = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
             if ignore_eos:
                 kw.update(min_new_tokens=max_new_tokens, eos_token_id=None)
-            gen = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), **kw)
+            gen = model.generate(
+                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), **kw
+            )
             new = gen[0, len(ids) :].tolist()
             if eos is not None:
                 eos_ids = eos if isinstance(eos, list) else [eos]
@@ -62,7 +64,9 @@ def smol_reference(smollm2):
 def test_smollm2_batched_greedy_matches_transformers(smollm2, smol_reference):
     prompts, ref = smol_reference
     llm = LLM(smollm2)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=24))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=24)
+    )
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert outs[0].outputs[0].text.strip().startswith("Paris")
     assert_no_leak(llm)
@@ -72,7 +76,9 @@ def test_smollm2_under_kv_pressure_and_small_chunks(smollm2, smol_reference):
     prompts, ref = smol_reference
     # ~10 blocks of 16 tokens for 10 sequences of up to ~60 tokens: preemption must happen.
     llm = LLM(smollm2, num_kv_blocks=12, max_num_batched_tokens=24, long_prefill_token_threshold=8)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=24))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=24)
+    )
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert llm.engine.planner.num_preemptions > 0
     assert_no_leak(llm)
@@ -118,13 +124,15 @@ def test_prefix_cache_hits_on_shared_prefix(tiny_models):
 def test_n_samples_share_the_prompt_blocks(tiny_models):
     llm = LLM(tiny_models["llama"])
     prompt = list(range(10, 74))  # 4 full blocks
-    out = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [prompt], SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True), use_tqdm=False
+    )[0]
     assert len(out.outputs) == 3
     # All three children hit (or share in-step) the 4 prompt blocks: 3 of them reported as cached for 2 kids.
     assert llm.engine.blocks.stats.hits >= 2 * 48
-    again = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True),
-                         use_tqdm=False)[0]
+    again = llm.generate(
+        [prompt], SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True), use_tqdm=False
+    )[0]
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
     assert_no_leak(llm)
 
@@ -145,11 +153,16 @@ def test_outputs_in_input_order_with_per_prompt_params_and_logprobs(tiny_models)
 
 def test_stop_strings_and_chat(smollm2):
     llm = LLM(smollm2)
-    out = llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=30, stop=[" 7"]), use_tqdm=False)[0]
+    out = llm.generate(
+        "1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=30, stop=[" 7"]), use_tqdm=False
+    )[0]
     assert out.outputs[0].text == " 5, 6,"
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == " 7"
-    reply = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                     SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
+    reply = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=20),
+        use_tqdm=False,
+    )[0]
     assert "Paris" in reply.outputs[0].text
     assert_no_leak(llm)
 

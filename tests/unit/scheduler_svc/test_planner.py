@@ -132,7 +132,9 @@ def test_finish_reasons():
     p.add_request(Request("len", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True)))
     first = (sum([5, 6, 7]) * 31 + 3) % 97 + 3
     p.add_request(Request("eos", [5, 6, 7], SamplingParams(max_tokens=9), eos_token_ids=[first]))
-    p.add_request(Request("min", [5, 6, 7], SamplingParams(max_tokens=3, min_tokens=3), eos_token_ids=[first]))
+    p.add_request(
+        Request("min", [5, 6, 7], SamplingParams(max_tokens=3, min_tokens=3), eos_token_ids=[first])
+    )
     p.add_request(Request("stopid", [5, 6, 7], SamplingParams(max_tokens=9, stop_token_ids=[first])))
     w = CountingWorker()
     reasons = {}
