@@ -22,7 +22,7 @@ from typing import Protocol
 
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.planner import Planner, PlannerConfig, RequestRejected
-from scheduler_svc.request import FinishReason, Request, RequestDelta
+from scheduler_svc.request import Request, RequestDelta
 from scheduler_svc.router import route
 from services.sampling_params import SamplingParams
 from services.step import StepPlan, StepResult, WorkerInfo
@@ -74,9 +74,11 @@ class Mesh:
     def __init__(self, config: MeshConfig) -> None:
         self.config = config
         self.workers: dict[str, WorkerSlot] = {}
-        self._streams: dict[str, _Stream] = {}
+        self.streams: dict[str, _Stream] = {}
         self.ready = asyncio.Event()
         self.num_failovers = 0
+        # Called with the number of live workers whenever one joins or leaves (health, metrics).
+        self.on_workers_changed: list = []
 
     # ----- workers -----
     def add_worker(self, worker_id: str, info: WorkerInfo, link: WorkerLink) -> WorkerSlot:
@@ -93,6 +95,7 @@ class Mesh:
         self.workers[worker_id] = slot
         slot.task = asyncio.get_running_loop().create_task(self._run(slot), name=f"worker-loop-{worker_id}")
         self.ready.set()
+        self._notify()
         log.info("worker joined", extra={"worker_id": worker_id, "blocks": info.num_kv_blocks})
         return slot
 
@@ -102,6 +105,7 @@ class Mesh:
             return
         if not self.workers:
             self.ready.clear()
+        self._notify()
         if slot.task is not None and slot.task is not asyncio.current_task():
             slot.task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -117,9 +121,15 @@ class Mesh:
 
     # ----- requests -----
     def submit(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        queue: asyncio.Queue | None = None,
     ) -> asyncio.Queue:
-        if request_id in self._streams:
+        """Route and enqueue a request; its deltas go to `queue` (shared by a request's n choices)."""
+        if request_id in self.streams:
             raise RequestRejected(f"duplicate request id {request_id!r}")
         info = self.model_info
         if info is None:
@@ -130,7 +140,7 @@ class Mesh:
                 f"prompt token ids outside the vocabulary [0, {info.vocab_size}): {bad[:5]}"
             )
         req = Request(request_id, list(prompt_token_ids), params, list(info.eos_token_ids), priority)
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = queue if queue is not None else asyncio.Queue()
         self._place(req, queue)
         return queue
 
@@ -155,7 +165,7 @@ class Mesh:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> bool:
-        stream = self._streams.pop(request_id, None)
+        stream = self.streams.pop(request_id, None)
         if stream is None:
             return False
         slot = self.workers.get(stream.worker_id)
@@ -180,9 +190,13 @@ class Mesh:
                 "steps": s.num_steps,
                 "step_seconds": s.step_seconds,
             }
-        return {"workers": workers, "failovers": self.num_failovers, "streams": len(self._streams)}
+        return {"workers": workers, "failovers": self.num_failovers, "streams": len(self.streams)}
 
     # ----- internals -----
+    def _notify(self) -> None:
+        for callback in self.on_workers_changed:
+            callback(len(self.workers))
+
     def _place(self, req: Request, queue: asyncio.Queue) -> None:
         planners = {wid: s.planner for wid, s in self.workers.items()}
         choice = route(planners, req.all_token_ids, self.config.overload_margin)
@@ -190,13 +204,13 @@ class Mesh:
             raise NoWorkerAvailable("no worker is registered")
         slot = self.workers[choice.worker_id]
         slot.planner.add_request(req)  # may raise RequestRejected
-        self._streams[req.request_id] = _Stream(queue, choice.worker_id)
+        self.streams[req.request_id] = _Stream(queue, choice.worker_id)
         slot.wakeup.set()
 
     def _requeue(self, dead: WorkerSlot) -> None:
         """Move every unfinished request of a dead worker to the others, tokens so far kept."""
         for old in list(dead.planner.requests.values()):
-            stream = self._streams.pop(old.request_id, None)
+            stream = self.streams.pop(old.request_id, None)
             if stream is None:
                 continue
             req = Request(
@@ -241,13 +255,9 @@ class Mesh:
             await self.remove_worker(slot.worker_id, reason=repr(e))
 
     def _emit(self, delta: RequestDelta) -> None:
-        stream = self._streams.get(delta.request_id)
+        stream = self.streams.get(delta.request_id)
         if stream is None:
             return
         if delta.finished:
-            del self._streams[delta.request_id]
+            del self.streams[delta.request_id]
         stream.queue.put_nowait(delta)
-
-
-def aborted_delta(request_id: str) -> RequestDelta:
-    return RequestDelta(request_id, [], [], FinishReason.ABORT)

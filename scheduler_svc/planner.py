@@ -23,7 +23,7 @@ from services.step import NewSequence, ScheduledSequence, StepPlan, StepResult
 class PlannerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
+    max_model_len: int = 0  # 0 = the worker's (model's) context length
     # Longest prefill chunk one request may take in a step (0 = the whole budget).
     long_prefill_token_threshold: int = 0
     enable_chunked_prefill: bool = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -76,17 +77,56 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--seed", type=int, default=None)
         p.set_defaults(func=func)
 
-    p = sub.add_parser("up", help="start the local mesh (until the mesh lands: an offline chat)")
+    p = sub.add_parser("up", help="start the whole local mesh (scheduler, workers, gateway) on loopback")
     _add_model_flags(p)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.set_defaults(func=_cmd_chat)
+    p.add_argument("--workers", type=int, default=1, help="number of worker processes")
+    p.add_argument("--host", default="127.0.0.1", help="address every service binds (loopback by default)")
+    p.add_argument("--port", type=int, default=int(os.environ.get("LLMESH_PORT", 8000)), help="gateway port")
+    p.add_argument("--scheduler-port", type=int, default=50051)
+    p.add_argument(
+        "--worker-arg", action="append", default=[], help="extra flag for every worker (repeatable)"
+    )
+    p.set_defaults(func=_cmd_up)
+
+    # One service each; their flags come from their config dataclasses (`llmesh worker --help`).
+    for name, helptext in (
+        ("scheduler", "run the scheduler service"),
+        ("worker", "run one worker service"),
+        ("gateway", "run the OpenAI-compatible gateway"),
+    ):
+        p = sub.add_parser(name, help=helptext, add_help=False)
+        p.set_defaults(func=_service_main(name))
     return parser
 
 
+def _service_main(name: str):
+    def run(args: argparse.Namespace) -> int:
+        import importlib
+
+        module = {
+            "scheduler": "scheduler_svc.service",
+            "worker": "worker_svc.service",
+            "gateway": "gateway.service",
+        }
+        return importlib.import_module(module[name]).main(args.rest)
+
+    return run
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from services.launcher import run_up
+
+    worker_args = list(args.worker_arg) + (["--cache-dir", args.cache_dir] if args.cache_dir else [])
+    return run_up(args.workers, args.model, args.host, args.port, args.scheduler_port, worker_args)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if argv and argv[0] in ("scheduler", "worker", "gateway"):
+        args = argparse.Namespace(rest=argv[1:], func=_service_main(argv[0]))
+    else:
+        args = parser.parse_args(argv)
     return args.func(args)
 
 

