@@ -1,0 +1,207 @@
+"""The gRPC mesh as real processes on loopback: scheduler + workers, SmolLM2 on the CPU."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from llmesh.v1 import generation_pb2 as g
+from llmesh.v1 import generation_pb2_grpc as gg
+from llmesh.v1 import worker_pb2, worker_pb2_grpc
+from services.launcher import start_mesh
+
+WORKER_ARGS = ["--kv-cache-memory", str(192 << 20)]
+PROMPTS = [
+    "The capital of France is",
+    "1, 2, 3, 4,",
+    "def add(a, b):",
+    "Water boils at",
+    "The opposite of hot is",
+    "My favourite animal is the",
+]
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    with start_mesh(2, worker_args=WORKER_ARGS, log_dir=str(tmp_path_factory.mktemp("mesh-logs"))) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, list[int]]:
+    from llmesh import LLM, SamplingParams
+
+    llm = LLM(kv_cache_memory=64 << 20)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    return {p: o.outputs[0].token_ids for p, o in zip(PROMPTS, outs, strict=True)}
+
+
+def stub(address: str) -> gg.SchedulerStub:
+    return gg.SchedulerStub(grpc.insecure_channel(address))
+
+
+def stats(address: str) -> worker_pb2.SchedulerStats:
+    return worker_pb2_grpc.RegistryStub(grpc.insecure_channel(address)).GetStats(worker_pb2.GetStatsRequest())
+
+
+def generate(address: str, prompt: str, max_tokens: int = 16, **kw) -> list[int]:
+    req = g.GenerateRequest(
+        prompt_text=prompt, sampling_params=g.SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+    )
+    tokens: list[int] = []
+    for resp in stub(address).Generate(req, timeout=300):
+        tokens.extend(resp.token_ids)
+    return tokens
+
+
+def wait_blocks_free(address: str, timeout: float = 30.0) -> worker_pb2.SchedulerStats:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = stats(address)
+        if all(w.free_blocks == w.num_blocks and w.running == 0 and w.waiting == 0 for w in s.workers):
+            return s
+        if time.monotonic() > deadline:
+            raise AssertionError(f"blocks not returned: {s}")
+        time.sleep(0.2)
+
+
+def run_concurrently(fn, args_list) -> list:
+    results: list = [None] * len(args_list)
+    errors: list = []
+
+    def target(i, args):
+        try:
+            results[i] = fn(*args)
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=target, args=(i, a)) for i, a in enumerate(args_list)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    return results
+
+
+def test_health_and_reflection(mesh):
+    for child in [mesh.scheduler, *mesh.workers]:
+        resp = health_pb2_grpc.HealthStub(grpc.insecure_channel(child.address)).Check(
+            health_pb2.HealthCheckRequest(), timeout=5
+        )
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    refl = reflection_pb2_grpc.ServerReflectionStub(grpc.insecure_channel(mesh.scheduler.address))
+    answers = list(
+        refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    )
+    names = {s.name for s in answers[0].list_services_response.service}
+    assert {"llmesh.v1.Scheduler", "llmesh.v1.Registry", "grpc.health.v1.Health"} <= names
+
+
+def test_concurrent_clients_match_offline_engine_and_spread(mesh, reference):
+    got = run_concurrently(lambda p: generate(mesh.scheduler.address, p), [(p,) for p in PROMPTS])
+    assert dict(zip(PROMPTS, got, strict=True)) == reference
+    s = wait_blocks_free(mesh.scheduler.address)
+    assert all(w.steps > 0 for w in s.workers), "requests did not spread over both workers"
+
+
+def test_shared_prefix_lands_on_the_worker_that_holds_it(mesh):
+    prefix = "Here is a long story about a lighthouse keeper and the sea. " * 8
+    before = {w.worker_id: w.prefix_hits for w in stats(mesh.scheduler.address).workers}
+    generate(mesh.scheduler.address, prefix + "The keeper's name was", max_tokens=2)
+    # Keep the other worker idle-equal: the router breaks load ties by prefix hits.
+    generate(mesh.scheduler.address, prefix + "At night the lamp", max_tokens=2)
+    after = {w.worker_id: w.prefix_hits for w in stats(mesh.scheduler.address).workers}
+    gained = {wid: after[wid] - before.get(wid, 0) for wid in after}
+    assert max(gained.values()) >= 96  # six+ full 16-token blocks of the prefix were reused
+    assert sorted(gained.values())[0] == 0  # ... on one worker only
+    wait_blocks_free(mesh.scheduler.address)
+
+
+def test_cancelled_call_frees_its_blocks(mesh):
+    req = g.GenerateRequest(
+        prompt_text="Count slowly:",
+        sampling_params=g.SamplingParams(temperature=0, max_tokens=400, ignore_eos=True),
+    )
+    call = stub(mesh.scheduler.address).Generate(req, timeout=300)
+    for i, _ in enumerate(call):
+        if i == 2:
+            break
+    busy = stats(mesh.scheduler.address)
+    assert any(w.free_blocks < w.num_blocks for w in busy.workers)
+    call.cancel()
+    wait_blocks_free(mesh.scheduler.address)
+
+
+@pytest.mark.parametrize(
+    "request_kw, needle",
+    [
+        (dict(prompt_text="hi", sampling_params=g.SamplingParams(top_p=2.0)), "top_p"),
+        (dict(prompt_text="hi", sampling_params=g.SamplingParams(temperature=float("nan"))), "temperature"),
+        (dict(prompt_token_ids=g.TokenIds(ids=[]), sampling_params=g.SamplingParams()), "prompt"),
+        (dict(prompt_token_ids=g.TokenIds(ids=[1, 10**8])), "vocabulary"),
+        (dict(prompt_text="hi", sampling_params=g.SamplingParams(max_tokens=10**6)), "max_tokens"),
+        (dict(prompt_text="hi", sampling_params=g.SamplingParams(n=0)), "n"),
+        (dict(sampling_params=g.SamplingParams()), "prompt"),
+    ],
+)
+def test_bad_requests_get_invalid_argument_and_the_service_stays_up(mesh, request_kw, needle):
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub(mesh.scheduler.address).Generate(g.GenerateRequest(**request_kw), timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert needle in e.value.details()
+    assert len(generate(mesh.scheduler.address, "Hello", max_tokens=2)) == 2
+
+
+def test_worker_killed_mid_generation_loses_no_request(tmp_path, reference):
+    with start_mesh(2, worker_args=WORKER_ARGS, log_dir=str(tmp_path)) as m:
+        results: dict[str, list[int]] = {}
+        errors: list[Exception] = []
+        received = threading.Semaphore(0)
+
+        def client(prompt: str) -> None:
+            req = g.GenerateRequest(
+                prompt_text=prompt, sampling_params=g.SamplingParams(temperature=0, max_tokens=16)
+            )
+            tokens: list[int] = []
+            try:
+                for resp in stub(m.scheduler.address).Generate(req, timeout=300):
+                    tokens.extend(resp.token_ids)
+                    received.release()
+                results[prompt] = tokens
+            except Exception as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=client, args=(p,)) for p in PROMPTS]
+        for t in threads:
+            t.start()
+        assert received.acquire(timeout=240)  # generation is under way
+        busy = max(stats(m.scheduler.address).workers, key=lambda w: w.running)
+        assert busy.running > 0
+        victim = next(w for w in m.workers if w.name == busy.worker_id)
+        victim.proc.send_signal(signal.SIGKILL)
+        for t in threads:
+            t.join(300)
+        assert not errors, errors
+        assert results == reference
+        s = wait_blocks_free(m.scheduler.address)
+        assert s.failovers > 0 and len(s.workers) == 1
+
+        # SIGTERM drains: an in-flight request still completes, then the scheduler exits 0.
+        req = g.GenerateRequest(
+            prompt_text=PROMPTS[0], sampling_params=g.SamplingParams(temperature=0, max_tokens=16)
+        )
+        call = stub(m.scheduler.address).Generate(req, timeout=300)
+        tokens = list(next(call).token_ids)
+        os.kill(m.scheduler.proc.pid, signal.SIGTERM)
+        for resp in call:
+            tokens.extend(resp.token_ids)
+        assert tokens == reference[PROMPTS[0]]
+        assert m.scheduler.proc.wait(60) == 0
