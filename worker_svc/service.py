@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 import socket
@@ -52,6 +53,16 @@ async def register_forever(scheduler: str, address: str, worker_id: str) -> None
             delay = min(delay * 2, 5.0)
 
 
+def _reachable_host(host: str) -> str:
+    """A wildcard bind is no address to dial back: advertise the hostname (a container's DNS name)."""
+    try:
+        if ipaddress.ip_address(host).is_unspecified:
+            return socket.gethostname()
+    except ValueError:
+        pass
+    return host
+
+
 async def run(config: WorkerServiceConfig) -> None:
     worker_id = config.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     servicer = WorkerServicer(worker_id)
@@ -60,7 +71,7 @@ async def run(config: WorkerServiceConfig) -> None:
     async def on_started(server: GrpcServer) -> None:
         # Health stays NOT_SERVING until the model is loaded and the KV cache allocated.
         servicer.runner = await asyncio.to_thread(ModelRunner, config)
-        address = config.advertise or host_port(config.host, server.port)
+        address = config.advertise or host_port(_reachable_host(config.host), server.port)
         log.info("worker ready", extra={"address": address, "worker_id": worker_id})
         print(f"llmesh worker {worker_id} listening on {address}", flush=True)
         if config.scheduler:
