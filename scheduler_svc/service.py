@@ -86,9 +86,11 @@ async def run(config: SchedulerServiceConfig) -> None:
         def health(num_workers: int) -> None:
             background.append(asyncio.ensure_future(server.set_serving(num_workers > 0)))
 
-        mesh.on_workers_changed.append(health)
+        # The tokenizer first: health must not say SERVING while text prompts would still fail.
         if not config.no_tokenizer:
             scheduler.tokenizer = await asyncio.to_thread(_load_tokenizer, config)
+        mesh.on_workers_changed.append(health)
+        health(len(mesh.workers))  # workers may have registered while the tokenizer loaded
         for address in config.workers:
             background.append(asyncio.ensure_future(_dial_static(registry, address)))
         print(f"llmesh scheduler listening on {config.host}:{server.port}", flush=True)

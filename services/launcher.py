@@ -146,7 +146,8 @@ def start_mesh(
             wait_until(lambda a=w.address: grpc_serving(a), w.name, procs, timeout)
         wait_until(lambda: grpc_serving(sched_addr), "scheduler", procs, timeout)
         if gateway_port is not None:
-            mesh.gateway = _start_gateway(host, gateway_port, sched_addr, gateway_args or [], env, log_dir)
+            args = [*model_args, *(gateway_args or [])]
+            mesh.gateway = _start_gateway(host, gateway_port, sched_addr, args, env, log_dir)
             wait_until(lambda: _http_ok(mesh.gateway.address), "gateway", [mesh.gateway.proc], timeout)
     except BaseException:
         mesh.stop()

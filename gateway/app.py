@@ -1,0 +1,133 @@
+"""The gateway's FastAPI app: OpenAI routes, vLLM's tokenizer routes, health, version, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.metadata
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from gateway.config import GatewayConfig
+from gateway.errors import APIError, bad_request, install_error_handlers
+from gateway.metrics import CONTENT_TYPE
+from gateway.middleware import GuardMiddleware, MetricsMiddleware
+from gateway.params import check_token_ids
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from gateway.serving_chat import create_chat_completion
+from gateway.serving_completion import create_completion
+from gateway.state import GatewayState
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("llmesh")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.0.0+unknown"
+
+
+def create_app(config: GatewayConfig, state: GatewayState | None = None) -> FastAPI:
+    state = state or GatewayState(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await state.client.start()
+        connecting = asyncio.ensure_future(state.connect())
+        try:
+            yield
+        finally:
+            connecting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await connecting
+            await state.client.close()
+
+    app = FastAPI(
+        title="llmesh gateway",
+        description="OpenAI-compatible API over an llmesh mesh",
+        version=_version(),
+        lifespan=lifespan,
+    )
+    app.state.gateway = state
+    install_error_handlers(app)
+    # Added last = outermost: metrics see every response, including the guard's 401/413/415.
+    app.add_middleware(GuardMiddleware, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(MetricsMiddleware, metrics=state.metrics)
+
+    @app.get("/health", summary="200 when the scheduler reports a ready worker, else 503")
+    async def health() -> JSONResponse:
+        state.served()
+        info = await state.client.model_info(timeout=config.health_timeout_s)
+        if info.num_ready_workers == 0:
+            raise APIError(503, "The scheduler has no ready worker.", code="service_unavailable")
+        return JSONResponse({"status": "ok", "ready_workers": info.num_ready_workers})
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": _version()}
+
+    @app.get("/metrics", summary="Prometheus metrics")
+    async def metrics() -> Response:
+        try:
+            state.metrics.scheduler.snapshot = await state.client.stats(timeout=config.health_timeout_s)
+        except APIError:
+            state.metrics.scheduler.snapshot = None  # llmesh:scheduler_up 0, no stale worker gauges
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    def model_card(name: str) -> dict[str, Any]:
+        info = state.served().info
+        return {
+            "id": name,
+            "object": "model",
+            "created": info.created,
+            "owned_by": "llmesh",
+            "root": info.root,
+            "parent": None,
+            "max_model_len": info.max_model_len,
+        }
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card(n) for n in state.served().names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> dict[str, Any]:
+        state.resolve(model_id)
+        return model_card(model_id)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(state, body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(state, body, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        model = state.resolve(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("prompt", "give exactly one of prompt and messages")
+        if body.messages is not None:
+            if not body.messages:
+                raise bad_request("messages", "must not be empty")
+            text = model.tokenizer.render_chat(
+                body.messages,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+            )
+            ids = model.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+        else:
+            add = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = model.tokenizer.encode(body.prompt or "", add_special_tokens=add)
+        return {"count": len(ids), "max_model_len": model.info.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        model = state.resolve(body.model)
+        check_token_ids("tokens", body.tokens, model.info.vocab_size)
+        return {"prompt": model.tokenizer.decode(body.tokens)}
+
+    return app

@@ -1,0 +1,160 @@
+"""Prometheus metrics of the gateway, named after vLLM's (`vllm:x` -> `llmesh:x`) where one exists.
+
+Request-level metrics (latencies, token counts, outcomes) are measured here;
+the load of the mesh (running / waiting requests, KV usage, free blocks,
+prefix-cache hits) is read from the scheduler's Registry.GetStats at scrape
+time. One CollectorRegistry per app: no process-global metric state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gateway.generation import Generation
+from llmesh.v1 import worker_pb2
+
+# vLLM's buckets, so that dashboards built for vLLM read these the same way.
+# fmt: off
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0]
+E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0]
+# fmt: on
+TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000]
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class SchedulerStatsCollector(Collector):
+    """Exposes the last Registry.GetStats snapshot (refreshed by the /metrics handler)."""
+
+    def __init__(self) -> None:
+        self.snapshot: worker_pb2.SchedulerStats | None = None
+
+    def collect(self) -> Iterable[Metric]:
+        up = GaugeMetricFamily("llmesh:scheduler_up", "1 when the last stats call to the scheduler worked")
+        up.add_metric([], 1.0 if self.snapshot is not None else 0.0)
+        yield up
+        stats = self.snapshot
+        if stats is None:
+            return
+        gauges = {
+            "running": ("llmesh:num_requests_running", "Requests running on the worker's batch"),
+            "waiting": ("llmesh:num_requests_waiting", "Requests waiting for the worker"),
+            "kv_usage": ("llmesh:kv_cache_usage_perc", "Fraction of the worker's KV blocks in use (0-1)"),
+            "free_blocks": ("llmesh:kv_cache_free_blocks", "Free KV blocks of the worker"),
+            "num_blocks": ("llmesh:kv_cache_num_blocks", "KV blocks of the worker"),
+        }
+        counters = {
+            "prefix_queries": ("llmesh:prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
+            "prefix_hits": ("llmesh:prefix_cache_hits", "Prompt tokens found in the prefix cache"),
+            "preemptions": ("llmesh:num_preemptions", "Requests preempted on the worker"),
+        }
+        for attr, (name, doc) in gauges.items():
+            fam = GaugeMetricFamily(name, doc, labels=["worker"])
+            for w in stats.workers:
+                fam.add_metric([w.worker_id], float(getattr(w, attr)))
+            yield fam
+        for attr, (name, doc) in counters.items():
+            fam = CounterMetricFamily(name, doc, labels=["worker"])
+            for w in stats.workers:
+                fam.add_metric([w.worker_id], float(getattr(w, attr)))
+            yield fam
+        workers = GaugeMetricFamily("llmesh:num_workers", "Workers registered with the scheduler")
+        workers.add_metric([], float(len(stats.workers)))
+        yield workers
+        active = GaugeMetricFamily("llmesh:scheduler_active_requests", "Requests the scheduler is streaming")
+        active.add_metric([], float(stats.active_requests))
+        yield active
+        failovers = CounterMetricFamily("llmesh:scheduler_failovers", "Requests moved off a dead worker")
+        failovers.add_metric([], float(stats.failovers))
+        yield failovers
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.http_requests = Counter(
+            "llmesh:http_requests",
+            "HTTP requests by route and status",
+            ["method", "route", "status"],
+            registry=r,
+        )
+        self.requests_active = Gauge(
+            "llmesh:gateway_requests_active", "Generation requests in flight in the gateway", registry=r
+        )
+        self.request_success = Counter(
+            "llmesh:request_success",
+            "Finished choices by finish reason",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "llmesh:prompt_tokens", "Prompt tokens processed", ["model_name"], registry=r
+        )
+        self.generation_tokens = Counter(
+            "llmesh:generation_tokens", "Tokens generated", ["model_name"], registry=r
+        )
+        self.ttft = Histogram(
+            "llmesh:time_to_first_token_seconds",
+            "Time to first token",
+            ["model_name"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "llmesh:inter_token_latency_seconds",
+            "Time between a choice's successive outputs",
+            ["model_name"],
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "llmesh:e2e_request_latency_seconds",
+            "End-to-end request latency",
+            ["model_name"],
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.request_prompt_tokens = Histogram(
+            "llmesh:request_prompt_tokens",
+            "Prompt tokens per request",
+            ["model_name"],
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.request_generation_tokens = Histogram(
+            "llmesh:request_generation_tokens",
+            "Generated tokens per request",
+            ["model_name"],
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.scheduler = SchedulerStatsCollector()
+        r.register(self.scheduler)
+
+    def observe(self, model: str, gen: Generation) -> None:
+        """Record a generation once it has ended (finished, failed, or cancelled)."""
+        t = gen.timings
+        self.prompt_tokens.labels(model).inc(len(gen.prompt_ids))
+        self.generation_tokens.labels(model).inc(gen.completion_tokens)
+        self.request_prompt_tokens.labels(model).observe(len(gen.prompt_ids))
+        self.request_generation_tokens.labels(model).observe(gen.completion_tokens)
+        if t.first_token is not None:
+            self.ttft.labels(model).observe(t.first_token - t.started)
+        itl = self.itl.labels(model)
+        for gap in t.token_gaps:
+            itl.observe(gap)
+        if t.finished is not None:
+            self.e2e.labels(model).observe(t.finished - t.started)
+        for s in gen.states:
+            self.request_success.labels(model, s.finish_reason or "abort").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,164 @@
+"""ASGI middleware in front of every route: HTTP metrics, API-key auth, body type and size limits.
+
+Pure ASGI (not BaseHTTPMiddleware) so that streaming responses and client
+disconnects pass through untouched.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from gateway.errors import APIError
+from gateway.metrics import GatewayMetrics
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+OPEN_PATHS = frozenset({"/health"})  # reachable without the API key (load balancers, kubelets)
+
+
+async def _send_error(send: Send, err: APIError) -> None:
+    body = json.dumps(err.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if err.status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+def _is_json(content_type: str | None) -> bool:
+    if content_type is None:
+        return False
+    mime = content_type.split(";", 1)[0].strip().lower()
+    return mime == "application/json" or (mime.startswith("application/") and mime.endswith("+json"))
+
+
+class GuardMiddleware:
+    """Auth on every route but /health; POST bodies must be JSON and at most `max_body_bytes`."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.api_key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
+            await _send_error(
+                send,
+                APIError(
+                    401,
+                    "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+                    code="invalid_api_key",
+                ),
+            )
+            return
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        length = _header(scope, b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            await _send_error(send, self._too_large())
+            return
+        body, more = await self._read_body(receive)
+        if more is None:
+            return  # the client went away while sending
+        if more:
+            await _send_error(send, self._too_large())
+            return
+        if body and not _is_json(_header(scope, b"content-type")):
+            await _send_error(
+                send,
+                APIError(
+                    415,
+                    "The request body must be JSON (Content-Type: application/json).",
+                    code="unsupported_media_type",
+                ),
+            )
+            return
+        await self.app(scope, _replay(body, receive), send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        header = _header(scope, b"authorization") or ""
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        # Constant-time comparison: the key must not leak through response timing.
+        return hmac.compare_digest(token.strip().encode(), self.api_key or b"")
+
+    def _too_large(self) -> APIError:
+        return APIError(
+            413, f"The request body is larger than {self.max_body_bytes} bytes.", code="request_too_large"
+        )
+
+    async def _read_body(self, receive: Receive) -> tuple[bytes, bool | None]:
+        """The body, and whether it went past the limit (None: the client disconnected)."""
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return b"", None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return b"", True
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks), False
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """Hand the buffered body to the app, then pass through (so disconnects still arrive)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+class MetricsMiddleware:
+    """Counts HTTP requests by method, route template and status."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = {"code": 500}
+
+        async def send_wrapper(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = scope.get("route")
+            # Route templates, never raw paths: unknown paths must not explode the label set.
+            path = getattr(route, "path", None) or "unmatched"
+            self.metrics.http_requests.labels(scope["method"], path, str(status["code"])).inc()

@@ -1,0 +1,119 @@
+"""Request bodies of the OpenAI API (and vLLM's extensions), as pydantic models.
+
+The models check types and static ranges (so that /openapi.json documents
+them); limits that depend on configuration or on the model (caps on n, stop,
+logprobs; the context length; the vocabulary) are checked by gateway/params.py.
+Unknown fields are ignored, as vLLM does, so that clients sending newer
+OpenAI fields keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _valid_unicode(text: str) -> str:
+    # JSON may carry lone surrogates ("\\ud800"); they cannot be tokenized nor encoded as UTF-8.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode (no lone surrogate code points)") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
+class _Body(BaseModel):
+    # NaN / Infinity are valid Python JSON but never a valid sampling value.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class SamplingRequest(_Body):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: Text | None = Field(None, description="served model id; default: the first served model")
+    n: int = Field(1, ge=1, description="choices to generate")
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX, description="-1 or 0 = all tokens")
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = Field(None, description="not supported: must be empty")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: Text | None = None
+    priority: int = Field(0, ge=INT32_MIN, le=INT32_MAX, description="lower runs first")
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: Text | list[Text] | list[int] | list[list[int]] = Field(
+        ..., description="text, texts, token ids, or lists of token ids"
+    )
+    max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool = False
+    suffix: Text | None = Field(None, description="not supported")
+    best_of: int | None = Field(None, ge=1, description="only best_of == n is supported")
+
+
+class ContentPart(_Body):
+    type: Text
+    text: Text | None = None
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
+
+
+class ResponseFormat(_Body):
+    type: Text
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX, description="deprecated by OpenAI")
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = Field(None, description="not supported: must be empty")
+    tool_choice: str | dict[str, Any] | None = None
+
+
+class TokenizeRequest(_Body):
+    """Exactly one of `prompt` (text) and `messages` (rendered with the chat template)."""
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = Field(None, description="default: true for prompt, false for messages")
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: Text | None = None
+    tokens: list[int]

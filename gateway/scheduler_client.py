@@ -1,0 +1,69 @@
+"""The gateway's gRPC client of the scheduler: one channel, short deadlines, fast reconnects."""
+
+from __future__ import annotations
+
+import grpc
+
+from gateway.errors import APIError, from_grpc
+from llmesh.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.grpc_server import channel_options
+
+# gRPC backs off up to 120 s between reconnect attempts by default; a gateway in front
+# of a restarting scheduler should notice it is back within a couple of seconds.
+_RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+
+class SchedulerClient:
+    """Thin async wrapper; every failure surfaces as an APIError (503 when the scheduler is gone)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel: grpc.aio.Channel | None = None
+        self._scheduler: generation_pb2_grpc.SchedulerStub | None = None
+        self._registry: worker_pb2_grpc.RegistryStub | None = None
+
+    async def start(self) -> None:
+        """Open the channel (lazily connected); must run inside the serving event loop."""
+        self._channel = grpc.aio.insecure_channel(
+            self.address, options=channel_options() + _RECONNECT_OPTIONS
+        )
+        self._scheduler = generation_pb2_grpc.SchedulerStub(self._channel)
+        self._registry = worker_pb2_grpc.RegistryStub(self._channel)
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+    @property
+    def scheduler(self) -> generation_pb2_grpc.SchedulerStub:
+        if self._scheduler is None:
+            raise APIError(
+                503, "The gateway is not connected to a scheduler yet.", code="service_unavailable"
+            )
+        return self._scheduler
+
+    async def model_info(self, timeout: float) -> generation_pb2.ModelInfo:
+        try:
+            return await self.scheduler.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=timeout)
+        except grpc.RpcError as e:
+            raise from_grpc(e, self.address) from e
+
+    async def stats(self, timeout: float) -> worker_pb2.SchedulerStats:
+        if self._registry is None:
+            raise APIError(
+                503, "The gateway is not connected to a scheduler yet.", code="service_unavailable"
+            )
+        try:
+            return await self._registry.GetStats(worker_pb2.GetStatsRequest(), timeout=timeout)
+        except grpc.RpcError as e:
+            raise from_grpc(e, self.address) from e
+
+    def generate(self, request: generation_pb2.GenerateRequest, timeout: float) -> grpc.aio.UnaryStreamCall:
+        """Start a Generate stream; cancel() on the returned call aborts the request upstream."""
+        # wait_for_ready=False: with the scheduler down, fail at once (503) instead of queueing.
+        return self.scheduler.Generate(request, timeout=timeout, wait_for_ready=False)

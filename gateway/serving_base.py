@@ -1,0 +1,146 @@
+"""What chat and completions share: running generations, usage, streaming and whole responses."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway.errors import APIError
+from gateway.generation import ChoiceDelta, Generation, TokenLogprob, merge
+from gateway.state import GatewayState
+from gateway.streaming import DONE, ClientDisconnected, SSEResponse, sse, unless_disconnected
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ChoiceResult:
+    """A whole choice, accumulated from its deltas (non-streaming responses)."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, d: ChoiceDelta) -> None:
+        self.text.append(d.text)
+        self.token_ids.extend(d.token_ids)
+        self.logprobs.extend(d.logprobs)
+        if d.finish_reason is not None:
+            self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
+
+
+def usage(gens: list[Generation]) -> dict[str, Any]:
+    prompt = sum(len(g.prompt_ids) for g in gens)
+    completion = sum(g.completion_tokens for g in gens)
+    out: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+    cached = sum(g.cached_tokens for g in gens)
+    out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
+
+
+class Run:
+    """Generations of one HTTP request, with metrics recorded exactly once when they end."""
+
+    def __init__(self, state: GatewayState, model_name: str, gens: list[Generation]) -> None:
+        self.state = state
+        self.model_name = model_name
+        self.gens = gens
+        self._closed = False
+        state.metrics.requests_active.inc()
+
+    def deltas(self) -> AsyncIterator[ChoiceDelta]:
+        return merge(self.gens)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.state.metrics.requests_active.dec()
+        for g in self.gens:
+            self.state.metrics.observe(self.model_name, g)
+
+    async def collect(self, request: Request, num_choices: int) -> list[ChoiceResult]:
+        """Run to the end (cancelled if the client leaves first)."""
+        results = [ChoiceResult(i) for i in range(num_choices)]
+
+        async def run() -> None:
+            async for d in self.deltas():
+                results[d.index].add(d)
+
+        try:
+            await unless_disconnected(request, run())
+        finally:
+            self.close()
+        return results
+
+    async def respond(self, request: Request, build: Callable[[list[ChoiceResult]], dict[str, Any]], n: int):
+        try:
+            results = await self.collect(request, n)
+        except ClientDisconnected:
+            return Response(status_code=499)  # nobody reads it; it marks the request in the metrics
+        return JSONResponse(build(results))
+
+    async def stream(
+        self,
+        request: Request,
+        head: list[bytes],
+        chunk: Callable[[ChoiceDelta], bytes | None],
+        tail: Callable[[], list[bytes]],
+    ) -> Response:
+        """SSE: `head` events, one event per delta (None = skip), `tail` events, then [DONE].
+
+        Waits for the first delta before answering, so that a request the
+        scheduler refuses (or a scheduler that is down) gets a real HTTP error
+        status instead of a 200 with an error event.
+        """
+        events = self.deltas()
+        try:
+            first = await unless_disconnected(request, anext(events, None))
+        except (APIError, ClientDisconnected) as e:
+            with contextlib.suppress(Exception):
+                await events.aclose()
+            self.close()
+            if isinstance(e, ClientDisconnected):
+                return Response(status_code=499)
+            raise
+
+        async def cleanup() -> None:
+            with contextlib.suppress(Exception):
+                await events.aclose()
+            self.close()
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                for event in head:
+                    yield event
+                if first is not None:
+                    out = chunk(first)
+                    if out is not None:
+                        yield out
+                    async for d in events:
+                        out = chunk(d)
+                        if out is not None:
+                            yield out
+                for event in tail():
+                    yield event
+            except APIError as e:  # after the 200 went out: the error travels as an event
+                yield sse(e.body())
+            finally:
+                await cleanup()  # before [DONE]: usage and metrics are final by then
+            yield DONE
+
+        # on_close: a client gone before the body even started must still cancel the calls.
+        return SSEResponse(body(), on_close=cleanup)

@@ -1,0 +1,106 @@
+"""The gateway's view of the model's tokenizer: encoding, chat templates, per-token text for logprobs."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from gateway.errors import APIError, bad_request
+from gateway.protocol import ChatMessage
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the printable char each byte was mapped to -> the byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+def message_text(msg: ChatMessage, index: int) -> str:
+    """A message's content as one string (templates take strings); only text parts exist here."""
+    if msg.content is None:
+        return ""
+    if isinstance(msg.content, str):
+        return msg.content
+    parts = []
+    for j, part in enumerate(msg.content):
+        if part.type != "text" or part.text is None:
+            raise bad_request(
+                f"messages[{index}].content[{j}]",
+                f"only text parts are supported, got type {part.type!r}",
+            )
+        parts.append(part.text)
+    return "\n".join(parts)
+
+
+class Tokenizer:
+    def __init__(self, hf: Any) -> None:
+        self.hf = hf
+        decoder = getattr(getattr(hf, "backend_tokenizer", None), "decoder", None)
+        # Byte-level BPE (GPT-2, Llama 3, SmolLM2, Qwen): token pieces spell raw bytes in a
+        # printable alphabet, so a token's exact bytes (half a UTF-8 character included) are known.
+        self._byte_level = type(decoder).__name__ == "ByteLevel"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def render_chat(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> str:
+        """The prompt text of a conversation, by the model's own chat template."""
+        if not getattr(self.hf, "chat_template", None):
+            raise APIError(400, "This model has no chat template; use /v1/completions.", param="messages")
+        if continue_final_message and add_generation_prompt:
+            raise bad_request("continue_final_message", "cannot be combined with add_generation_prompt=true")
+        if continue_final_message and messages[-1].role != "assistant":
+            raise bad_request("continue_final_message", "the last message must be the assistant's")
+        conv = []
+        for i, m in enumerate(messages):
+            item: dict[str, Any] = {"role": m.role, "content": message_text(m, i)}
+            if m.name:
+                item["name"] = m.name
+            conv.append(item)
+        try:
+            # tokenize=False: in transformers 5 tokenize=True returns a BatchEncoding.
+            return self.hf.apply_chat_template(
+                conv,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+            )
+        except Exception as e:  # a template's raise_exception(): the conversation is at fault
+            raise bad_request("messages", f"the chat template rejected the conversation: {e}") from e
+
+    def encode_chat(self, messages: list[ChatMessage], **kw: bool) -> list[int]:
+        # The template already wrote BOS and the like; adding special tokens would double them.
+        return self.encode(self.render_chat(messages, **kw), add_special_tokens=False)
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 - one Tokenizer per process, bounded
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes a token stands for (for logprobs' `bytes`)."""
+        if self._byte_level:
+            piece = self.hf.convert_ids_to_tokens(token_id)
+            table = _byte_decoder()
+            if piece is not None and all(ch in table for ch in piece):
+                return bytes(table[ch] for ch in piece)
+            if piece is not None:
+                return piece.encode()  # added / special tokens are stored as plain text
+        return self.decode([token_id], skip_special_tokens=False).encode()
+
+    def token_text(self, token_id: int) -> str:
+        """A token as text for logprobs; a partial UTF-8 character shows as U+FFFD, as in vLLM."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
