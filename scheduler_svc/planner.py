@@ -231,13 +231,17 @@ class Planner:
             return FinishReason.LENGTH
         return None
 
-    def _finish(self, req: Request, reason: FinishReason) -> None:
+    def _release(self, req: Request, tell_worker: list[str]) -> None:
+        """Take a request off the running list, free its blocks, queue a drop for the worker."""
         if req in self.running:
             self.running.remove(req)
         self.blocks.free_seq(req.request_id)
         if req.request_id in self._on_worker:
             self._on_worker.discard(req.request_id)
-            self._to_drop.append(req.request_id)
+            tell_worker.append(req.request_id)
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        self._release(req, self._to_drop)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         del self.requests[req.request_id]
@@ -248,11 +252,7 @@ class Planner:
         return candidates[-1]
 
     def _preempt(self, req: Request) -> None:
-        self.running.remove(req)
-        self.blocks.free_seq(req.request_id)
-        if req.request_id in self._on_worker:
-            self._on_worker.discard(req.request_id)
-            self._to_preempt.append(req.request_id)
+        self._release(req, self._to_preempt)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
