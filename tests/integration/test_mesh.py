@@ -194,14 +194,25 @@ def test_worker_killed_mid_generation_loses_no_request(tmp_path, reference):
         s = wait_blocks_free(m.scheduler.address)
         assert s.failovers > 0 and len(s.workers) == 1
 
-        # SIGTERM drains: an in-flight request still completes, then the scheduler exits 0.
-        req = g.GenerateRequest(
-            prompt_text=PROMPTS[0], sampling_params=g.SamplingParams(temperature=0, max_tokens=16)
-        )
-        call = stub(m.scheduler.address).Generate(req, timeout=300)
-        tokens = list(next(call).token_ids)
-        os.kill(m.scheduler.proc.pid, signal.SIGTERM)
-        for resp in call:
-            tokens.extend(resp.token_ids)
-        assert tokens == reference[PROMPTS[0]]
-        assert m.scheduler.proc.wait(60) == 0
+        # The last worker gone too: callers get UNAVAILABLE, and the scheduler stays up.
+        m.workers[[w.name for w in m.workers].index(victim.name) ^ 1].proc.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while stats(m.scheduler.address).workers and time.monotonic() < deadline:
+            time.sleep(0.2)
+        with pytest.raises(grpc.RpcError) as e:
+            generate(m.scheduler.address, "Hello", max_tokens=2)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_zero(mesh, reference):
+    """Runs last: it stops the module's scheduler."""
+    req = g.GenerateRequest(
+        prompt_text=PROMPTS[0], sampling_params=g.SamplingParams(temperature=0, max_tokens=16)
+    )
+    call = stub(mesh.scheduler.address).Generate(req, timeout=300)
+    tokens = list(next(call).token_ids)
+    os.kill(mesh.scheduler.proc.pid, signal.SIGTERM)
+    for resp in call:
+        tokens.extend(resp.token_ids)
+    assert tokens == reference[PROMPTS[0]]
+    assert mesh.scheduler.proc.wait(60) == 0
