@@ -1,15 +1,23 @@
 """The model runner: executes step plans against the model and the paged KV cache.
 
-Stateful by design (ARCHITECTURE principle 3): it keeps every running sequence's
-tokens, block table and sampling parameters, so a plan only says what changed.
+Stateful by design (ARCHITECTURE principle 3): it keeps every running sequence's tokens, block
+table and sampling parameters, so a plan only says what changed.
+
+Per step the host work is vectorised: each sequence holds a row of a host block table (numpy)
+that is filled as blocks arrive, positions and slots come from numpy over the whole batch, and
+all integer inputs reach the device in one non-blocking copy. On CUDA with the Triton backend
+pure-decode steps replay CUDA graphs (`worker_svc.cuda_graphs`); the only host sync of a step is
+the sampler's copy of the sampled ids.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from services.sampling_params import SamplingParams
@@ -31,6 +39,107 @@ class SequenceState:
     block_ids: list[int]
     num_computed_tokens: int
     params: SamplingParams
+    seq_id: str = ""
+    row: int = -1  # this sequence's row of the runner's host block table
+    sampling_row: SamplingRow | None = None  # cached (live views) when no penalty needs copies
+
+
+class _TokenSpan(Sequence[int]):
+    """A live, copy-free view of `tokens[start:]` (the output tokens of a growing sequence)."""
+
+    __slots__ = ("_start", "_tokens")
+
+    def __init__(self, tokens: list[int], start: int) -> None:
+        self._tokens = tokens
+        self._start = start
+
+    def __len__(self) -> int:
+        return len(self._tokens) - self._start
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def, override]
+        return self._tokens[self._start :][i]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._tokens[self._start :])
+
+
+def _uses_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _round16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+class _BlockTableRows:
+    """One row per live sequence of a host int32 block table, filled incrementally."""
+
+    def __init__(self, width: int, rows: int = 64) -> None:
+        self.table = np.zeros((rows, width), dtype=np.int32)
+        self.lens = np.zeros(rows, dtype=np.int64)
+        self.free = list(range(rows - 1, -1, -1))
+
+    def alloc(self, block_ids: list[int]) -> int:
+        if not self.free:
+            old = self.table.shape[0]
+            self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+            self.lens = np.concatenate([self.lens, np.zeros_like(self.lens)])
+            self.free = list(range(2 * old - 1, old - 1, -1))
+        row = self.free.pop()
+        self.append(row, block_ids)
+        return row
+
+    def append(self, row: int, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        start = int(self.lens[row])
+        end = start + len(block_ids)
+        if end > self.table.shape[1]:
+            grown = np.zeros(
+                (self.table.shape[0], _round16(max(end, 2 * self.table.shape[1]))), dtype=np.int32
+            )
+            grown[:, : self.table.shape[1]] = self.table
+            self.table = grown
+        self.table[row, start:end] = block_ids
+        self.lens[row] = end
+
+    def release(self, row: int) -> None:
+        # Zero the row so that a later occupant's unread tail holds valid block ids (0).
+        self.table[row, : int(self.lens[row])] = 0
+        self.lens[row] = 0
+        self.free.append(row)
+
+    def clear(self) -> None:
+        self.table[:] = 0
+        self.lens[:] = 0
+        self.free = list(range(self.table.shape[0] - 1, -1, -1))
+
+
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
+_ALIGN = 64  # bytes: Triton specialises pointer arguments on 16-byte alignment
+
+
+def pack_to_device(arrays: list[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
+    """`arrays` (int32/int64) as views into one device buffer filled by a single copy.
+
+    The copy is non-blocking from pageable memory: the driver stages the bytes before returning
+    and waits for no queued kernel, so the host buffer may be dropped at once. Each array starts
+    on a 64-byte boundary, so its pointer alignment (which Triton specialises on) never varies.
+    """
+    offsets = []
+    total = 0
+    for a in arrays:
+        total = -(-total // _ALIGN) * _ALIGN
+        offsets.append(total)
+        total += a.nbytes
+    blob = np.empty(max(total, _ALIGN), dtype=np.uint8)
+    for a, off in zip(arrays, offsets, strict=True):
+        blob[off : off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    dev = torch.from_numpy(blob).to(device, non_blocking=True)
+    return [
+        dev[off : off + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
+        for a, off in zip(arrays, offsets, strict=True)
+    ]
 
 
 def make_backend(name: str, device: torch.device):
@@ -73,6 +182,19 @@ class ModelRunner:
         self.fingerprint = hashlib.sha256(model_fingerprint(self.model_path) + layout.encode()).digest()
         self.sampler = Sampler(mc.vocab_size, self.device, seed=config.seed)
         self.seqs: dict[str, SequenceState] = {}
+        bs = config.block_size
+        # Block-table widths are kept multiples of 16: Triton specialises integer arguments (the
+        # table's row stride among them) on divisibility by 16, so varying widths would compile
+        # new kernel variants mid-run.
+        self.max_blocks_per_seq = _round16((self.max_model_len + bs - 1) // bs)
+        self._tables = _BlockTableRows(self.max_blocks_per_seq, rows=max(config.max_num_seqs, 1))
+        self._eos = list(mc.eos_token_ids)
+        self._graphs = None
+        if self.device.type == "cuda" and self.backend.name == "triton" and not config.enforce_eager:
+            from worker_svc.cuda_graphs import DecodeGraphs, capture_sizes
+
+            self._graphs = DecodeGraphs(self, capture_sizes(config.max_num_seqs))
+            self._graphs.capture()
         log.info("model runner ready", extra={"blocks": self.num_kv_blocks, "device": str(self.device)})
 
     def _kv_budget(self, spec: KVCacheSpec) -> int:
@@ -97,20 +219,30 @@ class ModelRunner:
         )
 
     # ----- state -----
-    def _apply(self, plan: StepPlan) -> list[tuple[str, int]]:
+    def _apply(self, plan: StepPlan) -> list[tuple[SequenceState, int]]:
         for seq_id in plan.finished_ids + plan.preempted_ids:
-            self.seqs.pop(seq_id, None)
-        order: list[tuple[str, int]] = []
+            self._drop(seq_id)
+        order: list[tuple[SequenceState, int]] = []
         for new in plan.new_seqs:
-            self.seqs[new.seq_id] = self._state_of(new)
-            order.append((new.seq_id, new.num_new_tokens))
+            self._drop(new.seq_id)
+            st = self._state_of(new)
+            st.row = self._tables.alloc(st.block_ids)
+            self.seqs[new.seq_id] = st
+            order.append((st, new.num_new_tokens))
         for s in plan.scheduled:
-            state = self.seqs.get(s.seq_id)
-            if state is None:
+            st = self.seqs.get(s.seq_id)
+            if st is None:
                 raise KeyError(f"plan schedules unknown sequence {s.seq_id!r}")
-            state.block_ids.extend(s.new_block_ids)
-            order.append((s.seq_id, s.num_new_tokens))
+            if s.new_block_ids:
+                st.block_ids.extend(s.new_block_ids)
+                self._tables.append(st.row, s.new_block_ids)
+            order.append((st, s.num_new_tokens))
         return order
+
+    def _drop(self, seq_id: str) -> None:
+        st = self.seqs.pop(seq_id, None)
+        if st is not None and st.row >= 0:
+            self._tables.release(st.row)
 
     @staticmethod
     def _state_of(new: NewSequence) -> SequenceState:
@@ -120,10 +252,22 @@ class ModelRunner:
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
             params=new.sampling_params,
+            seq_id=new.seq_id,
         )
 
     def drop_all(self) -> None:
         self.seqs.clear()
+        self._tables.clear()
+
+    # ----- host -> device -----
+    def upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """Tensors on the runner's device equal to `arrays` (int32/int64 numpy).
+
+        On CPU they share the arrays' memory; on CUDA they arrive in one non-blocking copy.
+        """
+        if self.device.type != "cuda":
+            return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+        return pack_to_device(arrays, self.device)
 
     # ----- execution -----
     @torch.inference_mode()
@@ -133,70 +277,102 @@ class ModelRunner:
         if not order:
             return result
         bs = self.config.block_size
+        n = len(order)
+        starts = np.empty(n, dtype=np.int64)
+        query_lens = np.empty(n, dtype=np.int64)
+        rows = np.empty(n, dtype=np.int64)
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        sample_rows: list[int] = []  # flat index of the last token of sequences that sample
-        sampling: list[str] = []
-        for seq_id, num_new in order:
-            st = self.seqs[seq_id]
-            start, end = st.num_computed_tokens, st.num_computed_tokens + num_new
+        sample_rows: list[int] = []  # index in the batch of the sequences that sample
+        sampling: list[SequenceState] = []
+        pure_decode = True
+        for i, (st, num_new) in enumerate(order):
+            start = st.num_computed_tokens
+            end = start + num_new
             if end > len(st.token_ids) or end > len(st.block_ids) * bs:
-                raise ValueError(f"sequence {seq_id!r}: {end} tokens exceed its tokens or blocks")
-            input_ids.extend(st.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(st.block_ids[p // bs] * bs + p % bs for p in range(start, end))
-            query_lens.append(num_new)
-            seq_lens.append(end)
-            tables.append(st.block_ids)
+                raise ValueError(f"sequence {st.seq_id!r}: {end} tokens exceed its tokens or blocks")
+            starts[i] = start
+            query_lens[i] = num_new
+            rows[i] = st.row
+            if num_new == 1:
+                input_ids.append(st.token_ids[start])
+            else:
+                pure_decode = False
+                input_ids.extend(st.token_ids[start:end])
             if end == len(st.token_ids):
-                sample_rows.append(len(input_ids) - 1)
-                sampling.append(seq_id)
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
-            self.kv_caches,
-            self._metadata(slots, query_lens, seq_lens, tables),
-        )
-        for seq_id, num_new in order:
-            self.seqs[seq_id].num_computed_tokens += num_new
+                sample_rows.append(i)
+                sampling.append(st)
+        seq_lens = starts + query_lens
+        max_seq_len = int(seq_lens.max())
+        table = self._tables.table
+        width = min(_round16((max_seq_len + bs - 1) // bs), table.shape[1])
+        tables = table[rows, :width]  # fancy indexing: a fresh contiguous copy
+        ids = np.asarray(input_ids, dtype=np.int64)
+        if pure_decode:
+            positions = starts
+            token_rows = rows
+        else:
+            qsl = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(query_lens, out=qsl[1:])
+            num_tokens = int(qsl[-1])
+            positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - qsl[:-1], query_lens)
+            token_rows = np.repeat(rows, query_lens)
+        slots = table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+
+        graphs = self._graphs
+        if pure_decode and graphs is not None and n <= graphs.max_size and width <= graphs.width:
+            hidden = graphs.run(ids, positions, slots, seq_lens.astype(np.int32), tables)
+            all_sample = len(sample_rows) == n
+            last_rows = None if all_sample else np.asarray(sample_rows, dtype=np.int64)
+            sample_index = None if all_sample else self.upload([last_rows])[0]
+        else:
+            if pure_decode:
+                qsl = np.arange(n + 1, dtype=np.int64)
+            last = qsl[1:][sample_rows] - 1 if sample_rows else np.zeros(0, dtype=np.int64)
+            all_sample = pure_decode and len(sample_rows) == n
+            d_ids, d_pos, d_slots, d_last, d_qsl, d_lens, d_tables = self.upload(
+                [ids, positions, slots, last, qsl.astype(np.int32), seq_lens.astype(np.int32), tables]
+            )
+            meta = AttentionMetadata(
+                slot_mapping=d_slots,
+                query_start_loc=d_qsl,
+                seq_lens=d_lens,
+                block_tables=d_tables,
+                max_query_len=int(query_lens.max()),
+                max_seq_len=max_seq_len,
+                query_lens_cpu=query_lens.tolist(),
+                seq_lens_cpu=seq_lens.tolist(),
+            )
+            hidden = self.model(d_ids, d_pos, self.kv_caches, meta)
+            sample_index = None if all_sample else d_last
+        for st, num_new in order:
+            st.num_computed_tokens += num_new
         if not sampling:
             return result
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        rows = [self._sampling_row(self.seqs[s]) for s in sampling]
-        token_ids, logprobs = self.sampler.sample(logits, rows)
-        for seq_id, token_id in zip(sampling, token_ids, strict=True):
-            self.seqs[seq_id].token_ids.append(token_id)
-        result.seq_ids, result.token_ids, result.logprobs = sampling, token_ids, logprobs
+        picked = hidden if sample_index is None else hidden[sample_index]
+        logits = self.model.compute_logits(picked)
+        token_ids, logprobs = self.sampler.sample(logits, [self._sampling_row(st) for st in sampling])
+        seq_ids = [st.seq_id for st in sampling]
+        for st, token_id in zip(sampling, token_ids, strict=True):
+            st.token_ids.append(token_id)
+        result.seq_ids, result.token_ids, result.logprobs = seq_ids, token_ids, logprobs
         return result
 
     def _sampling_row(self, st: SequenceState) -> SamplingRow:
-        return SamplingRow(
+        if st.sampling_row is not None:
+            return st.sampling_row
+        if _uses_penalties(st.params):
+            # Penalties read every token: plain list copies, made only for these rows.
+            return SamplingRow(
+                params=st.params,
+                prompt_token_ids=st.token_ids[: st.num_prompt_tokens],
+                output_token_ids=st.token_ids[st.num_prompt_tokens :],
+                eos_token_ids=self._eos,
+            )
+        # Otherwise the sampler needs only the number of output tokens: a live view, made once.
+        st.sampling_row = SamplingRow(
             params=st.params,
-            prompt_token_ids=st.token_ids[: st.num_prompt_tokens],
-            output_token_ids=st.token_ids[st.num_prompt_tokens :],
-            eos_token_ids=self.model_config.eos_token_ids,
+            prompt_token_ids=[],
+            output_token_ids=_TokenSpan(st.token_ids, st.num_prompt_tokens),  # type: ignore[arg-type]
+            eos_token_ids=self._eos,
         )
-
-    def _metadata(
-        self, slots: list[int], query_lens: list[int], seq_lens: list[int], tables: list[list[int]]
-    ) -> AttentionMetadata:
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        starts = [0]
-        for q in query_lens:
-            starts.append(starts[-1] + q)
-        dev = self.device
-        return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-        )
+        return st.sampling_row

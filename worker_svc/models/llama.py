@@ -15,6 +15,10 @@ the context length.
 Projections are merged as in vLLM: q/k/v into one `qkv_proj` and gate/up into one
 `gate_up_proj`, fewer and larger matmuls. `load_weights` takes Hugging Face's
 unmerged names and copies each into its slice.
+
+The norms and rotary follow the attention backend: with the Triton backend they run the
+Triton kernels (fused residual-add + RMSNorm, in-place rotary; on CPU tensors under Triton's
+interpreter), otherwise their plain-PyTorch twins from `kernels.reference`.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.reference import rms_norm, rotary_embedding
+from kernels import reference
 from worker_svc.attention.base import AttentionBackend, AttentionMetadata
 from worker_svc.models.config import ModelConfig
 
@@ -59,6 +63,16 @@ def compute_inv_freq(config: ModelConfig) -> torch.Tensor:
     raise NotImplementedError(f"rope type {rope_type!r}")
 
 
+def _rotary_in_place(kernel):  # type: ignore[no-untyped-def]
+    """The Triton rotary, writing into q and k (views into the fused qkv output) when it can."""
+
+    def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cache: torch.Tensor):  # type: ignore[no-untyped-def]
+        inplace = q.stride(-1) == 1 and k.stride(-1) == 1
+        return kernel(positions, q, k, cache, inplace=inplace)
+
+    return rotary
+
+
 class RotaryEmbedding(nn.Module):
     """Holds the [max_pos, head_dim] cos|sin cache that `rotary_embedding` indexes by position.
 
@@ -72,6 +86,7 @@ class RotaryEmbedding(nn.Module):
         self.config = config
         # Built on the default device, so constructing under `torch.device("meta")` costs nothing.
         self.register_buffer("cos_sin_cache", self._build(torch.get_default_device()), persistent=False)
+        self.kernel = reference.rotary_embedding
 
     def _build(self, device: torch.device) -> torch.Tensor:
         if device.type == "meta":
@@ -89,7 +104,7 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return rotary_embedding(positions, q, k, self.cos_sin_cache)
+        return self.kernel(positions, q, k, self.cos_sin_cache)
 
 
 class RMSNorm(nn.Module):
@@ -97,11 +112,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.kernel = reference.rms_norm
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return rms_norm(x, self.weight, self.eps, residual)
+        return self.kernel(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -196,12 +212,28 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+        self._select_kernels(backend)
 
     def set_backend(self, backend: AttentionBackend) -> None:
         """Swap the attention implementation (e.g. torch reference ↔ Triton) in every layer."""
         self.backend = backend
         for layer in self.layers:
             layer.self_attn.backend = backend
+        self._select_kernels(backend)
+
+    def _select_kernels(self, backend: AttentionBackend) -> None:
+        """Norm and rotary kernels to match the attention backend (see the module doc)."""
+        if getattr(backend, "name", None) == "triton":
+            import kernels.triton as kt
+
+            norm, rotary = kt.rms_norm, _rotary_in_place(kt.rotary_embedding)
+        else:
+            norm, rotary = reference.rms_norm, reference.rotary_embedding
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.kernel = norm
+            elif isinstance(module, RotaryEmbedding):
+                module.kernel = rotary
 
     def forward(
         self,

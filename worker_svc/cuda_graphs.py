@@ -1,0 +1,149 @@
+"""Pure-decode steps replayed from CUDA graphs captured once per batch size.
+
+A decode step of a large model is a few hundred small kernels; launched one by one from
+Python they cost more host time than the GPU spends on them at small batches. So at start
+the runner records the whole model forward (not the sampler) for each capture size
+(1, 2, 4, 8, ... up to max_num_seqs) into a CUDA graph over persistent input buffers, and
+a decode batch of n sequences replays the smallest graph of size >= n:
+
+* inputs go to fixed addresses: token ids, positions and slots in one [3, B_max] int64
+  buffer, context lengths in [B_max] int32, the block table in [B_max, max_blocks] int32,
+  `query_start_loc` = arange (a decode has one query per sequence) set once;
+* padding rows (n <= row < B) get slot -1, which the Triton KV write skips, context length
+  1 and block 0: they read one finite cached value and write nothing;
+* the attention's host-side choices are frozen at capture: one query per sequence and the
+  split-K segment count for the longest context (`max_seq_len = max_model_len`); the kernel
+  divides each sequence's own context among the segments, so any shorter context is right.
+
+Only the Triton attention backend is capturable (the reference backend reads host lists of
+lengths that change every step). With `capture=False` the same padded, static-buffer path
+runs eagerly: that is how the CPU tests check the padding logic without a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from worker_svc.attention.base import AttentionMetadata
+
+if TYPE_CHECKING:
+    from worker_svc.runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Powers of two up to `max_num_seqs`, plus `max_num_seqs` itself: [1, 2, 4, ..., max]."""
+    sizes = []
+    b = 1
+    while b < max_num_seqs:
+        sizes.append(b)
+        b *= 2
+    sizes.append(max_num_seqs)
+    return sizes
+
+
+class DecodeGraphs:
+    def __init__(self, runner: ModelRunner, sizes: list[int], capture: bool = True) -> None:
+        self.runner = runner
+        self.sizes = sorted(set(sizes))
+        self.max_size = self.sizes[-1]
+        self.capture_enabled = capture
+        dev = runner.device
+        b = self.max_size
+        self.width = runner.max_blocks_per_seq
+        # Row 0: token ids, row 1: positions, row 2: slots (-1: padding, not written).
+        self.i64 = torch.zeros((3, b), dtype=torch.long, device=dev)
+        self.i64[2].fill_(-1)
+        self.seq_lens = torch.ones(b, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros((b, self.width), dtype=torch.int32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.capture_seconds = 0.0
+
+    def padded_size(self, n: int) -> int:
+        for b in self.sizes:
+            if b >= n:
+                return b
+        raise ValueError(f"decode batch of {n} exceeds the largest capture size {self.max_size}")
+
+    def _meta(self, b: int) -> AttentionMetadata:
+        max_len = self.runner.max_model_len
+        return AttentionMetadata(
+            slot_mapping=self.i64[2, :b],
+            query_start_loc=self.query_start_loc[: b + 1],
+            seq_lens=self.seq_lens[:b],
+            block_tables=self.block_tables[:b],
+            max_query_len=1,
+            max_seq_len=max_len,  # split-K sized for the longest context the graph may see
+            query_lens_cpu=[1] * b,
+            seq_lens_cpu=[max_len] * b,
+        )
+
+    def _forward(self, b: int) -> torch.Tensor:
+        r = self.runner
+        return r.model(self.i64[0, :b], self.i64[1, :b], r.kv_caches, self._meta(b))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Warm up (compiles the Triton kernels of each shape) and capture every size, largest
+        first so that the smaller graphs reuse the larger ones' memory from the shared pool."""
+        if not self.capture_enabled:
+            return
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        # Capture inputs are padding rows throughout: nothing is written to the KV cache.
+        for b in reversed(self.sizes):
+            for _ in range(2):
+                self._forward(b)
+            torch.cuda.synchronize(self.runner.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self._forward(b)
+            self.graphs[b] = graph
+            self.outputs[b] = out
+        torch.cuda.synchronize(self.runner.device)
+        self.capture_seconds = time.perf_counter() - t0
+        log.info("captured %d decode graphs in %.1f s", len(self.sizes), self.capture_seconds)
+
+    def run(
+        self,
+        ids: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        seq_lens: np.ndarray,
+        tables: np.ndarray,
+    ) -> torch.Tensor:
+        """Hidden states [n, hidden] of a decode batch of n = len(ids) sequences.
+
+        `tables` is [n, w] with w the widest block count this step; columns beyond w in the
+        static table keep stale values that no sequence reads (it stops at its own length).
+        """
+        n = ids.shape[0]
+        b = self.padded_size(n)
+        w = tables.shape[1]
+        i64 = np.zeros((3, b), dtype=np.int64)
+        i64[0, :n] = ids
+        i64[1, :n] = positions
+        i64[2, :n] = slots
+        i64[2, n:] = -1
+        lens = np.ones(b, dtype=np.int32)
+        lens[:n] = seq_lens
+        bt = np.zeros((b, w), dtype=np.int32)
+        bt[:n] = tables
+        d_i64, d_lens, d_bt = self.runner.upload([i64, lens, bt])
+        self.i64[:, :b].copy_(d_i64)
+        self.seq_lens[:b].copy_(d_lens)
+        self.block_tables[:b, :w].copy_(d_bt)
+        if b in self.graphs:
+            self.graphs[b].replay()
+            out = self.outputs[b]
+        else:
+            out = self._forward(b)
+        return out[:n]
