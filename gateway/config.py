@@ -11,7 +11,7 @@ from services.config import option
 class GatewayConfig:
     """The OpenAI-compatible HTTP gateway: a gRPC client of the scheduler."""
 
-    host: str = option("127.0.0.1", help="address to bind; 0.0.0.0 / :: expose it beyond this machine")
+    host: str = option("127.0.0.1", help="address to bind; a wildcard address exposes it beyond this machine")
     port: int = option(8000, help="HTTP port; 0 = any free port")
     scheduler: str = option("127.0.0.1:50051", help="scheduler host:port (llmesh.v1.Scheduler)")
     api_key: str | None = option(None, help="clients must send `Authorization: Bearer KEY` (all but /health)")

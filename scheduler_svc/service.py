@@ -12,9 +12,8 @@ from llmesh.v1 import generation_pb2_grpc, worker_pb2_grpc
 from scheduler_svc.mesh import LinkBroken, Mesh, MeshConfig
 from scheduler_svc.planner import PlannerConfig
 from scheduler_svc.servicer import ModelCard, RegistryServicer, SchedulerServicer
-from services.config import load_config, option
-from services.grpc_server import GrpcServer, ServerConfig, Service, serve
-from services.logging_setup import setup_logging
+from services.config import option
+from services.grpc_server import GrpcServer, ServerConfig, Service, serve, service_main
 
 log = logging.getLogger(__name__)
 
@@ -108,13 +107,7 @@ async def run(config: SchedulerServiceConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = load_config(SchedulerServiceConfig, argv, service="scheduler", prog="llmesh scheduler")
-    setup_logging("scheduler", config.log_level)
-    try:
-        asyncio.run(run(config))
-    except KeyboardInterrupt:
-        pass
-    return 0
+    return service_main(SchedulerServiceConfig, run, "scheduler", argv)
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ class ServerConfig:
     """gRPC server settings; service configs subclass this to inherit the flags."""
 
     host: str = option(
-        "127.0.0.1", help="address to bind; 127.0.0.1 keeps it private, 0.0.0.0 / :: expose it"
+        "127.0.0.1", help="address to bind; 127.0.0.1 keeps it private, a wildcard address exposes it"
     )
     port: int = option(0, help="port to bind; 0 = any free port (the bound port is logged)")
     shutdown_grace_s: float = option(
@@ -373,3 +373,17 @@ async def serve(
         await server.run_until_stopped()
     finally:
         await server.stop()
+
+
+def service_main(
+    config_cls: type, run: Callable[[Any], Awaitable[None]], service: str, argv: Sequence[str] | None = None
+) -> int:
+    """A gRPC service's `main`: config from flags/env, JSON logs, run until drained, exit 0."""
+    from services.config import load_config
+    from services.logging_setup import setup_logging
+
+    config = load_config(config_cls, argv, service=service, prog=f"llmesh {service}")
+    setup_logging(service, config.log_level)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(run(config))
+    return 0

@@ -13,9 +13,16 @@ from dataclasses import dataclass
 import grpc
 
 from llmesh.v1 import worker_pb2, worker_pb2_grpc
-from services.config import load_config, option
-from services.grpc_server import GrpcServer, ServerConfig, Service, host_port, insecure_channel, serve
-from services.logging_setup import setup_logging
+from services.config import option
+from services.grpc_server import (
+    GrpcServer,
+    ServerConfig,
+    Service,
+    host_port,
+    insecure_channel,
+    serve,
+    service_main,
+)
 from worker_svc.config import WorkerConfig
 from worker_svc.runner import ModelRunner
 from worker_svc.servicer import WorkerServicer
@@ -82,13 +89,7 @@ async def run(config: WorkerServiceConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = load_config(WorkerServiceConfig, argv, service="worker", prog="llmesh worker")
-    setup_logging("worker", config.log_level)
-    try:
-        asyncio.run(run(config))
-    except KeyboardInterrupt:
-        pass
-    return 0
+    return service_main(WorkerServiceConfig, run, "worker", argv)
 
 
 if __name__ == "__main__":
