@@ -5,7 +5,7 @@ transformers runs static batches of the same requests in order (left padding,
 each batch generating until its longest request's max_tokens); both are credited
 with exactly the requested output tokens.
 
-    .venv/bin/python benchmarks/offline_throughput.py [--num-requests 64] [--hf-batch-size 16]
+    .venv/bin/python benchmarks/offline_throughput.py [--num-requests 64] [--hf-batch-size 16 64]
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF folder (default: embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--hf-batch-size", type=int, default=16)
+    ap.add_argument("--hf-batch-size", type=int, nargs="+", default=[16, 64], help="one run per batch size")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
@@ -111,12 +111,13 @@ def main() -> None:
     rows.append(("llmesh", dt, toks))
     if not args.skip_transformers:
         tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-        dt, toks = bench_transformers(path, reqs, args.hf_batch_size, tdtype, args.device)
-        rows.append((f"transformers (batch {args.hf_batch_size})", dt, toks))
-    base = rows[-1][1]
-    print(f"\n{'engine':<28}{'time s':>9}{'req/s':>9}{'out tok/s':>11}{'speed-up':>10}")
+        for batch_size in args.hf_batch_size:
+            dt, toks = bench_transformers(path, reqs, batch_size, tdtype, args.device)
+            rows.append((f"transformers (batch {batch_size})", dt, toks))
+    ours = rows[0][1]
+    print(f"\n{'engine':<28}{'time s':>9}{'req/s':>9}{'out tok/s':>11}{'llmesh is':>11}")
     for name, dt, toks in rows:
-        print(f"{name:<28}{dt:>9.2f}{len(reqs) / dt:>9.2f}{toks / dt:>11.1f}{base / dt:>9.2f}x")
+        print(f"{name:<28}{dt:>9.2f}{len(reqs) / dt:>9.2f}{toks / dt:>11.1f}{dt / ours:>10.2f}x")
 
 
 if __name__ == "__main__":
