@@ -526,23 +526,10 @@ def hf_throughput(
     model = model.to(device=args.device, dtype=dtype).eval()
     pad = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else 0
 
+    from benchmarks.offline_throughput import hf_static_batch
+
     def run_batch(batch, model=model) -> None:
-        width = max(len(p) for p, _ in batch)
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, (p, _) in enumerate(batch):
-            ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, width - len(p) :] = 1
-        new = max(o for _, o in batch)
-        with torch.inference_mode():
-            model.generate(
-                input_ids=ids.to(args.device),
-                attention_mask=mask.to(args.device),
-                max_new_tokens=new,
-                min_new_tokens=new,
-                do_sample=False,
-                pad_token_id=pad,
-            )
+        hf_static_batch(model, batch, pad, args.device)
 
     run_batch([(reqs[0][0][:64], 4)] * 2)  # warm-up
     n_req = min(max(n_req, batch_size), len(reqs))

@@ -41,6 +41,27 @@ def bench_llmesh(model_path: str, reqs, dtype: str, device: str, **engine_kw) ->
     return dt, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
+def hf_static_batch(model, batch: list[tuple[list[int], int]], pad: int, device: str) -> None:
+    """One static batch through transformers.generate: left padding, every row generating the
+    batch's longest max_tokens (as a static-batch server must)."""
+    width = max(len(p) for p, _ in batch)
+    ids = torch.full((len(batch), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for i, (p, _) in enumerate(batch):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    new = max(o for _, o in batch)
+    with torch.inference_mode():
+        model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=pad,
+        )
+
+
 def bench_transformers(model_path: str, reqs, batch_size: int, dtype: torch.dtype, device: str):
     from transformers import AutoModelForCausalLM
 
@@ -50,28 +71,10 @@ def bench_transformers(model_path: str, reqs, batch_size: int, dtype: torch.dtyp
     model.eval()
     pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0
 
-    def run_batch(batch):
-        width = max(len(p) for p, _ in batch)
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, (p, _) in enumerate(batch):
-            ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, width - len(p) :] = 1
-        new = max(o for _, o in batch)
-        with torch.inference_mode():
-            model.generate(
-                input_ids=ids.to(device),
-                attention_mask=mask.to(device),
-                max_new_tokens=new,
-                min_new_tokens=new,
-                do_sample=False,
-                pad_token_id=pad,
-            )
-
-    run_batch(reqs[:2])  # warm-up
+    hf_static_batch(model, reqs[:2], pad, device)  # warm-up
     t0 = time.perf_counter()
     for i in range(0, len(reqs), batch_size):
-        run_batch(reqs[i : i + batch_size])
+        hf_static_batch(model, reqs[i : i + batch_size], pad, device)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     return time.perf_counter() - t0, sum(o for _, o in reqs)
