@@ -52,6 +52,9 @@ class BlockManager:
         self.cached: dict[bytes, int] = {}  # content key -> block id
         self.tables: dict[str, BlockTable] = {}
         self.stats = PrefixCacheStats()
+        # (block id, key) registered since the last take_newly_keyed(): the planner ties them to
+        # the plan that computes them, to forget them if that plan is lost with its worker link.
+        self._newly_keyed: list[tuple[int, bytes]] = []
 
     # ----- queries -----
     @property
@@ -132,6 +135,19 @@ class BlockManager:
         self.stats.hits += num_hit
         self.stats.requests_hit += num_hit > 0
 
+    def take_newly_keyed(self) -> list[tuple[int, bytes]]:
+        keyed, self._newly_keyed = self._newly_keyed, []
+        return keyed
+
+    def forget_keys(self, keyed: list[tuple[int, bytes]]) -> None:
+        """Unregister blocks whose content was never written (their plan was lost)."""
+        for block_id, key in keyed:
+            block = self.blocks[block_id]
+            if block.key == key:
+                block.key = None
+                if self.cached.get(key) == block_id:
+                    del self.cached[key]
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached key (e.g. after a worker restarts with an empty cache)."""
         for block in self.blocks:
@@ -177,6 +193,7 @@ class BlockManager:
             if block.key is None and key not in self.cached:
                 block.key = key
                 self.cached[key] = block.block_id
+                self._newly_keyed.append((block.block_id, key))
         table.num_cached_blocks = num_full
 
     def check_invariants(self) -> None:

@@ -4,10 +4,15 @@ Transport-free: a worker is reached through a `WorkerLink` (the gRPC Step
 stream in the service, a model runner in a thread in tests and benchmarks).
 Callers get an asyncio queue of `RequestDelta`s per request.
 
-When a worker's link breaks, every request it held is re-routed to the other
-workers with prompt + the tokens generated so far, so it is recomputed there
-and continues; callers see no error and no duplicated or lost tokens, because
-deltas are only ever produced from the planner's own appended tokens.
+A broken link is not a dead worker. The worker's loop re-dials it with
+backoff; if the same process answers (same `instance_id`), its prefix cache
+survived and its requests continue there (recomputed mostly from cached
+blocks); if a new process answers, its cache is forgotten. Meanwhile, after
+`failover_after_s`, the requests move to the other live workers; a worker that
+stays unreachable for `worker_dead_after_s` is removed. A moved request is
+re-routed with prompt + the tokens generated so far, so it is recomputed
+there and continues; callers see no error and no duplicated or lost tokens,
+because deltas are only ever produced from the planner's own appended tokens.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ from services.step import StepPlan, StepResult, WorkerInfo
 
 log = logging.getLogger(__name__)
 
+# How often an idle worker loop checks that its step stream still stands.
+IDLE_LINK_CHECK_S = 0.5
+
 
 class LinkBroken(Exception):
     """The worker is gone (stream broken, process dead, deadline passed)."""
@@ -38,8 +46,25 @@ class NoWorkerAvailable(Exception):
     """No live worker can take the request."""
 
 
+@dataclass
+class Connected:
+    """What a (re)connected link learnt: who the worker is, and the last plan it executed."""
+
+    info: WorkerInfo
+    last_step_id: int = 0
+
+
 class WorkerLink(Protocol):
+    async def connect(self, timeout_s: float = 10.0) -> Connected:
+        """(Re)open the step stream; raises LinkBroken when the worker cannot be reached."""
+        ...
+
     async def step(self, plan: StepPlan) -> StepResult: ...
+
+    @property
+    def alive(self) -> bool:
+        """False once the step stream is known to be broken (checked while idle)."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -50,6 +75,10 @@ class MeshConfig:
     enable_prefix_caching: bool = True
     # A worker with this many more queued requests than the least-loaded one loses its prefix advantage.
     overload_margin: int = 8
+    # A worker whose link broke is re-dialled this long before it is declared dead.
+    worker_dead_after_s: float = 30.0
+    # Its requests move to the other live workers (if any) once it has been unreachable this long.
+    failover_after_s: float = 1.0
 
 
 @dataclass
@@ -62,6 +91,9 @@ class WorkerSlot:
     task: asyncio.Task | None = None
     num_steps: int = 0
     step_seconds: float = 0.0  # time inside link.step (transport + execution)
+    connected: bool = True  # False while the link is being re-dialled
+    num_reconnects: int = 0
+    redial_now: asyncio.Event = field(default_factory=asyncio.Event)  # cut a re-dial backoff short
 
 
 @dataclass
@@ -82,6 +114,7 @@ class Mesh:
 
     # ----- workers -----
     def add_worker(self, worker_id: str, info: WorkerInfo, link: WorkerLink) -> WorkerSlot:
+        """Plan for a connected worker (its link's connect() has succeeded)."""
         if worker_id in self.workers:
             raise ValueError(f"worker {worker_id!r} is already registered")
         cfg = self.config.planner
@@ -99,10 +132,30 @@ class Mesh:
         log.info("worker joined", extra={"worker_id": worker_id, "blocks": info.num_kv_blocks})
         return slot
 
+    async def replace_worker(self, worker_id: str, info: WorkerInfo, link: WorkerLink) -> WorkerSlot:
+        """A new process took a worker's id (it restarted): plan for it, move the old one's requests.
+
+        The new slot exists before the old requests are re-routed, so a lone
+        worker's requests wait for its restarted self instead of failing.
+        """
+        old = await self._detach(worker_id)
+        slot = self.add_worker(worker_id, info, link)
+        if old is not None:
+            log.warning("worker restarted", extra={"worker_id": worker_id})
+            self._requeue(old)
+        return slot
+
     async def remove_worker(self, worker_id: str, reason: str = "removed") -> None:
-        slot = self.workers.pop(worker_id, None)
+        slot = await self._detach(worker_id)
         if slot is None:
             return
+        log.warning("worker left", extra={"worker_id": worker_id, "reason": reason})
+        self._requeue(slot)
+
+    async def _detach(self, worker_id: str) -> WorkerSlot | None:
+        slot = self.workers.pop(worker_id, None)
+        if slot is None:
+            return None
         if not self.workers:
             self.ready.clear()
         self._notify()
@@ -112,8 +165,11 @@ class Mesh:
                 await slot.task
         with contextlib.suppress(Exception):
             await slot.link.close()
-        log.warning("worker left", extra={"worker_id": worker_id, "reason": reason})
-        self._requeue(slot)
+        return slot
+
+    @property
+    def num_connected(self) -> int:
+        return sum(s.connected for s in self.workers.values())
 
     @property
     def model_info(self) -> WorkerInfo | None:
@@ -127,6 +183,7 @@ class Mesh:
         params: SamplingParams,
         priority: int = 0,
         queue: asyncio.Queue | None = None,
+        group: str = "",
     ) -> asyncio.Queue:
         """Route and enqueue a request; its deltas go to `queue` (shared by a request's n choices)."""
         if request_id in self.streams:
@@ -139,7 +196,9 @@ class Mesh:
             raise RequestRejected(
                 f"prompt token ids outside the vocabulary [0, {info.vocab_size}): {bad[:5]}"
             )
-        req = Request(request_id, list(prompt_token_ids), params, list(info.eos_token_ids), priority)
+        req = Request(
+            request_id, list(prompt_token_ids), params, list(info.eos_token_ids), priority, group=group
+        )
         queue = queue if queue is not None else asyncio.Queue()
         self._place(req, queue)
         return queue
@@ -165,12 +224,15 @@ class Mesh:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> bool:
+        """Stop a request; its queue gets a last delta (FinishReason.ABORT) so its stream ends now."""
         stream = self.streams.pop(request_id, None)
         if stream is None:
             return False
         slot = self.workers.get(stream.worker_id)
-        if slot is not None and slot.planner.abort(request_id) is not None:
+        req = slot.planner.abort(request_id) if slot is not None else None
+        if req is not None:
             slot.wakeup.set()
+            stream.queue.put_nowait(slot.planner.delta(req, 0))
         return True
 
     def stats(self) -> dict:
@@ -189,6 +251,8 @@ class Mesh:
                 "preemptions": s.planner.num_preemptions,
                 "steps": s.num_steps,
                 "step_seconds": s.step_seconds,
+                "connected": s.connected,
+                "reconnects": s.num_reconnects,
             }
         return {"workers": workers, "failovers": self.num_failovers, "streams": len(self.streams)}
 
@@ -197,8 +261,11 @@ class Mesh:
         for callback in self.on_workers_changed:
             callback(len(self.workers))
 
-    def _place(self, req: Request, queue: asyncio.Queue) -> None:
-        planners = {wid: s.planner for wid, s in self.workers.items()}
+    def _place(self, req: Request, queue: asyncio.Queue, exclude: str | None = None) -> None:
+        # Connected workers first; a lone worker being re-dialled still queues requests for its return.
+        slots = [s for s in self.workers.values() if s.worker_id != exclude]
+        connected = [s for s in slots if s.connected]
+        planners = {s.worker_id: s.planner for s in (connected or slots)}
         choice = route(planners, req.all_token_ids, self.config.overload_margin)
         if choice is None:
             raise NoWorkerAvailable("no worker is registered")
@@ -208,8 +275,8 @@ class Mesh:
         slot.wakeup.set()
 
     def _requeue(self, dead: WorkerSlot) -> None:
-        """Move every unfinished request of a dead worker to the others, tokens so far kept."""
-        for old in list(dead.planner.requests.values()):
+        """Move every unfinished request of a worker to the others, tokens so far kept."""
+        for old in dead.planner.take_all():
             stream = self.streams.pop(old.request_id, None)
             if stream is None:
                 continue
@@ -222,37 +289,105 @@ class Mesh:
                 old.arrival_time,
                 list(old.output_token_ids),
                 list(old.output_logprobs),
+                group=old.group,
             )
             try:
-                self._place(req, stream.queue)
+                self._place(req, stream.queue, exclude=dead.worker_id)
                 self.num_failovers += 1
             except (NoWorkerAvailable, RequestRejected) as e:
-                stream.queue.put_nowait(NoWorkerAvailable(f"worker {dead.worker_id} died and {e}"))
+                stream.queue.put_nowait(NoWorkerAvailable(f"worker {dead.worker_id} is unreachable and {e}"))
 
     async def _run(self, slot: WorkerSlot) -> None:
+        """Step the worker; on any failure of its link, re-dial it or, failing that, remove it."""
+        while True:
+            try:
+                await self._step_loop(slot)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # every way a link can break ends here: reconnect or fail over
+                log.warning("worker link broke", extra={"worker_id": slot.worker_id, "error": repr(e)})
+                if await self._reconnect(slot):
+                    continue
+                await self.remove_worker(slot.worker_id, reason=f"unreachable after {e!r}")
+                return
+
+    async def _reconnect(self, slot: WorkerSlot) -> bool:
+        """Re-dial with backoff; True once the link is back, False when the worker counts as dead."""
+        cfg = self.config
+        slot.connected = False
+        self._notify()
+        started = time.monotonic()
+        delay, moved = 0.1, False
+        while True:
+            left = cfg.worker_dead_after_s - (time.monotonic() - started)
+            try:
+                connected = await slot.link.connect(timeout_s=max(0.5, min(5.0, left)))
+            except Exception as e:  # LinkBroken, or anything a half-dead channel throws
+                log.info("worker re-dial failed", extra={"worker_id": slot.worker_id, "error": str(e)})
+            else:
+                return self._resume(slot, connected)
+            elapsed = time.monotonic() - started
+            if not moved and elapsed >= cfg.failover_after_s and self.num_connected > 0:
+                moved = True  # others can serve them now; this worker may come back empty
+                self._requeue(slot)
+            if elapsed >= cfg.worker_dead_after_s:
+                return False
+            slot.redial_now.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(slot.redial_now.wait(), min(delay, max(left, 0.01)))
+            delay = min(delay * 2, 2.0)
+
+    def _resume(self, slot: WorkerSlot, connected: Connected) -> bool:
+        info, old = connected.info, slot.info
+        if (info.fingerprint, info.block_size, info.num_kv_blocks) != (
+            old.fingerprint,
+            old.block_size,
+            old.num_kv_blocks,
+        ):
+            log.warning("worker came back with another cache layout", extra={"worker_id": slot.worker_id})
+            return False
+        same_process = bool(info.instance_id) and info.instance_id == old.instance_id
+        slot.planner.resync(connected.last_step_id if same_process else None)
+        slot.info = info
+        slot.connected = True
+        slot.num_reconnects += 1
+        self._notify()
+        slot.wakeup.set()
+        log.info(
+            "worker reconnected",
+            extra={
+                "worker_id": slot.worker_id,
+                "same_process": same_process,
+                "last_step": connected.last_step_id,
+            },
+        )
+        return True
+
+    async def _step_loop(self, slot: WorkerSlot) -> None:
         planner = slot.planner
-        try:
-            while True:
-                if not planner.has_work_for_worker():
-                    slot.wakeup.clear()
-                    await slot.wakeup.wait()
-                    continue
-                plan = planner.schedule()
-                if plan.num_seqs == 0 and not plan.finished_ids and not plan.preempted_ids:
-                    slot.wakeup.clear()
-                    await slot.wakeup.wait()
-                    continue
-                t0 = time.perf_counter()
-                result = await slot.link.step(plan)
-                slot.step_seconds += time.perf_counter() - t0
-                slot.num_steps += 1
-                for delta in planner.update(plan, result):
-                    self._emit(delta)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # a broken link or a worker-side failure: fail over
-            log.error("worker loop failed", extra={"worker_id": slot.worker_id, "error": repr(e)})
-            await self.remove_worker(slot.worker_id, reason=repr(e))
+        while True:
+            if not planner.has_work_for_worker():
+                await self._idle(slot)
+                continue
+            plan = planner.schedule()
+            if plan.num_seqs == 0 and not plan.finished_ids and not plan.preempted_ids:
+                await self._idle(slot)
+                continue
+            t0 = time.perf_counter()
+            result = await slot.link.step(plan)
+            slot.step_seconds += time.perf_counter() - t0
+            slot.num_steps += 1
+            for delta in planner.update(plan, result):
+                self._emit(delta)
+
+    async def _idle(self, slot: WorkerSlot) -> None:
+        """Wait for work; notice meanwhile a stream that broke, so it is re-dialled before it is needed."""
+        slot.wakeup.clear()
+        while not slot.wakeup.is_set():
+            if not slot.link.alive:
+                raise LinkBroken(f"worker {slot.worker_id}: the step stream ended while idle")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(slot.wakeup.wait(), IDLE_LINK_CHECK_S)
 
     def _emit(self, delta: RequestDelta) -> None:
         stream = self.streams.get(delta.request_id)

@@ -12,6 +12,7 @@ The planner knows no transport: it hands out `StepPlan`s and takes `StepResult`s
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from dataclasses import dataclass
 
 from scheduler_svc.block_manager import BlockManager
@@ -50,7 +51,12 @@ class Planner:
         self._on_worker: set[str] = set()  # sequences whose state the worker holds
         self._to_drop: list[str] = []  # finished/aborted since the last plan
         self._to_preempt: list[str] = []
-        self._step_id = 0
+        self._step_id = 1  # 0 is the wire's sync plan
+        # Prefix-cache keys each plan in flight registers: forgotten if the plan is lost.
+        self._keyed_by_step: dict[int, list[tuple[int, bytes]]] = {}
+        # Running sequences per group (a caller's request with its n choices), for fair admission.
+        self._group_running: Counter[str] = Counter()
+        self._groups: Counter[str] = Counter()  # unfinished sequences per group
         self.num_preemptions = 0
 
     # ----- requests -----
@@ -76,6 +82,7 @@ class Planner:
                 f"{longest} tokens need more KV blocks than the cache holds ({self.blocks.num_blocks})"
             )
         self.requests[req.request_id] = req
+        self._groups[req.group] += 1
         self._enqueue(req, front=False)
 
     def abort(self, request_id: str) -> Request | None:
@@ -133,8 +140,20 @@ class Planner:
             i += 1
 
         # New admissions only when nothing was preempted, so a freed block is not fought over.
+        # Fair between callers: a request (group of n choices) that already runs its share of the
+        # batch waits while another caller's request is admitted, so one request of 1,000
+        # sequences cannot hold everyone else back for its whole length.
+        # When every waiting request's caller is at its share, admit in order (no idle slots).
+        share = max(1, cfg.max_num_seqs // max(1, len(self._groups)))
+        w, in_order = 0, False
         while not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
-            req = self.waiting[0]
+            if not in_order:
+                # Counts only grow while admitting, so the scan resumes where it stopped.
+                while w < len(self.waiting) and self._group_running[self.waiting[w].group] >= share:
+                    w += 1
+                if w == len(self.waiting):
+                    w, in_order = 0, True
+            req = self.waiting[w]
             tokens = req.all_token_ids
             hits = self.blocks.longest_cached_prefix(tokens)
             # Always compute at least the last token: its logits give the next token.
@@ -146,7 +165,8 @@ class Planner:
             new_blocks = self.blocks.allocate(req.request_id, tokens, num_computed, num_new)
             if new_blocks is None:
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(w)
+            self._group_running[req.group] += 1
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_computed
                 self.blocks.record_lookup(len(tokens), num_computed)
@@ -158,10 +178,14 @@ class Planner:
 
         plan.finished_ids, self._to_drop = self._to_drop, []
         plan.preempted_ids, self._to_preempt = self._to_preempt, []
+        keyed = self.blocks.take_newly_keyed()
+        if keyed:
+            self._keyed_by_step[plan.step_id] = keyed
         return plan
 
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestDelta]:
         """Advance computed-token counts, append sampled tokens, finish what must stop."""
+        self._keyed_by_step.pop(plan.step_id, None)  # its KV is written: the keys are real
         touched: dict[str, Request] = {}
         for seq_id, num_new in [(s.seq_id, s.num_new_tokens) for s in plan.new_seqs] + [
             (s.seq_id, s.num_new_tokens) for s in plan.scheduled
@@ -197,6 +221,46 @@ class Planner:
             num_output_tokens=len(req.output_token_ids),
             num_cached_tokens=max(req.num_cached_tokens, 0),
         )
+
+    # ----- the worker's link broke -----
+    def resync(self, last_executed_step_id: int | None) -> None:
+        """The worker reconnected holding no sequences: plan from scratch, keep what survived.
+
+        `last_executed_step_id` is the worker's answer after a reconnect to the
+        same process (its KV cache survived): keys registered by plans after it
+        name blocks never written and are forgotten. None means a new process:
+        every cached key is forgotten. Running requests are preempted (their
+        full blocks stay cached, so recomputing them is mostly prefix hits);
+        waiting requests keep their place.
+        """
+        for req in list(reversed(self.running)):
+            self._release(req, [])
+            req.status = RequestStatus.PREEMPTED
+            req.num_computed_tokens = 0
+            self._enqueue(req, front=True)
+        for step_id, keyed in sorted(self._keyed_by_step.items()):
+            if last_executed_step_id is None or step_id > last_executed_step_id:
+                self.blocks.forget_keys(keyed)
+        self._keyed_by_step.clear()
+        if last_executed_step_id is None:
+            self.blocks.reset_prefix_cache()
+        self._on_worker.clear()
+        self._to_drop.clear()
+        self._to_preempt.clear()
+
+    def take_all(self) -> list[Request]:
+        """Remove every unfinished request (in arrival order), freeing its blocks: they move elsewhere."""
+        taken = sorted(self.requests.values(), key=lambda r: r.arrival_time)
+        for req in taken:
+            self._release(req, [])
+        self.requests.clear()
+        self.waiting.clear()
+        self._groups.clear()
+        self._group_running.clear()
+        self._on_worker.clear()
+        self._to_drop.clear()
+        self._to_preempt.clear()
+        return taken
 
     # ----- internals -----
     def _add_to_plan(self, plan: StepPlan, req: Request, num_new: int, new_blocks: list[int]) -> None:
@@ -235,6 +299,9 @@ class Planner:
         """Take a request off the running list, free its blocks, queue a drop for the worker."""
         if req in self.running:
             self.running.remove(req)
+            self._group_running[req.group] -= 1
+            if self._group_running[req.group] <= 0:
+                del self._group_running[req.group]
         self.blocks.free_seq(req.request_id)
         if req.request_id in self._on_worker:
             self._on_worker.discard(req.request_id)
@@ -245,6 +312,9 @@ class Planner:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         del self.requests[req.request_id]
+        self._groups[req.group] -= 1
+        if self._groups[req.group] <= 0:
+            del self._groups[req.group]
 
     def _pick_victim(self, candidates: list[Request]) -> Request:
         if self.config.policy == "priority":

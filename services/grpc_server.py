@@ -56,15 +56,22 @@ log = logging.getLogger(__name__)
 # anything bigger must be chunked by its protocol, not sent whole.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
-# Keepalive: Step and Generate streams live long and may sit idle; pings
-# detect a peer that vanished (node loss, half-open TCP) within ~40 s instead
-# of the OS's hours. Servers must also permit the clients' pings (every 20 s),
-# or they answer with GOAWAY "too_many_pings".
-SERVER_KEEPALIVE_TIME_MS = 30_000
-CLIENT_KEEPALIVE_TIME_MS = 20_000
-KEEPALIVE_TIMEOUT_MS = 10_000
-MIN_CLIENT_PING_INTERVAL_MS = 10_000
-
+# Keepalive. Step, Generate and health Watch streams live long and may sit idle
+# for hours; HTTP/2 pings detect a peer that vanished (node loss, half-open TCP,
+# a SIGSTOPped process) within keepalive + timeout instead of the OS's hours.
+#
+# The two sides must agree, or the server kills the connection: a server counts
+# a ping that arrives sooner than its `grpc.http2.min_ping_interval_without_data_ms`
+# (default 5 minutes!) after the last one as a strike, and after
+# `grpc.http2.max_ping_strikes` (default 2) strikes answers GOAWAY
+# ENHANCE_YOUR_CALM "too_many_pings" and drops every stream on the connection.
+# That is what killed idle meshes after ~60 s (a 20 s client ping, 3 strikes)
+# when the server option was misspelled. So: every llmesh server accepts pings
+# as often as every MIN_CLIENT_PING_INTERVAL_MS, with or without calls, and no
+# llmesh client pings more often than that (keepalive_s >= 1 is enforced).
+DEFAULT_KEEPALIVE_S = 20.0
+KEEPALIVE_TIMEOUT_S = 10.0
+MIN_CLIENT_PING_INTERVAL_MS = 1_000
 DEFAULT_GRACE_S = 30.0
 
 
@@ -81,6 +88,9 @@ class ServerConfig:
     )
     max_message_bytes: int = option(MAX_MESSAGE_BYTES, help="largest gRPC message sent or received, in bytes")
     max_concurrent_rpcs: int = option(0, help="RPCs served at once before RESOURCE_EXHAUSTED; 0 = no limit")
+    keepalive_s: float = option(
+        DEFAULT_KEEPALIVE_S, help="idle seconds between HTTP/2 pings on every connection (>= 1)"
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -91,6 +101,8 @@ class ServerConfig:
             raise ValueError(f"max_message_bytes must be > 0, got {self.max_message_bytes}")
         if self.max_concurrent_rpcs < 0:
             raise ValueError(f"max_concurrent_rpcs must be >= 0, got {self.max_concurrent_rpcs}")
+        if self.keepalive_s < MIN_CLIENT_PING_INTERVAL_MS / 1000:
+            raise ValueError(f"keepalive_s must be >= 1, got {self.keepalive_s}")
 
 
 @dataclass(frozen=True)
@@ -111,34 +123,56 @@ def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
-def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+def _keepalive_ms(keepalive_s: float) -> tuple[int, int]:
+    """(ping interval, ping timeout) in ms; the timeout shrinks with short test keepalives."""
+    interval = max(int(keepalive_s * 1000), MIN_CLIENT_PING_INTERVAL_MS)
+    return interval, min(int(KEEPALIVE_TIMEOUT_S * 1000), interval)
+
+
+def server_options(
+    max_message_bytes: int = MAX_MESSAGE_BYTES, keepalive_s: float = DEFAULT_KEEPALIVE_S
+) -> list[tuple[str, int]]:
+    interval, timeout = _keepalive_ms(keepalive_s)
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         # gRPC sets SO_REUSEPORT by default on Linux: a second server on a taken
         # port would then bind "successfully" and steal half the connections.
         ("grpc.so_reuseport", 0),
-        ("grpc.keepalive_time_ms", SERVER_KEEPALIVE_TIME_MS),
-        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        # The server pings its clients too (a vanished gateway or scheduler frees its streams).
+        ("grpc.keepalive_time_ms", interval),
+        ("grpc.keepalive_timeout_ms", timeout),
         ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
+        # The ping policy (see the comment on the constants): clients may ping this often, idle or not.
+        ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
+        ("grpc.http2.max_ping_strikes", 2),
     ]
 
 
-def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
-    """Options for clients of llmesh services (scheduler -> worker, gateway -> scheduler)."""
+def channel_options(
+    max_message_bytes: int = MAX_MESSAGE_BYTES, keepalive_s: float = DEFAULT_KEEPALIVE_S
+) -> list[tuple[str, int]]:
+    """Options for every llmesh client channel (scheduler -> worker, gateway/worker -> scheduler)."""
+    interval, timeout = _keepalive_ms(keepalive_s)
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", CLIENT_KEEPALIVE_TIME_MS),
-        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_time_ms", interval),
+        ("grpc.keepalive_timeout_ms", timeout),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
+        # gRPC backs off up to 120 s between reconnect attempts by default; a peer
+        # that restarts should be found again within a couple of seconds.
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.min_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 2000),
     ]
 
 
-def insecure_channel(target: str, max_message_bytes: int = MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(target, options=channel_options(max_message_bytes))
+def insecure_channel(
+    target: str, max_message_bytes: int = MAX_MESSAGE_BYTES, keepalive_s: float = DEFAULT_KEEPALIVE_S
+) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(target, options=channel_options(max_message_bytes, keepalive_s))
 
 
 class HealthServicer(health_pb2_grpc.HealthServicer):
@@ -222,7 +256,7 @@ class GrpcServer:
         self._signal_count = 0
         self._server = grpc.aio.server(
             interceptors=list(interceptors),
-            options=server_options(self.config.max_message_bytes),
+            options=server_options(self.config.max_message_bytes, self.config.keepalive_s),
             maximum_concurrent_rpcs=self.config.max_concurrent_rpcs or None,
         )
         self.health = HealthServicer()

@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 
 from services.sampling_params import SamplingParams
 
+# gRPC metadata key of the secret that opens a worker's Step stream (worker.proto, rpc Step).
+STEP_TOKEN_METADATA = "x-llmesh-step-token"
+
 
 @dataclass
 class NewSequence:
@@ -90,3 +93,5 @@ class WorkerInfo:
     eos_token_ids: list[int]
     worker_id: str = ""
     max_num_seqs: int = 64
+    # Random per worker process start: a change means its KV cache contents are gone.
+    instance_id: str = ""

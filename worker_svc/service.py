@@ -6,6 +6,7 @@ import asyncio
 import ipaddress
 import logging
 import os
+import secrets
 import socket
 import sys
 from dataclasses import dataclass
@@ -37,27 +38,59 @@ class WorkerServiceConfig(ServerConfig, WorkerConfig):
     scheduler: str = option("", help="scheduler host:port to register with (empty = wait to be dialled)")
     worker_id: str = option("", help="stable id of this worker (default: hostname-pid)")
     advertise: str = option("", help="host:port the scheduler dials back (default: host:bound port)")
+    step_token: str = option(
+        "",
+        help="secret a scheduler must present to open the Step stream "
+        "(default: random when registering with --scheduler, none otherwise)",
+    )
+    rejoin_after_s: float = option(
+        3.0, help="register again after this long without a Step stream (a restarted scheduler)"
+    )
     log_level: str = option("info", help="debug | info | warning | error")
 
+    def __post_init__(self) -> None:
+        ServerConfig.__post_init__(self)
+        if self.rejoin_after_s <= 0:
+            raise ValueError(f"rejoin_after_s must be > 0, got {self.rejoin_after_s}")
 
-async def register_forever(scheduler: str, address: str, worker_id: str) -> None:
-    """Announce this worker until the scheduler accepts; scheduler restarts are handled by re-running."""
+
+async def _register_once(stub, address: str, worker_id: str, step_token: str) -> None:
+    """Announce this worker until the scheduler accepts (it dials back before answering)."""
     delay = 0.2
-    async with insecure_channel(scheduler) as channel:
+    while True:
+        try:
+            resp = await stub.RegisterWorker(
+                worker_pb2.RegisterWorkerRequest(address=address, worker_id=worker_id, step_token=step_token),
+                timeout=30,
+            )
+            if resp.accepted:
+                log.info("registered with scheduler", extra={"message": resp.message})
+                return
+            log.warning("scheduler refused registration", extra={"reason": resp.message})
+        except grpc.aio.AioRpcError as e:
+            log.info("scheduler not reachable yet", extra={"code": e.code().name})
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 5.0)
+
+
+async def stay_registered(
+    config: WorkerServiceConfig, servicer: WorkerServicer, address: str, worker_id: str
+) -> None:
+    """Register, then register again whenever no scheduler has held the Step stream for a while.
+
+    That covers a restarted scheduler (it knows no worker until they announce
+    themselves) and a scheduler that declared this worker dead while it was
+    paused or cut off; a live stream means nothing needs doing.
+    """
+    async with insecure_channel(config.scheduler, keepalive_s=config.keepalive_s) as channel:
         stub = worker_pb2_grpc.RegistryStub(channel)
         while True:
-            try:
-                resp = await stub.RegisterWorker(
-                    worker_pb2.RegisterWorkerRequest(address=address, worker_id=worker_id), timeout=10
-                )
-                if resp.accepted:
-                    log.info("registered with scheduler", extra={"scheduler": scheduler})
-                    return
-                log.warning("scheduler refused registration", extra={"reason": resp.message})
-            except grpc.aio.AioRpcError as e:
-                log.info("scheduler not reachable yet", extra={"code": e.code().name})
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
+            await _register_once(stub, address, worker_id, servicer.step_token or "")
+            await servicer.wait_orphaned(config.rejoin_after_s)
+            log.warning(
+                "no Step stream from the scheduler: registering again",
+                extra={"after_s": config.rejoin_after_s, "scheduler": config.scheduler},
+            )
 
 
 def _reachable_host(host: str) -> str:
@@ -72,7 +105,8 @@ def _reachable_host(host: str) -> str:
 
 async def run(config: WorkerServiceConfig) -> None:
     worker_id = config.worker_id or f"{socket.gethostname()}-{os.getpid()}"
-    servicer = WorkerServicer(worker_id)
+    step_token = config.step_token or (secrets.token_hex(16) if config.scheduler else None)
+    servicer = WorkerServicer(worker_id, step_token)
     background: list[asyncio.Task] = []  # keeps the registration task referenced
 
     async def on_started(server: GrpcServer) -> None:
@@ -82,10 +116,14 @@ async def run(config: WorkerServiceConfig) -> None:
         log.info("worker ready", extra={"address": address, "worker_id": worker_id})
         print(f"llmesh worker {worker_id} listening on {address}", flush=True)
         if config.scheduler:
-            background.append(asyncio.ensure_future(register_forever(config.scheduler, address, worker_id)))
+            background.append(asyncio.ensure_future(stay_registered(config, servicer, address, worker_id)))
 
     services = [Service.of("llmesh.v1.Worker", worker_pb2_grpc.add_WorkerServicer_to_server, servicer)]
-    await serve(services, config, on_started=on_started)
+    try:
+        await serve(services, config, on_started=on_started)
+    finally:
+        for task in background:
+            task.cancel()
 
 
 def main(argv: list[str] | None = None) -> int:

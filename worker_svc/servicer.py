@@ -2,14 +2,22 @@
 
 A thin adapter: protobuf in, `ModelRunner.execute` (in a thread, so the event
 loop keeps answering health checks) and protobuf out. One Step stream at a
-time: a new stream means the scheduler reconnected, so sequence state from the
-old one is dropped and the old stream ends with ABORTED.
+time: a new stream means the scheduler reconnected, so the old stream is
+cancelled and its sequence state dropped.
+
+A plan that reached the worker is executed whole even when its stream breaks
+meanwhile (the step's thread cannot be stopped half-way anyway): the lock is
+held until it ends, so a new stream never drops state under a running step,
+and `last_step_id` tells a reconnecting scheduler which plans wrote their KV.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hmac
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -17,81 +25,141 @@ import grpc
 
 from llmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.convert import step_plan_from_proto, step_result_to_proto, worker_info_to_proto
+from services.step import STEP_TOKEN_METADATA, StepPlan, StepResult
 from worker_svc.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, worker_id: str) -> None:
+    def __init__(self, worker_id: str, step_token: str | None = None) -> None:
         self.worker_id = worker_id
         self.instance_id = uuid.uuid4().hex
+        # None: any caller may open the Step stream (a worker dialled by a static list).
+        self.step_token = step_token
         self.runner: ModelRunner | None = None  # set once the model is loaded
         self._lock = asyncio.Lock()
         self._stream_epoch = 0
+        self._stream_task: asyncio.Task | None = None
         self._last_step_id = 0
+        self._stream_open = False
+        self._stream_closed_at = time.monotonic()
 
-    def _ready_runner(self, context: grpc.aio.ServicerContext) -> ModelRunner:
+    def _ready_runner(self) -> ModelRunner:
         if self.runner is None:
             raise _Abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
         return self.runner
 
+    # ----- for the registration loop -----
+    @property
+    def stream_open(self) -> bool:
+        return self._stream_open
+
+    async def wait_orphaned(self, grace_s: float) -> None:
+        """Return once no Step stream has been open for `grace_s` seconds in a row."""
+        while True:
+            if not self._stream_open:
+                idle = time.monotonic() - self._stream_closed_at
+                if idle >= grace_s:
+                    return
+                await asyncio.sleep(min(grace_s - idle, 0.25))
+            else:
+                await asyncio.sleep(0.25)
+
+    # ----- RPCs -----
     async def GetWorkerInfo(self, request, context):
         try:
-            runner = self._ready_runner(context)
+            runner = self._ready_runner()
         except _Abort as e:
             await context.abort(e.code, e.message)
         info = runner.info
         info.worker_id = self.worker_id
+        info.instance_id = self.instance_id
         return worker_info_to_proto(
-            info,
-            instance_id=self.instance_id,
-            dtype=str(runner.dtype).removeprefix("torch."),
-            device=str(runner.device),
+            info, dtype=str(runner.dtype).removeprefix("torch."), device=str(runner.device)
         )
 
     async def Ping(self, request, context):
         return worker_pb2.PingResponse(
             worker_id=self.worker_id,
             instance_id=self.instance_id,
-            stepping=self._lock.locked(),
+            stepping=self._stream_open,
             num_seqs=len(self.runner.seqs) if self.runner else 0,
             last_step_id=self._last_step_id,
         )
+
+    def _authorized(self, context: grpc.aio.ServicerContext) -> bool:
+        if self.step_token is None:
+            return True
+        sent = dict(context.invocation_metadata() or ()).get(STEP_TOKEN_METADATA, "")
+        return hmac.compare_digest(str(sent).encode(), self.step_token.encode())
 
     async def Step(
         self, request_iterator: AsyncIterator[worker_pb2.StepPlan], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.StepResult]:
         if self.runner is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        if not self._authorized(context):
+            log.warning("step stream refused: wrong or missing step token", extra={"peer": context.peer()})
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "this worker takes its Step stream only from the scheduler it registered with",
+            )
         runner = self.runner
         self._stream_epoch += 1
         epoch = self._stream_epoch
-        async with self._lock:
+        old, self._stream_task = self._stream_task, asyncio.current_task()
+        if old is not None and not old.done():
+            old.cancel()  # the old stream ends (CANCELLED on its side); a running step still completes
+        async with self._lock:  # waits for any step of the old stream to finish
             runner.drop_all()  # state belongs to one stream
-        log.info("step stream opened", extra={"epoch": epoch})
+        self._stream_open = True
+        log.info("step stream opened", extra={"epoch": epoch, "peer": context.peer()})
         try:
             async for msg in request_iterator:
-                if epoch != self._stream_epoch:
-                    await context.abort(grpc.StatusCode.ABORTED, "a newer Step stream replaced this one")
                 try:
                     plan = step_plan_from_proto(msg)
                 except ValueError as e:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad plan: {e}")
+                if plan.step_id == 0:
+                    if plan.num_seqs or plan.finished_ids or plan.preempted_ids:
+                        await context.abort(
+                            grpc.StatusCode.INVALID_ARGUMENT, "a sync plan (step_id 0) must be empty"
+                        )
+                    yield step_result_to_proto(StepResult(step_id=0))
+                    continue
                 async with self._lock:
                     try:
-                        result = await asyncio.to_thread(runner.execute, plan)
+                        result = await self._execute_whole(runner, plan)
                     except (KeyError, ValueError) as e:
                         # The plan contradicts the worker's state: the scheduler must resync.
                         runner.drop_all()
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"plan rejected: {e}")
-                self._last_step_id = plan.step_id
                 yield step_result_to_proto(result)
         finally:
             if epoch == self._stream_epoch:
+                self._stream_open = False
+                self._stream_closed_at = time.monotonic()
+                self._stream_task = None
                 async with self._lock:
                     runner.drop_all()
             log.info("step stream closed", extra={"epoch": epoch})
+
+    async def _execute_whole(self, runner: ModelRunner, plan: StepPlan) -> StepResult:
+        """Run one plan in a thread; if the stream is cancelled meanwhile, still wait for it to end."""
+        task = asyncio.ensure_future(asyncio.to_thread(runner.execute, plan))
+
+        def executed(t: asyncio.Future) -> None:
+            if not t.cancelled() and t.exception() is None:
+                self._last_step_id = plan.step_id
+
+        task.add_done_callback(executed)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await task  # hold the caller's lock until the step's thread is done
+            raise
 
 
 class _Abort(Exception):

@@ -18,6 +18,8 @@ from llmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.launcher import start_mesh
 
 WORKER_ARGS = ["--kv-cache-memory", str(192 << 20)]
+# A dead worker is declared dead after 3 s of re-dialling instead of 30.
+FAST_FAILURE_ARGS = ["--worker-dead-after-s", "3"]
 PROMPTS = [
     "The capital of France is",
     "1, 2, 3, 4,",
@@ -161,7 +163,9 @@ def test_bad_requests_get_invalid_argument_and_the_service_stays_up(mesh, reques
 
 
 def test_worker_killed_mid_generation_loses_no_request(tmp_path, reference):
-    with start_mesh(2, worker_args=WORKER_ARGS, log_dir=str(tmp_path)) as m:
+    with start_mesh(
+        2, worker_args=WORKER_ARGS, scheduler_args=FAST_FAILURE_ARGS, log_dir=str(tmp_path)
+    ) as m:
         results: dict[str, list[int]] = {}
         errors: list[Exception] = []
         received = threading.Semaphore(0)
@@ -192,7 +196,8 @@ def test_worker_killed_mid_generation_loses_no_request(tmp_path, reference):
         assert not errors, errors
         assert results == reference
         s = wait_blocks_free(m.scheduler.address)
-        assert s.failovers > 0 and len(s.workers) == 1
+        # The dead worker is re-dialled for a while (not routed to), then dropped.
+        assert s.failovers > 0 and [w.worker_id for w in s.workers if w.connected] != [victim.name]
 
         # The last worker gone too: callers get UNAVAILABLE, and the scheduler stays up.
         m.workers[[w.name for w in m.workers].index(victim.name) ^ 1].proc.send_signal(signal.SIGKILL)
