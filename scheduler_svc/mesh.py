@@ -66,6 +66,10 @@ class WorkerLink(Protocol):
         """False once the step stream is known to be broken (checked while idle)."""
         ...
 
+    def abandon(self) -> None:
+        """Drop the current stream (known half-dead); the next step or idle check reconnects."""
+        ...
+
     async def close(self) -> None: ...
 
 

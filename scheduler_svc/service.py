@@ -116,7 +116,9 @@ async def run(config: SchedulerServiceConfig) -> None:
 
         # The tokenizer first: health must not say SERVING while text prompts would still fail.
         if not config.no_tokenizer:
+            scheduler.tokenizer_pending = True
             scheduler.set_tokenizer(await asyncio.to_thread(_load_tokenizer, config))
+            scheduler.tokenizer_pending = False
         mesh.on_workers_changed.append(health)
         health(len(mesh.workers))  # workers may have registered while the tokenizer loaded
         for address in config.workers:

@@ -68,6 +68,7 @@ class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
         self.card = card
         self.limits = limits if limits is not None else RequestLimits()
         self.tokenizer: Any = None  # set with set_tokenizer (text prompts, return_text, stop strings)
+        self.tokenizer_pending = False  # True while it loads: text requests wait for it (UNAVAILABLE)
         self._longest_token_chars = 0
         # Caller's request id -> its choices' ids in the mesh. Those are internal (a fresh uuid per
         # request), so no caller can name, collide with or abort another request's choices.
@@ -87,6 +88,8 @@ class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
         info = self.mesh.model_info
         if info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
+        if self.tokenizer is None and self.tokenizer_pending:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is still loading its tokenizer")
         if request.model and request.model != self.card.name:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served here")
         prompt = await self._prompt_of(request, context)
@@ -343,10 +346,13 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
                 raise LinkBroken(f"worker {worker_id} serves another model or cache layout")
             slot = self.mesh.workers.get(worker_id)
             if slot is not None and slot.info.instance_id == info.instance_id:
-                # The same process again (a replayed or repeated registration): keep its stream;
-                # if that stream is being re-dialled, try now rather than after the backoff.
-                await link.close()
+                # The same process again (a replayed or repeated registration): keep its stream.
+                # A worker registers again only when it has lost its stream: if it indeed has
+                # none, ours is half-dead, so drop it now; if ours is being re-dialled, try now.
+                if slot.connected and not await link.stepping():
+                    slot.link.abandon()
                 slot.redial_now.set()
+                await link.close()
                 return worker_id
             connected: Connected = await link.connect()
         except BaseException:

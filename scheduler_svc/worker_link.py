@@ -81,9 +81,26 @@ class GrpcWorkerLink:
             raise self._broken("step failed", e) from e
         except asyncio.InvalidStateError as e:  # "RPC already finished" from a dead call object
             raise self._broken("step failed", e) from e
+        except asyncio.CancelledError as e:
+            # grpc raises CancelledError in a read when the *call* was cancelled (abandon()); only a
+            # cancellation of this task itself may propagate as one.
+            if asyncio.current_task().cancelling():
+                raise
+            raise self._broken("step stream cancelled", e) from e
         if msg is grpc.aio.EOF:
             raise LinkBroken(f"worker {self.address}: step stream ended")
         return step_result_from_proto(msg)
+
+    async def stepping(self, timeout_s: float = 5.0) -> bool:
+        """Whether the worker has a Step stream open (Ping); False when it cannot be asked."""
+        try:
+            return (await self._stub.Ping(worker_pb2.PingRequest(), timeout=timeout_s)).stepping
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError):
+            return False
+
+    def abandon(self) -> None:
+        """Give up the current stream (the worker no longer has it): the next step or idle check fails."""
+        self._cancel_call()
 
     @property
     def alive(self) -> bool:

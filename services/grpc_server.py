@@ -69,6 +69,11 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # when the server option was misspelled. So: every llmesh server accepts pings
 # as often as every MIN_CLIENT_PING_INTERVAL_MS, with or without calls, and no
 # llmesh client pings more often than that (keepalive_s >= 1 is enforced).
+#
+# A ping that goes unanswered must also end the connection: since gRPC 1.5x
+# that is `grpc.http2.ping_timeout_ms` (default one minute), which
+# `grpc.keepalive_timeout_ms` alone no longer sets; both are set below, so a
+# SIGSTOPped or partitioned peer is noticed within keepalive + timeout.
 DEFAULT_KEEPALIVE_S = 20.0
 KEEPALIVE_TIMEOUT_S = 10.0
 MIN_CLIENT_PING_INTERVAL_MS = 1_000
@@ -142,6 +147,7 @@ def server_options(
         # The server pings its clients too (a vanished gateway or scheduler frees its streams).
         ("grpc.keepalive_time_ms", interval),
         ("grpc.keepalive_timeout_ms", timeout),
+        ("grpc.http2.ping_timeout_ms", timeout),
         ("grpc.keepalive_permit_without_calls", 1),
         # The ping policy (see the comment on the constants): clients may ping this often, idle or not.
         ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
@@ -159,6 +165,7 @@ def channel_options(
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", interval),
         ("grpc.keepalive_timeout_ms", timeout),
+        ("grpc.http2.ping_timeout_ms", timeout),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         # gRPC backs off up to 120 s between reconnect attempts by default; a peer

@@ -64,7 +64,7 @@ async def _register_once(stub, address: str, worker_id: str, step_token: str) ->
                 timeout=30,
             )
             if resp.accepted:
-                log.info("registered with scheduler", extra={"message": resp.message})
+                log.info("registered with scheduler", extra={"reply": resp.message})
                 return
             log.warning("scheduler refused registration", extra={"reason": resp.message})
         except grpc.aio.AioRpcError as e:

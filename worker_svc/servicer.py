@@ -40,7 +40,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.runner: ModelRunner | None = None  # set once the model is loaded
         self._lock = asyncio.Lock()
         self._stream_epoch = 0
-        self._stream_task: asyncio.Task | None = None
+        self._replaced: asyncio.Event | None = None  # set to end the current stream (a newer one came)
         self._last_step_id = 0
         self._stream_open = False
         self._stream_closed_at = time.monotonic()
@@ -108,15 +108,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         runner = self.runner
         self._stream_epoch += 1
         epoch = self._stream_epoch
-        old, self._stream_task = self._stream_task, asyncio.current_task()
-        if old is not None and not old.done():
-            old.cancel()  # the old stream ends (CANCELLED on its side); a running step still completes
+        if self._replaced is not None:
+            self._replaced.set()  # the old stream ends with ABORTED; a step it runs still completes
+        replaced = self._replaced = asyncio.Event()
         async with self._lock:  # waits for any step of the old stream to finish
             runner.drop_all()  # state belongs to one stream
         self._stream_open = True
         log.info("step stream opened", extra={"epoch": epoch, "peer": context.peer()})
+        plans = request_iterator.__aiter__()
+        stop = asyncio.ensure_future(replaced.wait())  # one waiter for the stream's life
         try:
-            async for msg in request_iterator:
+            while True:
+                msg = await _next_or_none(plans, stop)
+                if replaced.is_set():
+                    await context.abort(grpc.StatusCode.ABORTED, "a newer Step stream replaced this one")
+                if msg is None:
+                    break
                 try:
                     plan = step_plan_from_proto(msg)
                 except ValueError as e:
@@ -137,10 +144,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"plan rejected: {e}")
                 yield step_result_to_proto(result)
         finally:
+            stop.cancel()
             if epoch == self._stream_epoch:
                 self._stream_open = False
                 self._stream_closed_at = time.monotonic()
-                self._stream_task = None
+                self._replaced = None
                 async with self._lock:
                     runner.drop_all()
             log.info("step stream closed", extra={"epoch": epoch})
@@ -160,6 +168,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             with contextlib.suppress(Exception):
                 await task  # hold the caller's lock until the step's thread is done
             raise
+
+
+async def _next_or_none(plans: AsyncIterator, stop: asyncio.Future):
+    """The next plan, or None at the end of the stream or once `stop` is done (the stream was replaced)."""
+    if stop.done():
+        return None
+    read = asyncio.ensure_future(anext(plans, None))
+    try:
+        await asyncio.wait((read, stop), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not read.done():
+            read.cancel()
+    return read.result() if read.done() and not read.cancelled() else None
 
 
 class _Abort(Exception):
