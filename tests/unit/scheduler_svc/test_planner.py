@@ -165,3 +165,61 @@ def test_rejects_what_can_never_run():
         p.add_request(Request("empty", [], SamplingParams()))
     with pytest.raises(RequestRejected):
         make(400).add_request(Request("ctx", list(range(600)), SamplingParams()))
+
+
+def test_one_big_request_does_not_hold_back_another_callers_request():
+    """1,024 sequences of one request, then a 2-token request: it runs as soon as a slot frees."""
+    cfg = PlannerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512)
+    planner = Planner(cfg, BlockManager(1024, 4))
+    worker = CountingWorker()
+    for i in range(1024):
+        planner.add_request(
+            Request(f"big/{i}", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), group="big")
+        )
+    for _ in range(2):  # the big request fills the batch
+        plan = planner.schedule()
+        planner.update(plan, worker.execute(plan))
+    planner.add_request(Request("small", [9, 9], SamplingParams(max_tokens=2, ignore_eos=True)))
+    steps = 0
+    while "small" in planner.requests:
+        plan = planner.schedule()
+        planner.update(plan, worker.execute(plan))
+        steps += 1
+    assert steps <= 6  # ~one generation of the big request's running sequences, not 128 of them
+    # Alone again, the big request takes the whole batch (fairness leaves no slot idle).
+    plan = planner.schedule()
+    assert plan.num_seqs == cfg.max_num_seqs
+
+
+def test_resync_after_a_lost_plan_forgets_the_keys_it_never_wrote():
+    """A plan lost with its link: its newly keyed blocks must not serve later prefix hits."""
+    cfg = PlannerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256)
+    planner = Planner(cfg, BlockManager(64, 4))
+    worker = CountingWorker()
+    prompt = list(range(10, 30))  # 5 full blocks of 4
+    planner.add_request(Request("a", prompt, SamplingParams(max_tokens=3, ignore_eos=True)))
+    lost = planner.schedule()  # computes the prompt, keys its 5 blocks ... and is never answered
+    assert len(planner.blocks.longest_cached_prefix(prompt)) == 5
+    planner.resync(last_executed_step_id=lost.step_id - 1)
+    assert planner.blocks.longest_cached_prefix(prompt) == []
+    worker.seqs.clear()  # the worker's new stream holds nothing
+    out = run(planner, worker)
+    assert len(out["a"]) == 3
+
+
+def test_resync_after_an_executed_plan_keeps_the_prefix_cache():
+    cfg = PlannerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256)
+    planner = Planner(cfg, BlockManager(64, 4))
+    worker = CountingWorker()
+    prompt = list(range(10, 30))
+    planner.add_request(Request("a", prompt, SamplingParams(max_tokens=3, ignore_eos=True)))
+    plan = planner.schedule()
+    worker.execute(plan)  # executed, but its result was lost on the way back
+    planner.resync(last_executed_step_id=plan.step_id)
+    assert len(planner.blocks.longest_cached_prefix(prompt)) == 5
+    worker.seqs.clear()
+    fresh = Planner(cfg, BlockManager(64, 4))
+    fresh.add_request(Request("a", prompt, SamplingParams(max_tokens=3, ignore_eos=True)))
+    assert run(planner, worker) == run(fresh, CountingWorker())  # no token lost or duplicated
+    planner.resync(last_executed_step_id=None)  # a new worker process: nothing is cached any more
+    assert planner.blocks.longest_cached_prefix(prompt) == []
