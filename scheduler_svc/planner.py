@@ -7,6 +7,16 @@ are freed and it is recomputed later from prompt + tokens so far, usually
 cheaply, because its full blocks stay in the prefix cache until evicted.
 
 The planner knows no transport: it hands out `StepPlan`s and takes `StepResult`s.
+
+Plans may be in flight (asynchronous scheduling): `schedule()` can be called
+again before the previous plan's result is back. It counts a scheduled chunk
+as computed at once, and a chunk that reaches a sequence's end as one pending
+token, which the worker samples and feeds to the next plan itself: a decode
+needs no token value to be planned. `update()` then appends the sampled token
+a step late. A sequence that turns out to have finished (EOS, a stop token)
+was scheduled one step too many: that token is dropped and never reaches a
+caller. Sequences at max_tokens or the context length, counting pending
+tokens, are not scheduled again.
 """
 
 from __future__ import annotations
@@ -54,6 +64,9 @@ class Planner:
         self._step_id = 1  # 0 is the wire's sync plan
         # Prefix-cache keys each plan in flight registers: forgotten if the plan is lost.
         self._keyed_by_step: dict[int, list[tuple[int, bytes]]] = {}
+        # Sequences each plan in flight samples for, with their incarnation (a preempted request's
+        # old plans must not touch its new life).
+        self._sampling_by_step: dict[int, dict[str, int]] = {}
         # Running sequences per group (a caller's request with its n choices), for fair admission.
         self._group_running: Counter[str] = Counter()
         self._groups: Counter[str] = Counter()  # unfinished sequences per group
@@ -115,12 +128,16 @@ class Planner:
         chunk = cfg.long_prefill_token_threshold or budget
         plan = StepPlan(step_id=self._step_id)
         self._step_id += 1
+        self._sampling = self._sampling_by_step[plan.step_id] = {}
         preempted = False
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget, chunk)
+            if self._needs_no_more(req):
+                i += 1  # its last token is in flight: it finishes when that result is applied
+                continue
+            num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget, chunk)
             new_blocks = self.blocks.allocate(
                 req.request_id, req.all_token_ids, req.num_computed_tokens, num_new
             )
@@ -178,26 +195,29 @@ class Planner:
 
         plan.finished_ids, self._to_drop = self._to_drop, []
         plan.preempted_ids, self._to_preempt = self._to_preempt, []
+        if not self._sampling:
+            del self._sampling_by_step[plan.step_id]
         keyed = self.blocks.take_newly_keyed()
         if keyed:
             self._keyed_by_step[plan.step_id] = keyed
         return plan
 
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestDelta]:
-        """Advance computed-token counts, append sampled tokens, finish what must stop."""
+        """Apply a plan's result (in plan order): append sampled tokens, finish what must stop."""
         self._keyed_by_step.pop(plan.step_id, None)  # its KV is written: the keys are real
-        touched: dict[str, Request] = {}
-        for seq_id, num_new in [(s.seq_id, s.num_new_tokens) for s in plan.new_seqs] + [
-            (s.seq_id, s.num_new_tokens) for s in plan.scheduled
-        ]:
+        sampled = self._sampling_by_step.pop(plan.step_id, {})
+        for seq_id, incarnation in sampled.items():
             req = self.requests.get(seq_id)
-            if req is not None and req.status is RequestStatus.RUNNING:
-                req.num_computed_tokens += num_new
+            if req is not None and req.incarnation == incarnation:
+                req.num_pending -= 1
+        touched: dict[str, Request] = {}
         new_tokens: dict[str, list[int]] = {}
         for seq_id, token_id, logprobs in zip(result.seq_ids, result.token_ids, result.logprobs, strict=True):
             req = self.requests.get(seq_id)
             if req is None or req.status is not RequestStatus.RUNNING:
-                continue  # aborted or preempted while the step was in flight
+                continue  # aborted or finished while the step was in flight
+            if sampled.get(seq_id) != req.incarnation:
+                continue  # preempted (and perhaps re-admitted) since this plan was made
             req.output_token_ids.append(token_id)
             req.output_logprobs.append(logprobs)
             new_tokens.setdefault(seq_id, []).append(token_id)
@@ -236,12 +256,13 @@ class Planner:
         for req in list(reversed(self.running)):
             self._release(req, [])
             req.status = RequestStatus.PREEMPTED
-            req.num_computed_tokens = 0
+            req.restart()
             self._enqueue(req, front=True)
         for step_id, keyed in sorted(self._keyed_by_step.items()):
             if last_executed_step_id is None or step_id > last_executed_step_id:
                 self.blocks.forget_keys(keyed)
         self._keyed_by_step.clear()
+        self._sampling_by_step.clear()
         if last_executed_step_id is None:
             self.blocks.reset_prefix_cache()
         self._on_worker.clear()
@@ -253,8 +274,12 @@ class Planner:
         taken = sorted(self.requests.values(), key=lambda r: r.arrival_time)
         for req in taken:
             self._release(req, [])
+        for req in taken:
+            req.restart()
         self.requests.clear()
         self.waiting.clear()
+        self._sampling_by_step.clear()
+        self._keyed_by_step.clear()
         self._groups.clear()
         self._group_running.clear()
         self._on_worker.clear()
@@ -263,7 +288,22 @@ class Planner:
         return taken
 
     # ----- internals -----
+    def _needs_no_more(self, req: Request) -> bool:
+        """Every token it may still produce is already being sampled by plans in flight."""
+        if not req.num_pending:
+            return False
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None and len(req.output_token_ids) + req.num_pending >= max_tokens:
+            return True
+        return req.num_tokens + req.num_pending >= self.config.max_model_len
+
     def _add_to_plan(self, plan: StepPlan, req: Request, num_new: int, new_blocks: list[int]) -> None:
+        # Counted as computed now, so that the next plan can follow before this result is back.
+        start = req.num_computed_tokens
+        req.num_computed_tokens += num_new
+        if req.num_computed_tokens == req.num_tokens + req.num_pending:
+            req.num_pending += 1  # the worker samples the next token and keeps it
+            self._sampling[req.request_id] = req.incarnation
         if req.request_id in self._on_worker:
             plan.scheduled.append(ScheduledSequence(req.request_id, num_new, new_blocks))
             return
@@ -274,7 +314,7 @@ class Planner:
                 token_ids=req.all_token_ids,
                 num_prompt_tokens=len(req.prompt_token_ids),
                 block_ids=list(self.blocks.block_ids(req.request_id)),
-                num_computed_tokens=req.num_computed_tokens,
+                num_computed_tokens=start,
                 num_new_tokens=num_new,
                 sampling_params=req.sampling_params,
             )
@@ -324,7 +364,7 @@ class Planner:
     def _preempt(self, req: Request) -> None:
         self._release(req, self._to_preempt)
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
+        req.restart()
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(req, front=True)

@@ -34,7 +34,13 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
+    # Tokens the worker has (or will have, once plans in flight run) computed KV for.
     num_computed_tokens: int = 0
+    # Tokens sampled by plans in flight whose results are not applied yet.
+    num_pending: int = 0
+    # Bumped each time the request restarts from scratch (preemption, a worker lost): results
+    # of plans made for an earlier incarnation are ignored.
+    incarnation: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first schedule (-1 = not yet scheduled)
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
@@ -45,6 +51,12 @@ class Request:
     def __post_init__(self) -> None:
         if not self.group:
             self.group = self.request_id
+
+    def restart(self) -> None:
+        """Forget the worker-side progress: recomputed from prompt + output tokens so far."""
+        self.num_computed_tokens = 0
+        self.num_pending = 0
+        self.incarnation += 1
 
     @property
     def all_token_ids(self) -> list[int]:

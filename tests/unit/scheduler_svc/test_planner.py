@@ -223,3 +223,77 @@ def test_resync_after_an_executed_plan_keeps_the_prefix_cache():
     assert run(planner, worker) == run(fresh, CountingWorker())  # no token lost or duplicated
     planner.resync(last_executed_step_id=None)  # a new worker process: nothing is cached any more
     assert planner.blocks.longest_cached_prefix(prompt) == []
+
+
+def run_pipelined(planner: Planner, worker: CountingWorker, depth: int = 2) -> dict[str, list[int]]:
+    """Asynchronous scheduling: up to `depth` plans in flight, results applied a step late."""
+    from collections import deque
+
+    out: dict[str, list[int]] = {}
+    inflight: deque = deque()
+    while planner.has_work_for_worker() or inflight:
+        while len(inflight) < depth and planner.has_work_for_worker():
+            plan = planner.schedule()
+            if plan.num_seqs == 0 and not plan.finished_ids and not plan.preempted_ids:
+                break
+            inflight.append((plan, worker.execute(plan)))  # the worker runs plans in order
+        if not inflight:
+            break
+        plan, result = inflight.popleft()
+        for d in planner.update(plan, result):
+            assert not out.get(d.request_id) or not d.new_token_ids or d.request_id in out
+            out.setdefault(d.request_id, []).extend(d.new_token_ids)
+        planner.blocks.check_invariants()
+    assert not planner.has_unfinished()
+    assert planner.blocks.num_free_blocks == planner.blocks.num_blocks
+    return out
+
+
+def eos_workload(seed: int = 0, n: int = 12) -> list[Request]:
+    """Requests that stop on an EOS token mid-flight (the worker's tokens are in [3, 100))."""
+    return [
+        Request(r.request_id, r.prompt_token_ids, SamplingParams(max_tokens=40), eos_token_ids=[7, 11, 50])
+        for r in workload(seed, n)
+    ]
+
+
+@pytest.mark.parametrize("kind", ["plain", "eos", "pressure"])
+def test_pipelined_plans_give_the_same_tokens(kind):
+    """Two plans in flight: no token lost, duplicated or leaked past an EOS; every block freed."""
+    reqs = eos_workload if kind == "eos" else workload
+    size = dict(num_blocks=24, max_num_batched_tokens=32, long_prefill_token_threshold=16)
+    cfg = size if kind == "pressure" else dict(num_blocks=400)
+    sync = make(cfg["num_blocks"], **{k: v for k, v in cfg.items() if k != "num_blocks"})
+    for r in reqs():
+        sync.add_request(r)
+    ref = run(sync, CountingWorker())
+    piped = make(cfg["num_blocks"], **{k: v for k, v in cfg.items() if k != "num_blocks"})
+    for r in reqs():
+        piped.add_request(r)
+    assert run_pipelined(piped, CountingWorker()) == ref
+    if kind == "eos":
+        assert any(len(t) < 40 for t in ref.values())  # some did stop on EOS
+    if kind == "pressure":
+        assert piped.num_preemptions > 0
+
+
+def test_abort_with_two_plans_in_flight_frees_everything():
+    for stop_after in range(1, 20, 3):
+        p = make(60)
+        for r in workload(1):
+            p.add_request(r)
+        worker = CountingWorker()
+        first = p.schedule()
+        first_result = worker.execute(first)
+        for _ in range(stop_after):
+            second = p.schedule()
+            second_result = worker.execute(second)
+            p.update(first, first_result)
+            first, first_result = second, second_result
+        for rid in list(p.requests):
+            p.abort(rid)
+        p.update(first, first_result)  # a result arriving after the aborts changes nothing
+        last = p.schedule()
+        worker.execute(last)  # the drops reach the worker
+        assert not worker.seqs and not p.has_unfinished()
+        assert p.blocks.num_free_blocks == 60
