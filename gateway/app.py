@@ -43,6 +43,7 @@ def create_app(config: GatewayConfig, state: GatewayState | None = None) -> Fast
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await connecting
             await state.client.close()
+            state.close()
 
     app = FastAPI(
         title="llmesh gateway",
@@ -113,21 +114,21 @@ def create_app(config: GatewayConfig, state: GatewayState | None = None) -> Fast
         if body.messages is not None:
             if not body.messages:
                 raise bad_request("messages", "must not be empty")
-            text = model.tokenizer.render_chat(
+            ids = await model.tokenizer.encode_chat_async(
                 body.messages,
+                add_special_tokens=bool(body.add_special_tokens),
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
             )
-            ids = model.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
         else:
             add = True if body.add_special_tokens is None else body.add_special_tokens
-            ids = model.tokenizer.encode(body.prompt or "", add_special_tokens=add)
+            ids = await model.tokenizer.encode_async(body.prompt or "", add_special_tokens=add)
         return {"count": len(ids), "max_model_len": model.info.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         model = state.resolve(body.model)
         check_token_ids("tokens", body.tokens, model.info.vocab_size)
-        return {"prompt": model.tokenizer.decode(body.tokens)}
+        return {"prompt": await model.tokenizer.decode_async(body.tokens)}
 
     return app

@@ -5,15 +5,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.config import option
+from services.grpc_server import DEFAULT_KEEPALIVE_S
+from services.limits import RequestLimits
 
 
 @dataclass
-class GatewayConfig:
-    """The OpenAI-compatible HTTP gateway: a gRPC client of the scheduler."""
+class GatewayConfig(RequestLimits):
+    """The OpenAI-compatible HTTP gateway: a gRPC client of the scheduler.
+
+    The per-request caps shared with the scheduler (max_n, max_logprobs, max_stop,
+    max_stop_chars, max_stop_token_ids) come from `RequestLimits`; the ones below are
+    the gateway's own (batched prompts, request bodies).
+    """
 
     host: str = option("127.0.0.1", help="address to bind; a wildcard address exposes it beyond this machine")
     port: int = option(8000, help="HTTP port; 0 = any free port")
     scheduler: str = option("127.0.0.1:50051", help="scheduler host:port (llmesh.v1.Scheduler)")
+    keepalive_s: float = option(
+        DEFAULT_KEEPALIVE_S, help="idle seconds between HTTP/2 pings to the scheduler (>= 1)"
+    )
     api_key: str | None = option(None, help="clients must send `Authorization: Bearer KEY` (all but /health)")
     served_model_name: list[str] = option(
         default_factory=list, help="model ids clients use, comma-separated (default: the scheduler's)"
@@ -22,11 +32,12 @@ class GatewayConfig:
         None, help="model folder/.gguf for the tokenizer (default: what the scheduler serves)"
     )
     cache_dir: str | None = option(None, help="converted-model cache (default $LLMESH_CACHE)")
-    max_n: int = option(16, help="largest `n` (choices per prompt)")
-    max_logprobs: int = option(20, help="largest `logprobs` / `top_logprobs`")
-    max_stop: int = option(16, help="most stop strings (and, x4, stop_token_ids) per request")
-    max_stop_chars: int = option(256, help="longest stop string, in characters")
     max_prompts: int = option(64, help="most prompts in one batched /v1/completions request")
+    max_seqs_per_request: int = option(256, help="most sequences (prompts x n) in one request")
+    max_concurrent_prompts: int = option(
+        8, help="prompts of one batched request in flight to the scheduler at once (the rest wait)"
+    )
+    tokenizer_threads: int = option(2, help="threads that tokenize large prompts off the event loop")
     max_body_bytes: int = option(8 << 20, help="largest request body, in bytes (413 beyond)")
     request_timeout_s: float = option(600.0, help="deadline of one generation on the scheduler")
     health_timeout_s: float = option(2.0, help="how long /health waits for the scheduler")
@@ -34,13 +45,20 @@ class GatewayConfig:
     log_format: str = option("json", help="json | text")
 
     def __post_init__(self) -> None:
+        RequestLimits.__post_init__(self)
+        if self.keepalive_s < 1:
+            raise ValueError(f"keepalive_s must be >= 1, got {self.keepalive_s}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("max_n", "max_stop", "max_stop_chars", "max_prompts", "max_body_bytes"):
+        for name in (
+            "max_prompts",
+            "max_seqs_per_request",
+            "max_concurrent_prompts",
+            "tokenizer_threads",
+            "max_body_bytes",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.request_timeout_s <= 0 or self.health_timeout_s <= 0:
             raise ValueError("request_timeout_s and health_timeout_s must be > 0")
         if self.log_format not in ("json", "text"):

@@ -249,8 +249,16 @@ class Generation:
         self._tasks.clear()
 
 
-async def merge(generations: list[Generation]) -> AsyncIterator[ChoiceDelta]:
-    """Interleave several generations (a batch of prompts) in arrival order."""
+async def merge(
+    generations: list[Generation], max_concurrent: int | None = None
+) -> AsyncIterator[ChoiceDelta]:
+    """Interleave several generations (a batch of prompts) in arrival order.
+
+    At most `max_concurrent` of them are in flight to the scheduler at once; the
+    next starts as one ends. One request of 64 prompts x n = 16 would otherwise
+    put 1,024 sequences in the scheduler's queue at once, ahead of every other
+    client's. Choices keep their indices, so the order of the results is unchanged.
+    """
     if len(generations) == 1:
         async for delta in generations[0].stream():
             yield delta
@@ -265,13 +273,21 @@ async def merge(generations: list[Generation]) -> AsyncIterator[ChoiceDelta]:
         except Exception as e:
             queue.put_nowait(e)
 
-    tasks = [asyncio.ensure_future(pump(g)) for g in generations]
+    tasks: list[asyncio.Task] = []
+
+    def start_next() -> None:
+        if len(tasks) < len(generations):
+            tasks.append(asyncio.ensure_future(pump(generations[len(tasks)])))
+
     try:
-        remaining = len(tasks)
+        for _ in range(max_concurrent or len(generations)):
+            start_next()
+        remaining = len(generations)
         while remaining:
             item = await queue.get()
             if item is _END:
                 remaining -= 1
+                start_next()
             elif isinstance(item, Exception):
                 raise item
             else:

@@ -2,15 +2,21 @@
 
 Everything is checked here, before the scheduler sees the request, so that
 each mistake is answered with a 400 naming its parameter (the scheduler checks
-again, but its messages are for gRPC clients).
+again, but its messages are for gRPC clients). The caps shared with the
+scheduler live in `services/limits.py` (`RequestLimits`); what is only the
+gateway's (batched prompts, sequences per request, prompt text) is here.
+Cheap checks come before expensive work: a request over a cap is refused
+before any prompt is tokenized.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from gateway.errors import bad_request
+from gateway.errors import APIError, bad_request
 from gateway.protocol import SamplingRequest
+from services.limits import RequestLimits
 from services.sampling_params import SamplingParams, SamplingParamsError
 
 
@@ -18,31 +24,61 @@ from services.sampling_params import SamplingParams, SamplingParamsError
 class Limits:
     """Caps of this gateway combined with what the served model allows."""
 
-    max_n: int
-    max_logprobs: int
-    max_stop: int
-    max_stop_chars: int
+    caps: RequestLimits  # shared with the scheduler; max_logprobs already lowered to the model's
     max_prompts: int
+    max_seqs_per_request: int
     max_model_len: int
     vocab_size: int
+    prompt_chars: int  # a text prompt longer than this surely exceeds max_model_len tokens
 
 
-def stop_strings(req: SamplingRequest, limits: Limits) -> list[str]:
-    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stops) > limits.max_stop:
-        raise bad_request("stop", f"at most {limits.max_stop} stop strings, got {len(stops)}")
-    for s in stops:
-        if not s:
-            raise bad_request("stop", "stop strings must not be empty")
-        if len(s) > limits.max_stop_chars:
-            raise bad_request("stop", f"stop strings must be at most {limits.max_stop_chars} characters")
-    return stops
+def check_batch(num_prompts: int, n: int, limits: Limits) -> None:
+    """How many sequences one request may start: refused before anything is tokenized."""
+    if num_prompts > limits.max_prompts:
+        raise bad_request("prompt", f"at most {limits.max_prompts} prompts per request, got {num_prompts}")
+    if n > limits.caps.max_n:
+        raise bad_request("n", f"must be <= {limits.caps.max_n}, got {n}")
+    seqs = num_prompts * n
+    if seqs > limits.max_seqs_per_request:
+        raise bad_request(
+            "n",
+            f"{num_prompts} prompts x n={n} = {seqs} sequences; at most {limits.max_seqs_per_request} "
+            "per request (send fewer prompts or a smaller n)",
+        )
+
+
+def context_exceeded(param: str, prompt_len: int, limits: Limits) -> APIError:
+    return bad_request(
+        param,
+        f"the prompt is {prompt_len} tokens, but this model's maximum context length is "
+        f"{limits.max_model_len} tokens",
+        code="context_length_exceeded",
+    )
+
+
+def check_prompt_chars(param: str, chars: int, limits: Limits) -> None:
+    """Refuse, without tokenizing it, a text too long for any tokenization to fit the context."""
+    if chars > limits.prompt_chars:
+        raise bad_request(
+            param,
+            f"the prompt is {chars} characters, more than this model's maximum context length of "
+            f"{limits.max_model_len} tokens can hold",
+            code="context_length_exceeded",
+        )
 
 
 def check_token_ids(param: str, ids: list[int], vocab_size: int) -> None:
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
+    # min/max run in C: a list of millions of ids is checked without a Python loop per id.
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
         raise bad_request(param, f"token ids must be in [0, {vocab_size}), got {bad[:5]}")
+
+
+def check_prompt_ids(param: str, ids: list[int], limits: Limits) -> None:
+    """A token-id prompt: its length first (cheap), then its vocabulary."""
+    if len(ids) >= limits.max_model_len:
+        raise context_exceeded(param, len(ids), limits)
+    check_token_ids(param, ids, limits.vocab_size)
 
 
 def resolve_max_tokens(
@@ -51,12 +87,7 @@ def resolve_max_tokens(
     """The tokens to generate: `requested`, or all the context leaves; 400 when they do not fit."""
     room = limits.max_model_len - prompt_len
     if room <= 0:
-        raise bad_request(
-            prompt_param,
-            f"the prompt is {prompt_len} tokens, but this model's maximum context length is "
-            f"{limits.max_model_len} tokens",
-            code="context_length_exceeded",
-        )
+        raise context_exceeded(prompt_param, prompt_len, limits)
     if requested is None:
         return room
     if requested > room:
@@ -71,22 +102,31 @@ def resolve_max_tokens(
 
 
 def sampling_params(
-    req: SamplingRequest, limits: Limits, *, max_tokens: int, logprobs: int | None, logprobs_param: str
+    req: SamplingRequest,
+    limits: Limits,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    logprobs_param: str,
 ) -> SamplingParams:
-    if req.n > limits.max_n:
-        raise bad_request("n", f"must be <= {limits.max_n}, got {req.n}")
-    if logprobs is not None and logprobs > limits.max_logprobs:
-        raise bad_request(logprobs_param, f"must be <= {limits.max_logprobs}, got {logprobs}")
+    """The request's sampling parameters, checked against the caps (once, before any prompt is tokenized).
+
+    `max_tokens` None means "what the context leaves": `fit_to_prompt` settles it per prompt.
+    """
+    caps = limits.caps
     if req.logit_bias:
         raise bad_request("logit_bias", "is not supported", code="unsupported_parameter")
     stop_ids = list(req.stop_token_ids or [])
-    if len(stop_ids) > 4 * limits.max_stop:
-        raise bad_request("stop_token_ids", f"at most {4 * limits.max_stop} ids, got {len(stop_ids)}")
-    check_token_ids("stop_token_ids", stop_ids, limits.vocab_size)
-    if req.min_tokens > max_tokens:
-        raise bad_request("min_tokens", f"must be <= max_tokens ({max_tokens}), got {req.min_tokens}")
+    # Counts first: SamplingParams walks both lists, and a body may hold millions of entries.
+    if len(stop_ids) > caps.max_stop_token_ids:
+        raise bad_request("stop_token_ids", f"at most {caps.max_stop_token_ids} ids, got {len(stop_ids)}")
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stops) > caps.max_stop:
+        raise bad_request("stop", f"at most {caps.max_stop} stop strings, got {len(stops)}")
+    if any(not s for s in stops):
+        raise bad_request("stop", "stop strings must not be empty")
     try:
-        return SamplingParams(
+        params = SamplingParams(
             n=req.n,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
@@ -99,10 +139,29 @@ def sampling_params(
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
             stop_token_ids=stop_ids,
-            stop=stop_strings(req, limits),
+            stop=stops,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
-            max_logprobs=limits.max_logprobs,
+            max_logprobs=caps.max_logprobs,
         )
+        caps.check(params, limits.vocab_size)
     except SamplingParamsError as e:
-        raise bad_request(e.param, str(e).split(": ", 1)[-1]) from e
+        # Chat calls it top_logprobs; SamplingParams and the shared caps say logprobs.
+        param = logprobs_param if e.param == "logprobs" else e.param
+        raise bad_request(param, str(e).split(": ", 1)[-1]) from e
+    return params
+
+
+def fit_to_prompt(
+    params: SamplingParams,
+    prompt_len: int,
+    requested: int | None,
+    limits: Limits,
+    param: str,
+    prompt_param: str,
+) -> SamplingParams:
+    """`params` for one prompt: max_tokens resolved against the room its context leaves."""
+    max_tokens = resolve_max_tokens(prompt_len, requested, limits, param, prompt_param)
+    if params.min_tokens > max_tokens:
+        raise bad_request("min_tokens", f"must be <= max_tokens ({max_tokens}), got {params.min_tokens}")
+    return dataclasses.replace(params, max_tokens=max_tokens)

@@ -6,30 +6,25 @@ import grpc
 
 from gateway.errors import APIError, from_grpc
 from llmesh.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.grpc_server import channel_options
-
-# gRPC backs off up to 120 s between reconnect attempts by default; a gateway in front
-# of a restarting scheduler should notice it is back within a couple of seconds.
-_RECONNECT_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-]
+from services.grpc_server import DEFAULT_KEEPALIVE_S, channel_options
 
 
 class SchedulerClient:
     """Thin async wrapper; every failure surfaces as an APIError (503 when the scheduler is gone)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, keepalive_s: float = DEFAULT_KEEPALIVE_S) -> None:
         self.address = address
+        self.keepalive_s = keepalive_s
         self._channel: grpc.aio.Channel | None = None
         self._scheduler: generation_pb2_grpc.SchedulerStub | None = None
         self._registry: worker_pb2_grpc.RegistryStub | None = None
 
     async def start(self) -> None:
         """Open the channel (lazily connected); must run inside the serving event loop."""
+        # channel_options() agree with every llmesh server's ping policy and re-dial a restarted
+        # scheduler within ~2 s (gRPC's default backoff reaches 120 s).
         self._channel = grpc.aio.insecure_channel(
-            self.address, options=channel_options() + _RECONNECT_OPTIONS
+            self.address, options=channel_options(keepalive_s=self.keepalive_s)
         )
         self._scheduler = generation_pb2_grpc.SchedulerStub(self._channel)
         self._registry = worker_pb2_grpc.RegistryStub(self._channel)

@@ -58,11 +58,12 @@ class Run:
         self.state = state
         self.model_name = model_name
         self.gens = gens
+        self.max_concurrent = state.config.max_concurrent_prompts
         self._closed = False
         state.metrics.requests_active.inc()
 
     def deltas(self) -> AsyncIterator[ChoiceDelta]:
-        return merge(self.gens)
+        return merge(self.gens, self.max_concurrent)
 
     def close(self) -> None:
         if self._closed:

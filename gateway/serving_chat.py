@@ -11,12 +11,12 @@ from starlette.responses import Response
 
 from gateway.errors import bad_request
 from gateway.generation import ChoiceDelta, Generation, TokenLogprob
-from gateway.params import resolve_max_tokens, sampling_params
+from gateway.params import check_batch, check_prompt_chars, fit_to_prompt, sampling_params
 from gateway.protocol import ChatCompletionRequest
 from gateway.serving_base import ChoiceResult, Run, usage
 from gateway.state import GatewayState
 from gateway.streaming import sse
-from gateway.tokenizer import Tokenizer
+from gateway.tokenizer import Tokenizer, chat_chars
 
 
 def _check_unsupported(req: ChatCompletionRequest) -> None:
@@ -56,19 +56,21 @@ async def create_chat_completion(
     name = req.model or model.names[0]
     limits = state.limits()
     _check_unsupported(req)
-    prompt = model.tokenizer.encode_chat(
+    check_batch(1, req.n, limits)
+    if req.max_completion_tokens is not None:
+        requested, param = req.max_completion_tokens, "max_completion_tokens"
+    else:
+        requested, param = req.max_tokens, "max_tokens"
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    base = sampling_params(req, limits, max_tokens=requested, logprobs=top, logprobs_param="top_logprobs")
+    # The template only adds to the messages' text: text over the limit cannot fit, rendered or not.
+    check_prompt_chars("messages", chat_chars(req.messages), limits)
+    prompt = await model.tokenizer.encode_chat_async(
         req.messages,
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
     )
-    if req.max_completion_tokens is not None:
-        max_tokens = resolve_max_tokens(
-            len(prompt), req.max_completion_tokens, limits, "max_completion_tokens", "messages"
-        )
-    else:
-        max_tokens = resolve_max_tokens(len(prompt), req.max_tokens, limits, "max_tokens", "messages")
-    top = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, limits, max_tokens=max_tokens, logprobs=top, logprobs_param="top_logprobs")
+    params = fit_to_prompt(base, len(prompt), requested, limits, param, "messages")
     gen = Generation(
         state.client,
         model.tokenizer,

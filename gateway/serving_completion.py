@@ -11,7 +11,14 @@ from starlette.responses import Response
 
 from gateway.errors import bad_request
 from gateway.generation import ChoiceDelta, Generation, TokenLogprob
-from gateway.params import check_token_ids, resolve_max_tokens, sampling_params
+from gateway.params import (
+    Limits,
+    check_batch,
+    check_prompt_chars,
+    check_prompt_ids,
+    fit_to_prompt,
+    sampling_params,
+)
 from gateway.protocol import CompletionRequest
 from gateway.serving_base import ChoiceResult, Run, usage
 from gateway.state import GatewayState, ServedModel
@@ -19,35 +26,40 @@ from gateway.streaming import sse
 from gateway.tokenizer import Tokenizer
 
 
-def _prompts(
-    req: CompletionRequest, model: ServedModel, max_prompts: int
-) -> list[tuple[list[int], str | None]]:
-    """(token ids, text or None) per prompt."""
+def _raw_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompts as sent: texts or token-id lists (none tokenized yet)."""
     p = req.prompt
     if isinstance(p, str):
-        raw: list[str | list[int]] = [p]
-    elif not p:
+        return [p]
+    if not p:
         raise bad_request("prompt", "must not be empty")
-    elif all(isinstance(x, int) for x in p):
-        raw = [p]  # type: ignore[list-item]
-    else:
-        raw = list(p)  # type: ignore[arg-type]
-    if len(raw) > max_prompts:
-        raise bad_request("prompt", f"at most {max_prompts} prompts per request, got {len(raw)}")
-    out = []
-    for i, item in enumerate(raw):
-        param = "prompt" if len(raw) == 1 else f"prompt[{i}]"
+    # The schema admits only homogeneous lists: the first item tells which (no walk over a million ids).
+    if isinstance(p[0], int):
+        return [p]  # type: ignore[list-item]
+    return list(p)  # type: ignore[arg-type]
+
+
+async def _encode_prompts(
+    raw: list[str | list[int]], model: ServedModel, limits: Limits
+) -> list[tuple[list[int], str | None]]:
+    """(token ids, text or None) per prompt; what is cheap to refuse is refused before any tokenizing."""
+    params = ["prompt" if len(raw) == 1 else f"prompt[{i}]" for i in range(len(raw))]
+    for param, item in zip(params, raw, strict=True):
+        if not item:
+            raise bad_request(param, "must not be empty")
         if isinstance(item, str):
-            if not item:
-                raise bad_request(param, "must not be empty")
-            ids = model.tokenizer.encode(item)
+            check_prompt_chars(param, len(item), limits)
+        else:
+            check_prompt_ids(param, item, limits)
+    out = []
+    # One prompt at a time: a batch of large prompts holds one tokenizer thread, not all of them.
+    for param, item in zip(params, raw, strict=True):
+        if isinstance(item, str):
+            ids = await model.tokenizer.encode_async(item)
             if not ids:
                 raise bad_request(param, "encodes to no tokens")
             out.append((ids, item))
         else:
-            if not item:
-                raise bad_request(param, "must not be empty")
-            check_token_ids(param, item, model.info.vocab_size)
             out.append((list(item), None))
     return out
 
@@ -83,13 +95,15 @@ async def create_completion(state: GatewayState, req: CompletionRequest, request
         )
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options", "is only allowed with stream=true")
-    prompts = _prompts(req, model, limits.max_prompts)
+    raw = _raw_prompts(req)
+    check_batch(len(raw), req.n, limits)
+    base = sampling_params(
+        req, limits, max_tokens=req.max_tokens, logprobs=req.logprobs, logprobs_param="logprobs"
+    )
+    prompts = await _encode_prompts(raw, model, limits)
     gens = []
     for ids, _ in prompts:
-        max_tokens = resolve_max_tokens(len(ids), req.max_tokens, limits, "max_tokens", "prompt")
-        params = sampling_params(
-            req, limits, max_tokens=max_tokens, logprobs=req.logprobs, logprobs_param="logprobs"
-        )
+        params = fit_to_prompt(base, len(ids), req.max_tokens, limits, "max_tokens", "prompt")
         gens.append(
             Generation(
                 state.client,

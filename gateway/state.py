@@ -8,8 +8,10 @@ generation route answers 503 and /health says why.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from gateway.config import GatewayConfig
@@ -19,6 +21,7 @@ from gateway.params import Limits
 from gateway.scheduler_client import SchedulerClient
 from gateway.tokenizer import Tokenizer
 from llmesh.v1 import generation_pb2
+from services.limits import RequestLimits, prompt_char_limit
 
 log = logging.getLogger(__name__)
 
@@ -30,15 +33,22 @@ class ServedModel:
     names: list[str]  # ids clients may use; names[0] is the one /v1/models lists first
     info: generation_pb2.ModelInfo  # the scheduler's view (its id, context length, vocab, ...)
     tokenizer: Tokenizer
+    limits: Limits  # the config's caps combined with this model's
 
 
 class GatewayState:
     def __init__(self, config: GatewayConfig, client: SchedulerClient | None = None) -> None:
         self.config = config
-        self.client = client or SchedulerClient(config.scheduler)
+        self.client = client or SchedulerClient(config.scheduler, config.keepalive_s)
         self.metrics = GatewayMetrics()
         self.model: ServedModel | None = None
         self.startup_error: str | None = None  # why the model is not known yet
+        # A few threads for large prompts: tokenization never blocks the event loop, and a flood of
+        # megabyte prompts queues here instead of taking every core from the streams being served.
+        self.executor = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="llmesh-tokenize")
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
 
     # ----- startup -----
     async def connect(self, retry_s: float = 0.5) -> None:
@@ -66,8 +76,10 @@ class GatewayState:
             self.startup_error = f"{source} ships no tokenizer; the gateway needs one"
             log.error(self.startup_error)
             return
+        tokenizer = Tokenizer(hf, self.executor)
+        await asyncio.to_thread(lambda: tokenizer.longest_token_chars)  # a vocabulary walk, off the loop
         names = list(self.config.served_model_name) or [info.id]
-        self.model = ServedModel(names, info, Tokenizer(hf))
+        self.model = ServedModel(names, info, tokenizer, self._limits(info, tokenizer))
         self.startup_error = None
         log.info(
             "serving model",
@@ -88,18 +100,19 @@ class GatewayState:
         return model
 
     def limits(self) -> Limits:
-        info = self.served().info
-        max_logprobs = self.config.max_logprobs
+        return self.served().limits
+
+    def _limits(self, info: generation_pb2.ModelInfo, tokenizer: Tokenizer) -> Limits:
+        shared = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(RequestLimits)}
         if info.max_logprobs:
-            max_logprobs = min(max_logprobs, info.max_logprobs)
+            shared["max_logprobs"] = min(self.config.max_logprobs, info.max_logprobs)
         return Limits(
-            max_n=self.config.max_n,
-            max_logprobs=max_logprobs,
-            max_stop=self.config.max_stop,
-            max_stop_chars=self.config.max_stop_chars,
+            caps=RequestLimits(**shared),
             max_prompts=self.config.max_prompts,
+            max_seqs_per_request=self.config.max_seqs_per_request,
             max_model_len=info.max_model_len,
             vocab_size=info.vocab_size,
+            prompt_chars=prompt_char_limit(info.max_model_len, tokenizer.longest_token_chars),
         )
 
 

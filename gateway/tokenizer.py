@@ -1,12 +1,27 @@
-"""The gateway's view of the model's tokenizer: encoding, chat templates, per-token text for logprobs."""
+"""The gateway's view of the model's tokenizer: encoding, chat templates, per-token text for logprobs.
+
+Tokenizing a large prompt takes seconds (about 1 s per MB of text): done on the
+event loop it would stall every stream the gateway serves. Inputs above
+`INLINE_CHARS` run in the gateway's tokenizer threads (HF fast tokenizers
+release the GIL while the Rust encoder runs); small ones stay inline, where a
+thread hop would cost more than the work.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import functools
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import Executor
+from typing import Any, TypeVar
 
 from gateway.errors import APIError, bad_request
 from gateway.protocol import ChatMessage
+from services.limits import longest_token_chars
+
+T = TypeVar("T")
+
+INLINE_CHARS = 4096  # below this, encoding (tens of microseconds) is cheaper than a thread hop
 
 
 @functools.cache
@@ -41,16 +56,36 @@ def message_text(msg: ChatMessage, index: int) -> str:
     return "\n".join(parts)
 
 
+def chat_chars(messages: list[ChatMessage]) -> int:
+    """Characters of text in a conversation: what the template will wrap, known without rendering it."""
+    return sum(len(message_text(m, i)) for i, m in enumerate(messages))
+
+
 class Tokenizer:
-    def __init__(self, hf: Any) -> None:
+    def __init__(self, hf: Any, executor: Executor | None = None) -> None:
         self.hf = hf
+        self.executor = executor  # None = the event loop's default executor
         decoder = getattr(getattr(hf, "backend_tokenizer", None), "decoder", None)
         # Byte-level BPE (GPT-2, Llama 3, SmolLM2, Qwen): token pieces spell raw bytes in a
         # printable alphabet, so a token's exact bytes (half a UTF-8 character included) are known.
         self._byte_level = type(decoder).__name__ == "ByteLevel"
 
+    @functools.cached_property
+    def longest_token_chars(self) -> int:
+        """Characters of the longest token (a vocabulary walk: warm it off the event loop, once)."""
+        return longest_token_chars(self.hf)
+
+    async def off_loop(self, size: int, fn: Callable[[], T]) -> T:
+        """`fn()` inline when its input (`size` characters) is small, else in a tokenizer thread."""
+        if size <= INLINE_CHARS:
+            return fn()
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    async def encode_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self.off_loop(len(text), functools.partial(self.encode, text, add_special_tokens))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -85,9 +120,24 @@ class Tokenizer:
         except Exception as e:  # a template's raise_exception(): the conversation is at fault
             raise bad_request("messages", f"the chat template rejected the conversation: {e}") from e
 
-    def encode_chat(self, messages: list[ChatMessage], **kw: bool) -> list[int]:
+    def encode_chat(
+        self, messages: list[ChatMessage], add_special_tokens: bool = False, **kw: bool
+    ) -> list[int]:
         # The template already wrote BOS and the like; adding special tokens would double them.
-        return self.encode(self.render_chat(messages, **kw), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, **kw), add_special_tokens=add_special_tokens)
+
+    async def encode_chat_async(
+        self, messages: list[ChatMessage], add_special_tokens: bool = False, **kw: bool
+    ) -> list[int]:
+        """Render and encode; a large conversation does both (jinja included) in a tokenizer thread."""
+        fn = functools.partial(self.encode_chat, messages, add_special_tokens, **kw)
+        # Each message is also a loop of the template: thousands of empty ones are work too.
+        size = chat_chars(messages) + sum(len(m.name or "") + 32 for m in messages)
+        return await self.off_loop(size, fn)
+
+    async def decode_async(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        # A token is a few characters: size the work as if each were one.
+        return await self.off_loop(len(ids), functools.partial(self.decode, ids, skip_special_tokens))
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - one Tokenizer per process, bounded
     def token_bytes(self, token_id: int) -> bytes:

@@ -1,20 +1,39 @@
-"""The in-process engine: one planner + one model runner, no sockets.
+"""The in-process engine: the scheduler's `Mesh` over one model runner, no sockets.
 
-The services compose the same two classes over gRPC; this composition backs the
-offline API and the throughput benchmarks.
+The services compose the same two parts over gRPC (scheduler_svc's Mesh, a
+worker's ModelRunner behind the Step stream); here the runner sits behind a
+`LocalWorkerLink`, so asynchronous scheduling, failover rules and everything
+the Mesh learns are written once. The Mesh runs on an event loop in a
+background thread of this engine, so that callers (the offline `LLM`, a
+notebook with its own loop) need no asyncio; `submit`-style calls cross into
+that loop thread-safely.
+
+`step()` is kept for tests and micro-benchmarks that drive single steps
+synchronously; it must not be mixed with `run()` on the same requests.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import threading
+import weakref
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.local_link import LocalWorkerLink
+from scheduler_svc.mesh import Mesh, MeshConfig
 from scheduler_svc.planner import Planner, PlannerConfig
 from scheduler_svc.request import FinishReason, Request, RequestDelta
 from services.sampling_params import SamplingParams
 from worker_svc.config import WorkerConfig
 from worker_svc.runner import ModelRunner
+
+T = TypeVar("T")
+
+LOCAL_WORKER = "local"
 
 
 @dataclass
@@ -22,6 +41,8 @@ class EngineConfig:
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     enable_prefix_caching: bool = True
+    # Plan step N+1 while step N runs (see MeshConfig.async_scheduling).
+    async_scheduling: bool = True
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
@@ -29,13 +50,19 @@ class EngineConfig:
         worker_fields = {f.name for f in dataclasses.fields(WorkerConfig)}
         planner_fields = {f.name for f in dataclasses.fields(PlannerConfig)}
         enable = kwargs.pop("enable_prefix_caching", True)
+        async_scheduling = kwargs.pop("async_scheduling", True)
         unknown = set(kwargs) - worker_fields - planner_fields
         if unknown:
             raise TypeError(f"unknown engine settings: {', '.join(sorted(unknown))}")
         worker = WorkerConfig(**{k: v for k, v in kwargs.items() if k in worker_fields})
         planner_kw = {k: v for k, v in kwargs.items() if k in planner_fields}
         planner_kw.setdefault("max_model_len", 0)
-        return cls(worker=worker, planner=PlannerConfig(**planner_kw), enable_prefix_caching=enable)
+        return cls(
+            worker=worker,
+            planner=PlannerConfig(**planner_kw),
+            enable_prefix_caching=enable,
+            async_scheduling=bool(async_scheduling),
+        )
 
 
 class LLMEngine:
@@ -48,50 +75,137 @@ class LLMEngine:
             config.planner,
             max_model_len=min(config.planner.max_model_len or info.max_model_len, info.max_model_len),
         )
-        self.blocks = BlockManager(
-            info.num_kv_blocks, info.block_size, info.fingerprint, config.enable_prefix_caching
+        self.mesh = Mesh(
+            MeshConfig(
+                planner=planner_cfg,
+                enable_prefix_caching=config.enable_prefix_caching,
+                async_scheduling=config.async_scheduling,
+            )
         )
-        self.planner = Planner(planner_cfg, self.blocks)
-        self.num_steps = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="llmesh-engine", daemon=True)
+        self._thread.start()
+        # At garbage collection or exit: cancel the loop's tasks, then stop it (no "Task was destroyed").
+        weakref.finalize(self, _stop_loop, self._loop)
+        link = LocalWorkerLink(self.runner.execute, info, self.runner.drop_all)
+        self._slot = self.call(lambda: self.mesh.add_worker(LOCAL_WORKER, info, link))
+        self._num_sync_steps = 0
+
+    # ----- the loop thread -----
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the engine's loop thread and return its result (Mesh state lives there)."""
+
+        async def run() -> T:
+            return fn()
+
+        return self.wait(run())
+
+    def wait(self, coro: Awaitable[T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()  # type: ignore[arg-type]
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    # ----- state -----
+    @property
+    def planner(self) -> Planner:
+        return self._slot.planner
+
+    @property
+    def blocks(self) -> BlockManager:
+        return self._slot.planner.blocks
+
+    @property
+    def num_steps(self) -> int:
+        return self._slot.num_steps + self._num_sync_steps
 
     @property
     def max_model_len(self) -> int:
         return self.planner.config.max_model_len
 
-    def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
-    ) -> None:
+    def has_unfinished(self) -> bool:
+        return self.planner.has_unfinished()
+
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
         vocab = self.info.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        self.planner.add_request(
-            Request(
-                request_id=request_id,
-                prompt_token_ids=list(prompt_token_ids),
-                sampling_params=params,
-                eos_token_ids=self.info.eos_token_ids,
-                priority=priority,
-            )
-        )
+
+    # ----- synchronous stepping (tests, micro-benchmarks) -----
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> None:
+        """Queue a request for `step()` (not for `run()`: the Mesh streams those)."""
+        self.check_prompt(prompt_token_ids)
+        req = Request(request_id, list(prompt_token_ids), params, self.info.eos_token_ids, priority)
+        self.call(lambda: self.planner.add_request(req))
 
     def abort(self, request_id: str) -> RequestDelta | None:
-        req = self.planner.abort(request_id)
-        return self.planner.delta(req, 0) if req is not None else None
+        def run() -> RequestDelta | None:
+            if self.mesh.abort(request_id):
+                return None
+            req = self.planner.abort(request_id)
+            return self.planner.delta(req, 0) if req is not None else None
+
+        return self.call(run)
 
     def finish(self, request_id: str, reason: FinishReason) -> None:
         """End a request from outside (a stop string matched): abort, then relabel."""
-        req = self.planner.abort(request_id)
-        if req is not None:
-            req.finish_reason = reason
 
-    def has_unfinished(self) -> bool:
-        return self.planner.has_unfinished()
+        def run() -> None:
+            req = self.planner.requests.get(request_id)
+            self.mesh.abort(request_id) or self.planner.abort(request_id)
+            if req is not None:
+                req.finish_reason = reason
+
+        self.call(run)
 
     def step(self) -> list[RequestDelta]:
-        plan = self.planner.schedule()
+        """One synchronous step: plan, execute on this thread, apply. Not with run() in flight."""
+        plan = self.call(self.planner.schedule)
         if plan.num_seqs == 0 and not plan.finished_ids and not plan.preempted_ids:
             return []
         result = self.runner.execute(plan)
-        self.num_steps += 1
-        return self.planner.update(plan, result)
+        self._num_sync_steps += 1
+        return self.call(lambda: self.planner.update(plan, result))
+
+    # ----- streaming through the Mesh -----
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        queue: asyncio.Queue,
+        priority: int = 0,
+        group: str = "",
+    ) -> None:
+        """On the loop thread: route a request into the Mesh; its deltas go to `queue`."""
+        self.mesh.submit(request_id, prompt_token_ids, params, priority, queue, group=group)
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+
+        async def shutdown() -> None:
+            await self.mesh.remove_worker(LOCAL_WORKER, reason="engine closed")
+
+        try:
+            self.wait(shutdown())
+        finally:
+            _stop_loop(self._loop)
+            self._thread.join(timeout=5)
+
+
+
+def _stop_loop(loop: asyncio.AbstractEventLoop) -> None:
+    async def cancel_all() -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        loop.stop()
+
+    if loop.is_running():
+        asyncio.run_coroutine_threadsafe(cancel_all(), loop)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 from collections.abc import Sequence
@@ -76,28 +77,32 @@ class LLM:
         params = self._params_for(batch, sampling_params)
         children: dict[str, _Child] = {}
         outputs: list[RequestOutput] = []
+        submissions: list[tuple[str, list[int], SamplingParams, int, str]] = []
+        for i, (prompt, sp) in enumerate(zip(batch, params, strict=True)):
+            text, token_ids = self._tokenize(prompt)
+            self.engine.check_prompt(token_ids)
+            out = RequestOutput(request_id=str(next(self._ids)), prompt=text, prompt_token_ids=token_ids)
+            outputs.append(out)
+            for j in range(sp.n):
+                # Children of a seeded request get distinct, reproducible seeds (vLLM convention).
+                child_sp = (
+                    sp
+                    if sp.n == 1
+                    else dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + j)
+                )
+                cid = f"{out.request_id}-{j}"
+                submissions.append((cid, token_ids, child_sp, priority[i] if priority else 0, out.request_id))
+                detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
+                comp = CompletionOutput(j, "", [], None, [] if sp.logprobs is not None else None)
+                out.outputs.append(comp)
+                children[cid] = _Child(out, comp, child_sp, detok)
+        future = asyncio.run_coroutine_threadsafe(
+            self._run(children, submissions, len(outputs), use_tqdm), self.engine.loop
+        )
         try:
-            for i, (prompt, sp) in enumerate(zip(batch, params, strict=True)):
-                text, token_ids = self._tokenize(prompt)
-                out = RequestOutput(request_id=str(next(self._ids)), prompt=text, prompt_token_ids=token_ids)
-                outputs.append(out)
-                for j in range(sp.n):
-                    # Children of a seeded request get distinct, reproducible seeds (vLLM convention).
-                    child_sp = (
-                        sp
-                        if sp.n == 1
-                        else dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + j)
-                    )
-                    cid = f"{out.request_id}-{j}"
-                    self.engine.add_request(cid, token_ids, child_sp, priority[i] if priority else 0)
-                    detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
-                    comp = CompletionOutput(j, "", [], None, [] if sp.logprobs is not None else None)
-                    out.outputs.append(comp)
-                    children[cid] = _Child(out, comp, child_sp, detok)
-            self._run(children, len(outputs), use_tqdm)
+            future.result()
         except BaseException:
-            for cid in children:
-                self.engine.abort(cid)
+            future.cancel()  # the coroutine's cleanup aborts every child still running
             raise
         return outputs
 
@@ -122,20 +127,45 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     # ----- internals -----
-    def _run(self, children: dict[str, _Child], num_requests: int, use_tqdm: bool) -> None:
+    async def _run(
+        self,
+        children: dict[str, _Child],
+        submissions: list[tuple[str, list[int], SamplingParams, int, str]],
+        num_requests: int,
+        use_tqdm: bool,
+    ) -> None:
+        """On the engine's loop: submit every child, fold the deltas in as steps produce them.
+
+        Runs while the model runner steps on its own thread, so detokenization and
+        stop strings overlap the next step instead of sitting between two.
+        """
         bar = tqdm(total=num_requests, desc="Generating", unit="req", disable=not use_tqdm)
         open_children = {id(c.parent): 0 for c in children.values()}
         for c in children.values():
             open_children[id(c.parent)] += 1
-        with bar:
-            while self.engine.has_unfinished():
-                for delta in self.engine.step():
+        queue: asyncio.Queue = asyncio.Queue()
+        running: set[str] = set()
+        try:
+            for cid, token_ids, sp, prio, group in submissions:
+                self.engine.submit(cid, token_ids, sp, queue, prio, group)
+                running.add(cid)
+            with bar:
+                while running:
+                    delta = await queue.get()
+                    if isinstance(delta, Exception):
+                        raise delta
+                    if delta.request_id not in running:
+                        continue  # e.g. the ABORT echo of a child a stop string ended
                     child = children[delta.request_id]
                     if self._absorb(child, delta):
+                        running.discard(delta.request_id)
                         open_children[id(child.parent)] -= 1
                         if open_children[id(child.parent)] == 0:
                             child.parent.finished = True
                             bar.update(1)
+        finally:
+            for cid in running:
+                self.engine.mesh.abort(cid)
 
     def _absorb(self, child: _Child, delta: RequestDelta) -> bool:
         """Fold a delta into the child's output; True when the child finished."""
@@ -156,7 +186,7 @@ class LLM:
                     child.detok.text = child.detok.text[:idx]
                     out.stop_reason = stop
                     if finish is None:
-                        self.engine.finish(delta.request_id, FinishReason.STOP)
+                        self.engine.mesh.abort(delta.request_id)  # on the loop: ends it upstream
                     finish = FinishReason.STOP
             out.text = child.detok.text
         if finish is None:

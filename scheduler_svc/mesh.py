@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -59,7 +60,13 @@ class WorkerLink(Protocol):
         """(Re)open the step stream; raises LinkBroken when the worker cannot be reached."""
         ...
 
-    async def step(self, plan: StepPlan) -> StepResult: ...
+    async def send(self, plan: StepPlan) -> None:
+        """Queue a plan; the worker runs plans strictly in order (several may be in flight)."""
+        ...
+
+    async def recv(self) -> StepResult:
+        """The result of the oldest plan in flight."""
+        ...
 
     @property
     def alive(self) -> bool:
@@ -83,6 +90,9 @@ class MeshConfig:
     worker_dead_after_s: float = 30.0
     # Its requests move to the other live workers (if any) once it has been unreachable this long.
     failover_after_s: float = 1.0
+    # Plan step N+1 while the worker runs step N (2 plans in flight), so that planning and the
+    # wire overlap the GPU instead of sitting between two steps. False: one plan at a time.
+    async_scheduling: bool = True
 
 
 @dataclass
@@ -368,18 +378,25 @@ class Mesh:
         return True
 
     async def _step_loop(self, slot: WorkerSlot) -> None:
+        """Keep up to `depth` plans in flight; apply each result (in order) as it comes back."""
         planner = slot.planner
+        depth = 2 if self.config.async_scheduling else 1
+        inflight: deque[tuple[StepPlan, float]] = deque()
         while True:
-            if not planner.has_work_for_worker():
+            while len(inflight) < depth and planner.has_work_for_worker():
+                plan = planner.schedule()
+                if plan.num_seqs == 0 and not plan.finished_ids and not plan.preempted_ids:
+                    break  # nothing to run until a result (or a request) comes in
+                await slot.link.send(plan)
+                inflight.append((plan, time.perf_counter()))
+            if not inflight:
                 await self._idle(slot)
                 continue
-            plan = planner.schedule()
-            if plan.num_seqs == 0 and not plan.finished_ids and not plan.preempted_ids:
-                await self._idle(slot)
-                continue
-            t0 = time.perf_counter()
-            result = await slot.link.step(plan)
-            slot.step_seconds += time.perf_counter() - t0
+            result = await slot.link.recv()
+            plan, sent_at = inflight.popleft()
+            if result.step_id != plan.step_id:
+                raise LinkBroken(f"worker {slot.worker_id}: result {result.step_id} for plan {plan.step_id}")
+            slot.step_seconds += time.perf_counter() - sent_at
             slot.num_steps += 1
             for delta in planner.update(plan, result):
                 self._emit(delta)

@@ -37,6 +37,9 @@ class SchedulerServiceConfig(ServerConfig, PlannerConfig, RequestLimits):
     failover_after_s: float = option(
         1.0, help="an unreachable worker's requests move to the other workers after this long"
     )
+    async_scheduling: bool = option(
+        True, help="plan step N+1 while a worker runs step N (--no-async-scheduling: one plan at a time)"
+    )
     worker_step_token: str = option(
         "", help="token for workers dialled from --workers that were started with --step-token"
     )
@@ -90,6 +93,7 @@ async def run(config: SchedulerServiceConfig) -> None:
             overload_margin=config.overload_margin,
             worker_dead_after_s=config.worker_dead_after_s,
             failover_after_s=config.failover_after_s,
+            async_scheduling=config.async_scheduling,
         )
     )
     name = config.served_model_name or (

@@ -80,7 +80,8 @@ class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
 
     def set_tokenizer(self, tokenizer: Any) -> None:
         """Install the tokenizer (loaded in a thread); its longest token bounds text prompts cheaply."""
-        self._longest_token_chars = longest_token_chars(tokenizer)
+        if tokenizer is not None:  # a model folder may ship none: token-id clients only
+            self._longest_token_chars = longest_token_chars(tokenizer)
         self.tokenizer = tokenizer
 
     # ----- Generate -----

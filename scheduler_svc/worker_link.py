@@ -70,26 +70,37 @@ class GrpcWorkerLink:
         self._call = call
         return Connected(info, ping.last_step_id)
 
-    async def step(self, plan: StepPlan) -> StepResult:
+    async def send(self, plan: StepPlan) -> None:
+        if self._call is None:
+            raise LinkBroken("not connected")
+        try:
+            await self._call.write(step_plan_to_proto(plan))
+        except BaseException as e:
+            raise self._translate("sending a plan", e) from e
+
+    async def recv(self) -> StepResult:
         if self._call is None:
             raise LinkBroken("not connected")
         try:
             async with asyncio.timeout(self.step_timeout_s):
-                await self._call.write(step_plan_to_proto(plan))
                 msg = await self._call.read()
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, grpc.aio.AbortError, TimeoutError) as e:
-            raise self._broken("step failed", e) from e
-        except asyncio.InvalidStateError as e:  # "RPC already finished" from a dead call object
-            raise self._broken("step failed", e) from e
-        except asyncio.CancelledError as e:
-            # grpc raises CancelledError in a read when the *call* was cancelled (abandon()); only a
-            # cancellation of this task itself may propagate as one.
-            if asyncio.current_task().cancelling():
-                raise
-            raise self._broken("step stream cancelled", e) from e
+        except BaseException as e:
+            raise self._translate("step failed", e) from e
         if msg is grpc.aio.EOF:
             raise LinkBroken(f"worker {self.address}: step stream ended")
         return step_result_from_proto(msg)
+
+    def _translate(self, what: str, e: BaseException) -> BaseException:
+        """Every way a call can fail becomes LinkBroken, except the cancellation of this task."""
+        if isinstance(e, asyncio.CancelledError):
+            # grpc raises CancelledError in a read when the *call* was cancelled (abandon()); only a
+            # cancellation of this task itself may propagate as one.
+            if asyncio.current_task().cancelling():
+                return e
+            return self._broken(f"{what}: stream cancelled", e)
+        if isinstance(e, Exception):  # AioRpcError, UsageError, InvalidStateError, TimeoutError, ...
+            return self._broken(what, e)
+        return e
 
     async def stepping(self, timeout_s: float = 5.0) -> bool:
         """Whether the worker has a Step stream open (Ping); False when it cannot be asked."""

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
+from typing import Any
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
@@ -77,15 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--seed", type=int, default=None)
         p.set_defaults(func=func)
 
-    p = sub.add_parser("up", help="start the whole local mesh (scheduler, workers, gateway) on loopback")
-    _add_model_flags(p)
-    p.add_argument("--workers", type=int, default=1, help="number of worker processes")
-    p.add_argument("--host", default="127.0.0.1", help="address every service binds (loopback by default)")
-    p.add_argument("--port", type=int, default=int(os.environ.get("LLMESH_PORT", 8000)), help="gateway port")
-    p.add_argument("--scheduler-port", type=int, default=50051)
-    p.add_argument(
-        "--worker-arg", action="append", default=[], help="extra flag for every worker (repeatable)"
+    p = sub.add_parser(
+        "up",
+        help="start the whole local mesh (scheduler, workers, gateway) on loopback and keep it running",
+        description="Start the local mesh and supervise it: a service that dies is restarted "
+        "(same flags, same port) with backoff; Ctrl-C / SIGTERM stops everything.",
     )
+    _add_up_flags(p)
     p.set_defaults(func=_cmd_up)
 
     # One service each; their flags come from their config dataclasses (`llmesh worker --help`).
@@ -113,11 +113,113 @@ def _service_main(name: str):
     return run
 
 
+def _shell_words(text: str) -> list[str]:
+    try:
+        return shlex.split(text)
+    except ValueError as e:  # an unbalanced quote
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+
+
+def _positive(kind: type[int] | type[float]):
+    def parse(text: str) -> int | float:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its error message
+    return parse
+
+
+def _add_up_flags(p: argparse.ArgumentParser) -> None:
+    _add_model_flags(p)
+    p.add_argument("--workers", type=int, default=1, help="number of worker processes")
+    p.add_argument("--host", default="127.0.0.1", help="address every service binds (loopback by default)")
+    p.add_argument("--port", type=int, default=int(os.environ.get("LLMESH_PORT", 8000)), help="gateway port")
+    p.add_argument("--scheduler-port", type=int, default=50051, help="scheduler gRPC port")
+
+    g = p.add_argument_group("gateway", "the flags of `llmesh gateway` that matter most (default: its own)")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="clients must send `Authorization: Bearer KEY` (default $LLMESH_API_KEY); "
+        "handed to the gateway in its environment, not on its command line",
+    )
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAMES",
+        help="model ids clients use, comma-separated; the first also names the model on the gRPC API",
+    )
+    g.add_argument(
+        "--max-body-bytes", type=_positive(int), default=None, help="largest request body (413 beyond)"
+    )
+    g.add_argument(
+        "--request-timeout-s", type=_positive(float), default=None, help="deadline of one generation, seconds"
+    )
+
+    pt = p.add_argument_group(
+        "passthrough",
+        "any other flag of a service (`llmesh scheduler|worker|gateway --help`), as one shell-quoted "
+        'string, repeatable, applied last: --worker-args "--kv-cache-memory 268435456". '
+        "A lone flag needs `=`: --scheduler-args=--no-tokenizer",
+    )
+    for name, whom in (
+        ("scheduler", "the scheduler"),
+        ("worker", "every worker"),
+        ("gateway", "the gateway"),
+    ):
+        pt.add_argument(
+            f"--{name}-args",
+            type=_shell_words,
+            action="append",
+            default=[],
+            metavar='"FLAGS"',
+            help=f"for {whom}",
+        )
+    pt.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        metavar="WORD",
+        help="one word for every worker (older form)",
+    )
+
+
+def up_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """`run_up`'s arguments from parsed `llmesh up` flags (no process is started)."""
+    common = ["--cache-dir", args.cache_dir] if args.cache_dir else []
+    scheduler, gateway = list(common), list(common)
+    if args.served_model_name:
+        names = [n.strip() for n in args.served_model_name.split(",") if n.strip()]
+        scheduler += ["--served-model-name", names[0]]  # the scheduler takes one name
+        gateway += ["--served-model-name", ",".join(names)]
+    if args.max_body_bytes is not None:
+        gateway += ["--max-body-bytes", str(args.max_body_bytes)]
+    if args.request_timeout_s is not None:
+        gateway += ["--request-timeout-s", str(args.request_timeout_s)]
+    return {
+        "num_workers": args.workers,
+        "model": args.model,
+        "host": args.host,
+        "port": args.port,
+        "scheduler_port": args.scheduler_port,
+        "worker_args": [*common, *args.worker_arg, *_flatten(args.worker_args)],
+        "scheduler_args": [*scheduler, *_flatten(args.scheduler_args)],
+        "gateway_args": [*gateway, *_flatten(args.gateway_args)],
+        # The service-scoped variable reaches the gateway only, and keeps the key out of `ps` output.
+        "env": {"LLMESH_GATEWAY_API_KEY": args.api_key} if args.api_key else {},
+    }
+
+
+def _flatten(groups: list[list[str]]) -> list[str]:
+    return [word for group in groups for word in group]
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
     from services.launcher import run_up
 
-    worker_args = list(args.worker_arg) + (["--cache-dir", args.cache_dir] if args.cache_dir else [])
-    return run_up(args.workers, args.model, args.host, args.port, args.scheduler_port, worker_args)
+    return run_up(**up_kwargs(args))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -226,7 +226,16 @@ def build_parser(
         if choices:
             extra = f"{{{','.join(choices)}}} {extra}"
         help_text = f"{text} {extra}".strip().replace("%", "%%")
-        if tp is bool:
+        if tp is bool and f.name.startswith("no_"):
+            # BooleanOptionalAction reads any flag spelt `--no-...` as False: a field that is
+            # itself a negation (no_tokenizer) gets a plain switch (and `--x` to undo it).
+            parser.add_argument(
+                flag_name(f.name), dest=f.name, action="store_const", const=True, help=help_text
+            )
+            parser.add_argument(
+                flag_name(f.name[3:]), dest=f.name, action="store_const", const=False, help=argparse.SUPPRESS
+            )
+        elif tp is bool:
             parser.add_argument(
                 flag_name(f.name), dest=f.name, action=argparse.BooleanOptionalAction, help=help_text
             )

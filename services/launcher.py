@@ -1,23 +1,32 @@
-"""`llmesh up`: the whole local mesh as child processes on loopback.
+"""`llmesh up`: the whole local mesh as child processes on loopback, kept alive by a supervisor.
 
 Starts the scheduler, N workers (each registering with the scheduler) and the
 gateway when it exists, waits until each answers grpc.health.v1 (or HTTP
-/health), prints where each listens, and stops them all on Ctrl-C / SIGTERM.
+/health), prints where each listens, then supervises: a child that dies is
+started again with the same arguments and port (a worker keeps its --worker-id,
+so it re-registers as itself; the scheduler keeps its port, so the gateway and
+the workers find it again), with exponential backoff. Ctrl-C / SIGTERM stops
+everything.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -31,6 +40,19 @@ class Child:
     name: str
     address: str
     proc: subprocess.Popen
+    # How it was started, so that a supervisor can start it again identically (same port, same id).
+    module: str = ""
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] | None = None
+    log_dir: str | None = None
+    started_at: float = field(default_factory=time.monotonic)  # of the current process
+
+    def respawn(self) -> None:
+        self.proc = _spawn(self.module, self.args, self.env, self.log_dir, self.name)
+        self.started_at = time.monotonic()
+
+    def age(self) -> float:
+        return time.monotonic() - self.started_at
 
 
 @dataclass
@@ -45,7 +67,11 @@ class LocalMesh:
     def children(self) -> list[Child]:
         return [self.scheduler, *self.workers] + ([self.gateway] if self.gateway else [])
 
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
     def stop(self, timeout: float = 20.0) -> None:
+        # Gateway first, scheduler last: each drains while what it depends on is still up.
         for child in reversed(self.children):
             if child.proc.poll() is None:
                 child.proc.send_signal(signal.SIGTERM)
@@ -64,15 +90,22 @@ class LocalMesh:
         self.stop()
 
 
-def grpc_serving(address: str, service: str = "") -> bool:
+def grpc_serving(address: str, service: str = "", timeout: float = 1.0) -> bool:
     try:
         with grpc.insecure_channel(address) as channel:
             resp = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=1.0
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
             )
             return resp.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
         return False
+
+
+def child_ready(child: Child, timeout: float = 1.0) -> bool:
+    """Whether a child answers its readiness check: HTTP /health (gateway) or grpc.health.v1."""
+    if child.name == "gateway":
+        return _http_ok(child.address, timeout)
+    return grpc_serving(child.address, timeout=timeout)
 
 
 def wait_until(check, what: str, procs: list[subprocess.Popen], timeout: float) -> None:
@@ -87,11 +120,21 @@ def wait_until(check, what: str, procs: list[subprocess.Popen], timeout: float) 
     raise TimeoutError(f"{what} not ready after {timeout:.0f} s")
 
 
-def _spawn(module: str, args: list[str], env: dict[str, str], log_dir: str | None, name: str):
-    out = open(os.path.join(log_dir, f"{name}.log"), "ab") if log_dir else None  # noqa: SIM115
-    return subprocess.Popen(
-        [sys.executable, "-m", module, *args], env=env, stdout=out, stderr=subprocess.STDOUT if out else None
-    )
+def _spawn(
+    module: str, args: list[str], env: dict[str, str] | None, log_dir: str | None, name: str
+) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", module, *args]
+    if not log_dir:
+        return subprocess.Popen(cmd, env=env)
+    # The child holds its own copy of the log file; closing ours keeps restarts from leaking descriptors.
+    with open(os.path.join(log_dir, f"{name}.log"), "ab") as out:
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _start_child(
+    name: str, address: str, module: str, args: list[str], env: dict[str, str], log_dir: str | None
+) -> Child:
+    return Child(name, address, _spawn(module, args, env, log_dir, name), module, args, env, log_dir)
 
 
 def start_mesh(
@@ -108,39 +151,26 @@ def start_mesh(
     env: dict[str, str] | None = None,
     timeout: float = 300.0,
 ) -> LocalMesh:
-    """Start scheduler + workers (+ gateway when `gateway_port` is not None) and wait until ready."""
+    """Start scheduler + workers (+ gateway when `gateway_port` is not None) and wait until ready.
+
+    Every port is explicit (a free one is picked for 0), so that a child restarted by
+    `Supervisor` binds the same address and its peers find it again.
+    """
     env = {**os.environ, **(env or {})}
     model_args = ["--model", model] if model else []
     sched_addr = f"{host}:{scheduler_port or free_port(host)}"
-    sched = Child(
-        "scheduler",
-        sched_addr,
-        _spawn(
-            "scheduler_svc.service",
-            ["--host", host, "--port", sched_addr.rsplit(":", 1)[1], *model_args, *(scheduler_args or [])],
-            env,
-            log_dir,
-            "scheduler",
-        ),
-    )
-    mesh = LocalMesh(sched)
+    sched_port = sched_addr.rsplit(":", 1)[1]
+    sched_args = ["--host", host, "--port", sched_port, *model_args, *(scheduler_args or [])]
+    mesh = LocalMesh(_start_child("scheduler", sched_addr, "scheduler_svc.service", sched_args, env, log_dir))
     try:
         for i in range(num_workers):
             port = free_port(host)
-            args = [
-                "--host",
-                host,
-                "--port",
-                str(port),
-                "--scheduler",
-                sched_addr,
-                "--worker-id",
-                f"worker-{i}",
-            ]
-            proc = _spawn(
-                "worker_svc.service", [*args, *model_args, *(worker_args or [])], env, log_dir, f"worker-{i}"
+            # A fixed --worker-id: a restarted worker re-registers as itself.
+            args = ["--host", host, "--port", str(port), "--scheduler", sched_addr]
+            args += ["--worker-id", f"worker-{i}", *model_args, *(worker_args or [])]
+            mesh.workers.append(
+                _start_child(f"worker-{i}", f"{host}:{port}", "worker_svc.service", args, env, log_dir)
             )
-            mesh.workers.append(Child(f"worker-{i}", f"{host}:{port}", proc))
         procs = [c.proc for c in mesh.children]
         for w in mesh.workers:
             wait_until(lambda a=w.address: grpc_serving(a), w.name, procs, timeout)
@@ -157,21 +187,15 @@ def start_mesh(
 
 def _start_gateway(host, port, sched_addr, args, env, log_dir) -> Child:
     port = port or free_port(host)
-    proc = _spawn(
-        "gateway.service",
-        ["--host", host, "--port", str(port), "--scheduler", sched_addr, *args],
-        env,
-        log_dir,
-        "gateway",
-    )
-    return Child("gateway", f"{host}:{port}", proc)
+    args = ["--host", host, "--port", str(port), "--scheduler", sched_addr, *args]
+    return _start_child("gateway", f"{host}:{port}", "gateway.service", args, env, log_dir)
 
 
-def _http_ok(address: str) -> bool:
+def _http_ok(address: str, timeout: float = 1.0) -> bool:
     import urllib.request
 
     try:
-        with urllib.request.urlopen(f"http://{address}/health", timeout=1.0) as r:
+        with urllib.request.urlopen(f"http://{address}/health", timeout=timeout) as r:
             return r.status == 200
     except OSError:
         return False
@@ -183,40 +207,212 @@ def gateway_available() -> bool:
     return importlib.util.find_spec("gateway.service") is not None
 
 
+# -- supervision -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Delay before restart attempt n: initial * factor^(n-1), at most max_s.
+
+    A child that stayed up reset_after_s counts as healthy: its next crash is attempt 1 again.
+    """
+
+    initial_s: float = 1.0
+    factor: float = 2.0
+    max_s: float = 30.0
+    reset_after_s: float = 60.0
+
+    def delay(self, attempt: int) -> float:
+        return min(self.initial_s * self.factor ** max(attempt - 1, 0), self.max_s)
+
+
+@dataclass
+class _Watch:
+    """What the supervisor knows about one child."""
+
+    child: Child
+    started_at: float
+    attempt: int = 0  # consecutive crashes without a reset_after_s stretch of uptime between them
+    restarts: int = 0  # every restart attempt, for reporting
+    restart_at: float | None = None  # set while dead and waiting out the backoff
+    ready: bool = True  # False from a restart until the child answers its health check
+
+
+class Supervisor:
+    """Keeps every child of a `LocalMesh` running: a dead one is restarted, the others keep serving.
+
+    `poll()` is one pass (tests drive it with a fake clock); `run()` loops in the foreground
+    until `stop()`; `start()` / the context manager run it on a thread (and stop the mesh at exit).
+    Never gives up on a crash-looping child: the backoff caps the restart rate instead.
+    """
+
+    def __init__(
+        self,
+        mesh: LocalMesh,
+        backoff: Backoff | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        ready: Callable[[Child], bool] = lambda c: child_ready(c, timeout=0.5),
+    ) -> None:
+        self.mesh = mesh
+        self.backoff = backoff or Backoff()
+        self._clock = clock
+        self._ready = ready
+        now = clock()
+        # Uptime counts from each process's start (in this supervisor's clock), not from ours.
+        self._watches = {c.name: _Watch(c, now - c.age()) for c in mesh.children}
+        # A plain flag, not a threading.Event: Event.set() from a signal handler can deadlock on the
+        # lock its own thread's wait() holds at that moment.
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    def restarts(self, name: str) -> int:
+        return self._watches[name].restarts
+
+    def poll(self) -> None:
+        """Notice exits, restart children whose backoff is over, log restarted children once ready."""
+        for w in self._watches.values():
+            if self._stopping:
+                return  # Ctrl-C reaches the children too: their exits now are no crashes
+            now = self._clock()
+            if w.restart_at is None and (code := w.child.proc.poll()) is not None:
+                self._schedule_restart(w, code, now)
+            if w.restart_at is not None and now >= w.restart_at:
+                self._restart(w, now)
+            elif not w.ready and w.restart_at is None and self._ready(w.child):
+                w.ready = True
+                self._log_ready(w, now)
+
+    def _log_ready(self, w: _Watch, now: float) -> None:
+        after = round(now - w.started_at, 1)
+        log.info(
+            "%s is serving again after %.1f s",
+            w.child.name,
+            after,
+            extra={"child": w.child.name, "pid": w.child.proc.pid, "after_s": after},
+        )
+
+    def _schedule_restart(self, w: _Watch, code: int, now: float) -> None:
+        uptime = now - w.started_at
+        w.attempt = 1 if uptime >= self.backoff.reset_after_s else w.attempt + 1
+        delay = self.backoff.delay(w.attempt)
+        w.restart_at = now + delay
+        log.warning(
+            "%s exited with code %s after %.1f s; restart attempt %d in %.1f s",
+            w.child.name,
+            code,
+            uptime,
+            w.attempt,
+            delay,
+            extra={"child": w.child.name, "exit_code": code, "attempt": w.attempt, "delay_s": delay},
+        )
+
+    def _restart(self, w: _Watch, now: float) -> None:
+        w.restart_at, w.started_at, w.ready = None, now, False
+        w.restarts += 1
+        try:
+            w.child.respawn()
+        except OSError as e:  # e.g. out of file descriptors: try again later, as for a crash
+            log.error("%s could not be started: %s", w.child.name, e, extra={"child": w.child.name})
+            w.attempt += 1
+            w.restart_at = now + self.backoff.delay(w.attempt)
+            return
+        log.warning(
+            "%s restarted (attempt %d, pid %d)",
+            w.child.name,
+            w.attempt,
+            w.child.proc.pid,
+            extra={"child": w.child.name, "attempt": w.attempt, "pid": w.child.proc.pid},
+        )
+
+    def run(self, interval: float = 0.25) -> None:
+        while not self._stopping:
+            time.sleep(interval)  # a signal interrupts it; its handler calls stop()
+            self.poll()
+
+    def stop(self) -> None:
+        """Stop supervising (safe from a signal handler); the children keep running until `close()`."""
+        self._stopping = True
+
+    def start(self, interval: float = 0.25) -> Supervisor:
+        self._thread = threading.Thread(target=self.run, args=(interval,), name="supervisor", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop supervising, then stop every child (no restart can race the shutdown)."""
+        self.stop()
+        if self._thread is not None:
+            self._thread.join()
+        self.mesh.stop()
+
+    def __enter__(self) -> Supervisor:
+        return self.start() if self._thread is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _print_addresses(mesh: LocalMesh) -> None:
+    print("llmesh is up:")
+    for c in mesh.children:
+        print(f"  {c.name:<10} {c.address}  (pid {c.proc.pid})")
+    if mesh.gateway:
+        print(f"OpenAI API: http://{mesh.gateway.address}/v1   (Ctrl-C stops everything)", flush=True)
+    else:
+        api = f"gRPC API: {mesh.scheduler.address} (llmesh.v1.Scheduler)"
+        print(f"{api}   (Ctrl-C stops everything)", flush=True)
+
+
 def run_up(
-    num_workers: int, model: str | None, host: str, port: int, scheduler_port: int, worker_args: list[str]
+    num_workers: int,
+    model: str | None,
+    host: str,
+    port: int,
+    scheduler_port: int,
+    worker_args: list[str],
+    *,
+    scheduler_args: list[str] | None = None,
+    gateway_args: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    backoff: Backoff | None = None,
 ) -> int:
-    """Foreground `llmesh up`: start, print addresses, wait for Ctrl-C / SIGTERM, stop all."""
-    stop = {"now": False}
+    """Foreground `llmesh up`: start, print addresses, supervise until Ctrl-C / SIGTERM, stop all."""
+    from services.logging_setup import setup_logging
+
+    setup_logging("launcher", "info", fmt="text")
+    supervisor: Supervisor | None = None
+    interrupted = False
 
     def on_signal(signum, frame):  # noqa: ARG001
-        stop["now"] = True
+        nonlocal interrupted
+        if supervisor is not None:
+            supervisor.stop()
+        elif not interrupted:  # still starting: unwind start_mesh, which stops what it started
+            interrupted = True  # once: a second Ctrl-C must not break that cleanup
+            raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    gateway_port = port if gateway_available() else None
-    mesh = start_mesh(
-        num_workers,
-        model=model,
-        host=host,
-        scheduler_port=scheduler_port,
-        gateway_port=gateway_port,
-        worker_args=worker_args,
-    )
-    with mesh:
-        print("llmesh is up:")
-        for c in mesh.children:
-            print(f"  {c.name:<10} {c.address}  (pid {c.proc.pid})")
-        if mesh.gateway:
-            print(f"OpenAI API: http://{mesh.gateway.address}/v1   (Ctrl-C stops everything)", flush=True)
-        else:
-            print(
-                f"gRPC API: {mesh.scheduler.address} (llmesh.v1.Scheduler)   (Ctrl-C stops everything)",
-                flush=True,
-            )
-        while not stop["now"]:
-            if any(c.proc.poll() is not None for c in mesh.children):
-                print("a service exited; stopping the mesh", file=sys.stderr)
-                break
-            time.sleep(0.5)
+    try:
+        mesh = start_mesh(
+            num_workers,
+            model=model,
+            host=host,
+            scheduler_port=scheduler_port,
+            gateway_port=port if gateway_available() else None,
+            worker_args=worker_args,
+            scheduler_args=scheduler_args,
+            gateway_args=gateway_args,
+            env=env,
+        )
+    except KeyboardInterrupt:
+        return 130
+    supervisor = Supervisor(mesh, backoff)
+    _print_addresses(mesh)
+    try:
+        supervisor.run()
+    finally:
+        print("stopping the mesh", file=sys.stderr, flush=True)
+        mesh.stop()
     return 0

@@ -50,6 +50,8 @@ class FakeScheduler(gg.SchedulerServicer, worker_pb2_grpc.RegistryServicer):
     requests: list[g.GenerateRequest] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
+    active: int = 0  # Generate calls in progress now
+    max_active: int = 0  # ... and at most, so far
 
     async def GetModelInfo(self, request, context):
         return g.ModelInfo(
@@ -69,6 +71,8 @@ class FakeScheduler(gg.SchedulerServicer, worker_pb2_grpc.RegistryServicer):
             await context.abort(*self.fail)
         sp = request.sampling_params
         n = min(len(self.reply), sp.max_tokens if sp.HasField("max_tokens") else len(self.reply))
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
         try:
             for i in range(n):
                 if self.fail is not None and i == self.fail_after:
@@ -95,6 +99,8 @@ class FakeScheduler(gg.SchedulerServicer, worker_pb2_grpc.RegistryServicer):
         except asyncio.CancelledError:
             self.cancelled.append(rid)
             raise
+        finally:
+            self.active -= 1
 
 
 @dataclass
@@ -137,6 +143,7 @@ async def make_gateway(hf_tokenizer, monkeypatch):
     for h in made:
         await h.client.aclose()
         await h.state.client.close()
+        h.state.close()
         await h.server.stop(0)
 
 

@@ -23,3 +23,22 @@ def test_bad_values_exit():
     with pytest.raises(SystemExit):
         load_config(GatewayConfig, ["--max-n", "0"], {}, service="gateway")
     assert GatewayConfig(api_key="").api_key is None  # an empty key must not mean "auth with ''"
+
+
+def test_shares_the_request_limits():
+    from services.limits import RequestLimits
+
+    assert issubclass(GatewayConfig, RequestLimits)
+    cfg = load_config(
+        GatewayConfig,
+        ["--max-stop-token-ids", "5", "--max-seqs-per-request", "32", "--max-concurrent-prompts", "2"],
+        {"LLMESH_GATEWAY_MAX_N": "4", "LLMESH_MAX_STOP_CHARS": "10"},
+        service="gateway",
+    )
+    assert (cfg.max_stop_token_ids, cfg.max_seqs_per_request, cfg.max_concurrent_prompts) == (5, 32, 2)
+    assert (cfg.max_n, cfg.max_stop_chars, cfg.max_logprobs, cfg.max_stop) == (4, 10, 20, 16)
+    for flag in ("--max-stop-token-ids", "--max-seqs-per-request", "--max-concurrent-prompts", "--max-stop"):
+        with pytest.raises(SystemExit):
+            load_config(GatewayConfig, [flag, "0"], {}, service="gateway")
+    with pytest.raises(SystemExit):
+        load_config(GatewayConfig, ["--max-logprobs", "-1"], {}, service="gateway")

@@ -302,8 +302,9 @@ def test_worker_info_round_trip() -> None:
         eos_token_ids=[0, 2],
         worker_id="worker-0",
         max_num_seqs=128,
+        instance_id="boot-1",
     )
-    msg = wire(convert.worker_info_to_proto(info, instance_id="boot-1", device="cpu"))
+    msg = wire(convert.worker_info_to_proto(info, device="cpu"))
     assert msg.instance_id == "boot-1" and msg.device == "cpu"
     assert convert.worker_info_from_proto(msg) == info
     # Every dataclass field has its proto field: nothing the scheduler plans with is lost.

@@ -1,0 +1,246 @@
+"""Mesh against in-process on one CUDA device, with asynchronous scheduling on and off.
+
+    .venv/bin/python benchmarks/gpu_mesh.py [--models llama-3.1-8b,qwen2.5-0.5b] [--out DIR]
+
+For each random-weight model shape (`--load-format dummy`, as benchmarks/gpu.py):
+
+* in-process `LLM.generate` (the Mesh over a LocalWorkerLink) and the gRPC mesh (a scheduler
+  and one worker as processes on loopback, every request sent at once from concurrent
+  Generate streams), each with --async-scheduling on and off: out tok/s on the seeded
+  workload (prompt 128-1024, output 128-512, greedy, ignore_eos);
+* batch-1 decode: ms per output token of one request (prompt --b1-prompt, --b1-tokens
+  tokens), against the floor: bytes of weights a decode step reads / measured copy bandwidth;
+* greedy tokens of a few prompts through the mesh equal those in-process (same weights: the
+  dummy loader is seeded).
+
+Prints one table; `--out` also gets table.txt and results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.gpu import SHAPES, SMOKE_SHAPES, ceilings, free_cuda, write_config  # noqa: E402
+from benchmarks.offline_throughput import make_workload  # noqa: E402
+
+ROWS: list[dict[str, Any]] = []
+
+
+def log(*a: Any) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(
+        load_format="dummy",
+        dtype="bfloat16" if args.device == "cuda" else "float32",
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+
+
+def flags(kw: dict[str, Any]) -> list[str]:
+    return [x for k, v in kw.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+
+
+def weight_bytes(path: str) -> int:
+    """Bytes a decode step reads: every parameter but the input embedding table (bf16)."""
+    from worker_svc.models.config import ModelConfig
+
+    c = ModelConfig.from_pretrained(path)
+    h, i, layers, v = c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.vocab_size
+    d = c.head_dim
+    attn = h * d * (c.num_attention_heads + 2 * c.num_key_value_heads) + c.num_attention_heads * d * h
+    per_layer = attn + 3 * h * i + 2 * h
+    return 2 * (layers * per_layer + h + v * h)
+
+
+# ----- in-process -----
+def run_in_process(path: str, reqs, args, async_scheduling: bool) -> dict[str, Any]:
+    from llmesh import LLM, SamplingParams
+
+    llm = LLM(path, async_scheduling=async_scheduling, **engine_kwargs(args))
+    try:
+        warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": p} for p, _ in reqs[:32]], warm, use_tqdm=False)
+        b1_prompt = {"prompt_token_ids": reqs[0][0][: args.b1_prompt]}
+        b1 = SamplingParams(temperature=0, max_tokens=args.b1_tokens, ignore_eos=True)
+        llm.generate([b1_prompt], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        t0 = time.perf_counter()
+        llm.generate([b1_prompt], b1, use_tqdm=False)
+        b1_ms = 1000 * (time.perf_counter() - t0) / args.b1_tokens
+        params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in reqs]
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs], params, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        check = llm.generate(
+            [{"prompt_token_ids": p[:200]} for p, _ in reqs[:4]],
+            SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+            use_tqdm=False,
+        )
+        greedy = [o.outputs[0].token_ids for o in check]
+    finally:
+        llm.engine.close()
+        del llm
+        gc.collect()
+        free_cuda()
+    return {"tok_s": tokens / dt, "seconds": dt, "b1_ms": b1_ms, "greedy": greedy}
+
+
+# ----- the mesh -----
+async def grpc_generate(address: str, reqs, concurrency_all: bool = True) -> tuple[float, int]:
+    import grpc
+
+    from llmesh.v1 import generation_pb2 as g
+    from llmesh.v1 import generation_pb2_grpc as gg
+    from services.grpc_server import channel_options
+
+    async with grpc.aio.insecure_channel(address, options=channel_options()) as channel:
+        stub = gg.SchedulerStub(channel)
+
+        async def one(prompt, max_tokens) -> list[int]:
+            req = g.GenerateRequest(
+                prompt_token_ids=g.TokenIds(ids=prompt),
+                sampling_params=g.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+            )
+            out: list[int] = []
+            async for resp in stub.Generate(req):
+                out.extend(resp.token_ids)
+            return out
+
+        t0 = time.perf_counter()
+        outs = await asyncio.gather(*(one(p, o) for p, o in reqs))
+        return time.perf_counter() - t0, outs
+
+
+def run_mesh(path: str, reqs, args, async_scheduling: bool) -> dict[str, Any]:
+    from services.launcher import start_mesh
+
+    kw = engine_kwargs(args)
+    worker_keys = ("load_format", "dtype", "device", "max_model_len", "max_num_seqs")
+    worker_args = flags({k: kw[k] for k in worker_keys})
+    sched_args = [
+        "--no-tokenizer",
+        *flags({k: kw[k] for k in ("max_model_len", "max_num_seqs", "max_num_batched_tokens")}),
+        "--async-scheduling" if async_scheduling else "--no-async-scheduling",
+    ]
+    with tempfile.TemporaryDirectory() as logs:
+        with start_mesh(1, model=path, worker_args=worker_args, scheduler_args=sched_args, log_dir=logs) as m:
+            addr = m.scheduler.address
+            asyncio.run(grpc_generate(addr, [(p, 8) for p, _ in reqs[:32]]))
+            b1_prompt = reqs[0][0][: args.b1_prompt]
+            asyncio.run(grpc_generate(addr, [(b1_prompt, 4)]))
+            dt_b1, _ = asyncio.run(grpc_generate(addr, [(b1_prompt, args.b1_tokens)]))
+            dt, outs = asyncio.run(grpc_generate(addr, reqs))
+            _, check = asyncio.run(grpc_generate(addr, [(p[:200], 32) for p, _ in reqs[:4]]))
+    gc.collect()
+    return {
+        "tok_s": sum(len(o) for o in outs) / dt,
+        "seconds": dt,
+        "b1_ms": 1000 * dt_b1 / args.b1_tokens,
+        "greedy": check,
+    }
+
+
+def model_section(name: str, cfg: dict[str, Any], root: str, args, copy_bw: float) -> None:
+    path = write_config(root, name, cfg)
+    reqs = make_workload(
+        args.num_requests, cfg["vocab_size"], args.seed, tuple(args.prompt_len), tuple(args.output_len)
+    )
+    floor_ms = 1000 * weight_bytes(path) / copy_bw if copy_bw else float("nan")
+    results: dict[str, dict[str, Any]] = {}
+    for label, fn, on in (
+        ("in-process async", run_in_process, True),
+        ("in-process sync", run_in_process, False),
+        ("mesh async", run_mesh, True),
+        ("mesh sync", run_mesh, False),
+    ):
+        log(f"== {name}: {label}")
+        try:
+            results[label] = fn(path, reqs, args, on)
+        except Exception as e:  # one failing path must not hide the others' figures
+            import traceback
+
+            traceback.print_exc()
+            results[label] = {"error": repr(e)}
+    base = results.get("in-process async", {}).get("tok_s")
+    ref = results.get("in-process async", {}).get("greedy")
+    for label, r in results.items():
+        row = {"model": name, "path": label, **{k: v for k, v in r.items() if k != "greedy"}}
+        if "tok_s" in r:
+            row["vs_in_process_async"] = r["tok_s"] / base if base else float("nan")
+            row["b1_vs_floor"] = r["b1_ms"] / floor_ms
+            row["greedy_equal"] = r["greedy"] == ref
+        row["floor_ms"] = floor_ms
+        ROWS.append(row)
+
+
+def table() -> str:
+    lines = [
+        f"{'model':<14}{'path':<18}{'out tok/s':>11}{'vs in-proc async':>18}{'b1 ms/tok':>11}"
+        f"{'floor ms':>10}{'b1/floor':>10}{'greedy=':>9}"
+    ]
+    for r in ROWS:
+        if "error" in r:
+            lines.append(f"{r['model']:<14}{r['path']:<18}  ERROR {r['error'][:80]}")
+            continue
+        lines.append(
+            f"{r['model']:<14}{r['path']:<18}{r['tok_s']:>11,.0f}{r['vs_in_process_async']:>18.1%}"
+            f"{r['b1_ms']:>11.2f}{r['floor_ms']:>10.2f}{r['b1_vs_floor']:>10.2f}{str(r['greedy_equal']):>9}"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="llama-3.1-8b,qwen2.5-0.5b")
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=[128, 1024])
+    ap.add_argument("--output-len", type=int, nargs=2, default=[128, 512])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--b1-prompt", type=int, default=128)
+    ap.add_argument("--b1-tokens", type=int, default=256)
+    ap.add_argument("--copy-mib", type=int, default=2048)
+    ap.add_argument("--matmul-n", type=int, default=8192)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (checks every path, also on CPU)")
+    ap.add_argument("--out", default=os.environ.get("OUT"))
+    args = ap.parse_args()
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    names = list(shapes) if args.smoke else args.models.split(",")
+    copy_bw = 0.0
+    if args.device == "cuda":
+        copy_bw, _ = ceilings(args)
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as root:
+        for name in names:
+            model_section(name, shapes[name], root, args, copy_bw)
+    text = table()
+    print(text)
+    print(f"({time.time() - t0:.0f} s)")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "mesh_table.txt"), "w") as f:
+            f.write(text + "\n")
+        with open(os.path.join(args.out, "mesh_results.json"), "w") as f:
+            json.dump(ROWS, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""`llmesh up` flags: parsed into run_up's arguments without starting a process."""
+
+from __future__ import annotations
+
+import pytest
+
+from services import cli
+
+
+def up(*argv: str) -> dict:
+    return cli.up_kwargs(cli.build_parser().parse_args(["up", *argv]))
+
+
+def test_up_help_lists_the_gateway_flags_and_the_passthroughs(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["up", "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for flag in (
+        "--api-key",
+        "--served-model-name",
+        "--max-body-bytes",
+        "--request-timeout-s",
+        "--scheduler-args",
+        "--worker-args",
+        "--gateway-args",
+        "--worker-arg",
+    ):
+        assert flag in text
+
+
+def test_defaults_pass_nothing_extra():
+    kw = up()
+    assert kw["num_workers"] == 1 and kw["model"] is None and kw["host"] == "127.0.0.1"
+    assert kw["scheduler_port"] == 50051
+    assert kw["worker_args"] == kw["scheduler_args"] == kw["gateway_args"] == []
+    assert kw["env"] == {}
+
+
+def test_gateway_flags_reach_the_gateway():
+    kw = up("--max-body-bytes", "1024", "--request-timeout-s", "2.5", "--served-model-name", "a, b")
+    assert kw["gateway_args"] == [
+        "--served-model-name",
+        "a,b",
+        "--max-body-bytes",
+        "1024",
+        "--request-timeout-s",
+        "2.5",
+    ]
+    assert kw["scheduler_args"] == ["--served-model-name", "a"]  # the gRPC API has one model id
+    assert kw["worker_args"] == []
+
+
+def test_api_key_travels_in_the_gateways_environment_not_its_argv():
+    kw = up("--api-key", "sekret")
+    assert kw["env"] == {"LLMESH_GATEWAY_API_KEY": "sekret"}
+    assert "sekret" not in kw["gateway_args"]
+
+
+def test_passthrough_strings_are_split_like_a_shell_and_repeatable():
+    kw = up(
+        "--workers",
+        "2",
+        "--worker-args",
+        "--kv-cache-memory 268435456",
+        "--worker-args=--enforce-eager",
+        "--worker-arg=--seed=3",
+        "--scheduler-args",
+        "--max-num-seqs 8 --served-model-name 'my model'",
+        "--gateway-args=--log-format=text",
+        "--cache-dir",
+        "/tmp/c",
+    )
+    assert kw["num_workers"] == 2
+    assert kw["worker_args"] == [
+        "--cache-dir",
+        "/tmp/c",
+        "--seed=3",
+        "--kv-cache-memory",
+        "268435456",
+        "--enforce-eager",
+    ]
+    assert kw["scheduler_args"] == [
+        "--cache-dir",
+        "/tmp/c",
+        "--max-num-seqs",
+        "8",
+        "--served-model-name",
+        "my model",
+    ]
+    assert kw["gateway_args"] == ["--cache-dir", "/tmp/c", "--log-format=text"]
+
+
+def test_passthrough_comes_after_the_named_flags_so_it_wins():
+    kw = up("--max-body-bytes", "10", "--gateway-args", "--max-body-bytes 20")
+    assert kw["gateway_args"] == ["--max-body-bytes", "10", "--max-body-bytes", "20"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--max-body-bytes", "0"],
+        ["--request-timeout-s", "-1"],
+        ["--request-timeout-s", "soon"],
+        ["--worker-args", "--model 'unclosed"],
+        ["--no-such-flag"],
+    ],
+)
+def test_bad_up_flags_are_refused_before_anything_starts(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.build_parser().parse_args(["up", *argv])
+    assert e.value.code == 2
+
+
+def test_cmd_up_hands_the_parsed_flags_to_run_up(monkeypatch):
+    import services.launcher
+
+    seen: dict = {}
+    monkeypatch.setattr(services.launcher, "run_up", lambda **kw: seen.update(kw) or 0)
+    assert cli.main(["up", "--workers", "3", "--api-key", "k", "--port", "9000"]) == 0
+    assert seen["num_workers"] == 3 and seen["port"] == 9000
+    assert seen["env"] == {"LLMESH_GATEWAY_API_KEY": "k"}
