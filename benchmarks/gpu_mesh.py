@@ -231,6 +231,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         for name in names:
             model_section(name, shapes[name], root, args, copy_bw)
+            log(table())  # partial figures survive a run cut short
     text = table()
     print(text)
     print(f"({time.time() - t0:.0f} s)")
