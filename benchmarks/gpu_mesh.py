@@ -11,7 +11,8 @@ For each random-weight model shape (`--load-format dummy`, as benchmarks/gpu.py)
 * batch-1 decode: ms per output token of one request (prompt --b1-prompt, --b1-tokens
   tokens), against the floor: bytes of weights a decode step reads / measured copy bandwidth;
 * greedy tokens of a few prompts through the mesh equal those in-process (same weights: the
-  dummy loader is seeded).
+  dummy loader is seeded; prompts run one at a time, so that both paths run the same batch
+  shapes, on which bf16 results depend).
 
 Prints one table; `--out` also gets table.txt and results.json.
 """
@@ -55,16 +56,12 @@ def flags(kw: dict[str, Any]) -> list[str]:
     return [x for k, v in kw.items() for x in (f"--{k.replace('_', '-')}", str(v))]
 
 
-def weight_bytes(path: str) -> int:
-    """Bytes a decode step reads: every parameter but the input embedding table (bf16)."""
-    from worker_svc.models.config import ModelConfig
-
-    c = ModelConfig.from_pretrained(path)
-    h, i, layers, v = c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.vocab_size
-    d = c.head_dim
-    attn = h * d * (c.num_attention_heads + 2 * c.num_key_value_heads) + c.num_attention_heads * d * h
-    per_layer = attn + 3 * h * i + 2 * h
-    return 2 * (layers * per_layer + h + v * h)
+def weight_bytes(model) -> int:
+    """Bytes a decode step reads: every parameter but the input embedding table (as gpu.py)."""
+    total = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    if model.lm_head is None:  # tied: the embedding matrix is read whole as the lm_head
+        total += model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    return total
 
 
 # ----- in-process -----
@@ -72,6 +69,7 @@ def run_in_process(path: str, reqs, args, async_scheduling: bool) -> dict[str, A
     from llmesh import LLM, SamplingParams
 
     llm = LLM(path, async_scheduling=async_scheduling, **engine_kwargs(args))
+    read_bytes = weight_bytes(llm.engine.runner.model)
     try:
         warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         llm.generate([{"prompt_token_ids": p} for p, _ in reqs[:32]], warm, use_tqdm=False)
@@ -86,18 +84,18 @@ def run_in_process(path: str, reqs, args, async_scheduling: bool) -> dict[str, A
         outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs], params, use_tqdm=False)
         dt = time.perf_counter() - t0
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        check = llm.generate(
-            [{"prompt_token_ids": p[:200]} for p, _ in reqs[:4]],
-            SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
-            use_tqdm=False,
-        )
-        greedy = [o.outputs[0].token_ids for o in check]
+        # One at a time, so both paths run the same batch shapes (bf16 results depend on them).
+        check_params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+        greedy = [
+            llm.generate([{"prompt_token_ids": p[:200]}], check_params, use_tqdm=False)[0].outputs[0].token_ids
+            for p, _ in reqs[:4]
+        ]
     finally:
         llm.engine.close()
         del llm
         gc.collect()
         free_cuda()
-    return {"tok_s": tokens / dt, "seconds": dt, "b1_ms": b1_ms, "greedy": greedy}
+    return {"tok_s": tokens / dt, "seconds": dt, "b1_ms": b1_ms, "greedy": greedy, "weight_bytes": read_bytes}
 
 
 # ----- the mesh -----
@@ -145,7 +143,7 @@ def run_mesh(path: str, reqs, args, async_scheduling: bool) -> dict[str, Any]:
             asyncio.run(grpc_generate(addr, [(b1_prompt, 4)]))
             dt_b1, _ = asyncio.run(grpc_generate(addr, [(b1_prompt, args.b1_tokens)]))
             dt, outs = asyncio.run(grpc_generate(addr, reqs))
-            _, check = asyncio.run(grpc_generate(addr, [(p[:200], 32) for p, _ in reqs[:4]]))
+            check = [asyncio.run(grpc_generate(addr, [(p[:200], 32)]))[1][0] for p, _ in reqs[:4]]
     gc.collect()
     return {
         "tok_s": sum(len(o) for o in outs) / dt,
@@ -160,7 +158,6 @@ def model_section(name: str, cfg: dict[str, Any], root: str, args, copy_bw: floa
     reqs = make_workload(
         args.num_requests, cfg["vocab_size"], args.seed, tuple(args.prompt_len), tuple(args.output_len)
     )
-    floor_ms = 1000 * weight_bytes(path) / copy_bw if copy_bw else float("nan")
     results: dict[str, dict[str, Any]] = {}
     for label, fn, on in (
         ("in-process async", run_in_process, True),
@@ -168,6 +165,8 @@ def model_section(name: str, cfg: dict[str, Any], root: str, args, copy_bw: floa
         ("mesh async", run_mesh, True),
         ("mesh sync", run_mesh, False),
     ):
+        if args.paths and label not in args.paths.split(","):
+            continue
         log(f"== {name}: {label}")
         try:
             results[label] = fn(path, reqs, args, on)
@@ -176,6 +175,8 @@ def model_section(name: str, cfg: dict[str, Any], root: str, args, copy_bw: floa
 
             traceback.print_exc()
             results[label] = {"error": repr(e)}
+    read_bytes = results.get("in-process async", {}).get("weight_bytes", 0)
+    floor_ms = 1000 * read_bytes / copy_bw if copy_bw else float("nan")
     base = results.get("in-process async", {}).get("tok_s")
     ref = results.get("in-process async", {}).get("greedy")
     for label, r in results.items():
@@ -218,6 +219,7 @@ def main() -> None:
     ap.add_argument("--b1-tokens", type=int, default=256)
     ap.add_argument("--copy-mib", type=int, default=2048)
     ap.add_argument("--matmul-n", type=int, default=8192)
+    ap.add_argument("--paths", default="", help="comma-separated subset of the four paths (default all)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (checks every path, also on CPU)")
     ap.add_argument("--out", default=os.environ.get("OUT"))

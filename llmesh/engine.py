@@ -29,7 +29,7 @@ from scheduler_svc.planner import Planner, PlannerConfig
 from scheduler_svc.request import FinishReason, Request, RequestDelta
 from services.sampling_params import SamplingParams
 from worker_svc.config import WorkerConfig
-from worker_svc.runner import ModelRunner
+from worker_svc.runner import ModelRunner, shorten_gil_switch_interval
 
 T = TypeVar("T")
 
@@ -68,6 +68,7 @@ class EngineConfig:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        shorten_gil_switch_interval()  # the runner steps on a thread of its own (LocalWorkerLink)
         self.runner = ModelRunner(config.worker)
         info = self.runner.info
         self.info = info

@@ -25,7 +25,7 @@ from services.grpc_server import (
     service_main,
 )
 from worker_svc.config import WorkerConfig
-from worker_svc.runner import ModelRunner
+from worker_svc.runner import ModelRunner, shorten_gil_switch_interval
 from worker_svc.servicer import WorkerServicer
 
 log = logging.getLogger(__name__)
@@ -105,6 +105,7 @@ def _reachable_host(host: str) -> str:
 
 async def run(config: WorkerServiceConfig) -> None:
     worker_id = config.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    shorten_gil_switch_interval()  # steps run in a thread beside the gRPC event loop
     step_token = config.step_token or (secrets.token_hex(16) if config.scheduler else None)
     servicer = WorkerServicer(worker_id, step_token)
     background: list[asyncio.Task] = []  # keeps the registration task referenced

@@ -1,0 +1,90 @@
+"""`llmesh up` as a new user runs it (`make run`), left idle for three minutes, then used.
+
+The mesh used to die ~60-70 s after start when idle: the clients' keepalive pings
+broke the servers' ping policy (GOAWAY "too_many_pings"). Default settings only
+(keepalive 20 s: 180 s is nine ping periods), on free ports. Since `llmesh up`
+restarts dead services, a link that dropped could hide behind a restart: the test
+also checks that no service exited and that the worker's Step stream never broke.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+
+from services.launcher import free_port
+from tests.integration.test_supervisor import _alive, _read_until, _start_up, _stop_all, stats
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(330)]
+
+IDLE_S = 180
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below `pid` (children, their children, ...), from /proc."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                # "pid (comm) state ppid ...": comm may hold spaces or parentheses; split after the last ")"
+                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # exited meanwhile
+    found: set[int] = set()
+    frontier = [pid]
+    while frontier:
+        parent = frontier.pop()
+        kids = {p for p, pp in parents.items() if pp == parent and p not in found}
+        found |= kids
+        frontier.extend(kids)
+    return found
+
+
+def test_llmesh_up_with_defaults_serves_after_three_idle_minutes():
+    import openai
+
+    port, sched_port = free_port(), free_port()
+    up, lines = _start_up(["--port", str(port), "--scheduler-port", str(sched_port)])
+    pids: dict[str, int] = {}
+    try:
+        _read_until(up, "OpenAI API", 180, lines)
+        listed = (re.match(r"\s+(\S+)\s+\S+\s+\(pid (\d+)\)", line) for line in lines)
+        pids = {m[1]: int(m[2]) for m in listed if m}
+        assert set(pids) == {"scheduler", "worker-0", "gateway"}, lines
+        base = f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+
+        time.sleep(IDLE_S)  # nothing at all: no request, no health check
+
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        chat = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=4
+        )
+        assert chat.choices[0].finish_reason in ("stop", "length")
+        assert chat.usage.completion_tokens >= 1
+        assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+
+        # Nothing died and came back behind our back, and no link was dropped and re-dialled.
+        output = "".join(lines)
+        assert " exited with code " not in output, output[-4000:]
+        assert "too_many_pings" not in output, output[-4000:]
+        assert all(_alive(pid) for pid in pids.values()), pids
+        workers = stats(f"127.0.0.1:{sched_port}").workers
+        assert [(w.worker_id, w.connected, w.reconnects) for w in workers] == [("worker-0", True, 0)]
+
+        children = _descendants(up.pid)
+        assert set(pids.values()) <= children, (pids, children)
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(60) == 0
+        # It waited for every process it started: none outlives it (a zombie would count as alive).
+        assert not [pid for pid in children if _alive(pid)], children
+    finally:
+        _stop_all(up, pids)
