@@ -86,10 +86,10 @@ def run_in_process(path: str, reqs, args, async_scheduling: bool) -> dict[str, A
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         # One at a time, so both paths run the same batch shapes (bf16 results depend on them).
         check_params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-        greedy = [
-            llm.generate([{"prompt_token_ids": p[:200]}], check_params, use_tqdm=False)[0].outputs[0].token_ids
-            for p, _ in reqs[:4]
-        ]
+        greedy = []
+        for p, _ in reqs[:4]:
+            out = llm.generate([{"prompt_token_ids": p[:200]}], check_params, use_tqdm=False)
+            greedy.append(out[0].outputs[0].token_ids)
     finally:
         llm.engine.close()
         del llm
