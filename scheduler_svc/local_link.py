@@ -45,6 +45,8 @@ class LocalWorkerLink:
         while self._inflight:
             fut = self._inflight.popleft()
             await asyncio.wait([fut])
+            if not fut.cancelled():
+                fut.exception()  # retrieved: a lost plan's failure is not an unhandled error
         if self._drop_all is not None:
             await asyncio.get_running_loop().run_in_executor(self._thread, self._drop_all)
         return Connected(self.info, self._last_step_id)

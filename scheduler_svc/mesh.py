@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 
 # How often an idle worker loop checks that its step stream still stands.
 IDLE_LINK_CHECK_S = 0.5
+# Breaks in a row with no step completed in between: past this, the worker's own requests are
+# failed (a plan that breaks the worker every time must not be replayed forever).
+MAX_BREAKS_WITHOUT_PROGRESS = 3
 
 
 class LinkBroken(Exception):
@@ -107,6 +110,7 @@ class WorkerSlot:
     step_seconds: float = 0.0  # time inside link.step (transport + execution)
     connected: bool = True  # False while the link is being re-dialled
     num_reconnects: int = 0
+    breaks_without_progress: int = 0
     redial_now: asyncio.Event = field(default_factory=asyncio.Event)  # cut a re-dial backoff short
 
 
@@ -320,10 +324,22 @@ class Mesh:
                 raise
             except Exception as e:  # every way a link can break ends here: reconnect or fail over
                 log.warning("worker link broke", extra={"worker_id": slot.worker_id, "error": repr(e)})
+                slot.breaks_without_progress += 1
+                if slot.breaks_without_progress > MAX_BREAKS_WITHOUT_PROGRESS:
+                    self._fail_requests(slot, f"worker {slot.worker_id} keeps breaking on its plans: {e}")
+                    slot.breaks_without_progress = 0
                 if await self._reconnect(slot):
                     continue
                 await self.remove_worker(slot.worker_id, reason=f"unreachable after {e!r}")
                 return
+
+    def _fail_requests(self, slot: WorkerSlot, reason: str) -> None:
+        """End every request a worker holds with an error (their callers get UNAVAILABLE)."""
+        log.error("failing a worker's requests", extra={"worker_id": slot.worker_id, "reason": reason})
+        for req in slot.planner.take_all():
+            stream = self.streams.pop(req.request_id, None)
+            if stream is not None:
+                stream.queue.put_nowait(NoWorkerAvailable(reason))
 
     async def _reconnect(self, slot: WorkerSlot) -> bool:
         """Re-dial with backoff; True once the link is back, False when the worker counts as dead."""
@@ -398,6 +414,7 @@ class Mesh:
                 raise LinkBroken(f"worker {slot.worker_id}: result {result.step_id} for plan {plan.step_id}")
             slot.step_seconds += time.perf_counter() - sent_at
             slot.num_steps += 1
+            slot.breaks_without_progress = 0
             for delta in planner.update(plan, result):
                 self._emit(delta)
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from scheduler_svc.local_link import LocalWorkerLink
-from scheduler_svc.mesh import Connected, LinkBroken, Mesh, MeshConfig
+from scheduler_svc.mesh import Connected, LinkBroken, Mesh, MeshConfig, NoWorkerAvailable
 from scheduler_svc.planner import PlannerConfig
 from services.sampling_params import SamplingParams
 from services.step import StepResult, WorkerInfo
@@ -127,4 +129,28 @@ async def test_abort_ends_the_stream_with_a_last_delta():
     await asyncio.sleep(0.05)
     planner = mesh.workers["w"].planner
     assert not planner.has_unfinished() and planner.blocks.num_free_blocks == INFO.num_kv_blocks
+    await mesh.remove_worker("w")
+
+
+class PoisonedWorker(CountingWorker):
+    """Rejects every plan that holds the sequence "poison" (its step fails each time)."""
+
+    def execute(self, plan):
+        if any(s.seq_id == "poison" for s in plan.new_seqs):
+            raise ValueError("this sequence breaks the worker")
+        return super().execute(plan)
+
+
+async def test_a_plan_that_breaks_the_worker_every_time_is_not_replayed_forever():
+    mesh = Mesh(mesh_config())
+    worker = PoisonedWorker()
+    mesh.add_worker("w", INFO, local(worker))
+    with pytest.raises(NoWorkerAvailable):
+        async for _ in mesh.generate("poison", [5, 6, 7], SamplingParams(max_tokens=4)):
+            pass
+    assert mesh.workers["w"].connected or await asyncio.sleep(0.1) is None
+    tokens = []
+    async for delta in mesh.generate("fine", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True)):
+        tokens.extend(delta.new_token_ids)
+    assert len(tokens) == 4  # the worker serves others after its poisoned request is failed
     await mesh.remove_worker("w")
