@@ -86,3 +86,38 @@ class RequestDelta:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def coalesce(items: list) -> list:
+    """Merge queued deltas of the same request into one, in order; an exception ends the list.
+
+    A caller that reads slower than steps produce tokens then gets one message with
+    everything pending instead of a backlog of one-token messages (which only makes the
+    reader slower still). `items` holds RequestDeltas and, possibly, an Exception.
+    """
+    out: list = []
+    latest: dict[str, RequestDelta] = {}
+    for item in items:
+        if isinstance(item, Exception):
+            out.append(item)
+            break
+        prev = latest.get(item.request_id)
+        if prev is None or prev.finished:
+            merged = RequestDelta(
+                item.request_id,
+                list(item.new_token_ids),
+                list(item.new_logprobs),
+                item.finish_reason,
+                item.num_prompt_tokens,
+                item.num_output_tokens,
+                item.num_cached_tokens,
+            )
+            latest[item.request_id] = merged
+            out.append(merged)
+            continue
+        prev.new_token_ids.extend(item.new_token_ids)
+        prev.new_logprobs.extend(item.new_logprobs)
+        prev.finish_reason = item.finish_reason
+        prev.num_output_tokens = item.num_output_tokens
+        prev.num_cached_tokens = item.num_cached_tokens
+    return out

@@ -20,7 +20,7 @@ import grpc
 from llmesh.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from scheduler_svc.mesh import Connected, LinkBroken, Mesh, NoWorkerAvailable
 from scheduler_svc.planner import RequestRejected
-from scheduler_svc.request import FinishReason, RequestDelta
+from scheduler_svc.request import FinishReason, RequestDelta, coalesce
 from scheduler_svc.worker_link import GrpcWorkerLink
 from services.convert import logprobs_to_proto, sampling_params_from_proto
 from services.detokenizer import IncrementalDetokenizer, find_stop, held_back
@@ -131,21 +131,24 @@ class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
             first = True
             open_choices = len(choices)
             while open_choices:
-                item = await queue.get()
-                if isinstance(item, Exception):
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(item))
-                choice = choices.get(item.request_id)
-                if choice is None or choice.finished:
-                    continue
-                resp = self._response(rid, choice, item, request.return_text)
-                if choice.finished:
-                    open_choices -= 1
-                if first and request.WhichOneof("prompt") == "prompt_text":
-                    resp.prompt_token_ids.extend(prompt)
-                first = False
-                if not open_choices:
-                    resp.usage.CopyFrom(self._usage(prompt, choices))
-                yield resp
+                items = [await queue.get()]
+                while not queue.empty():  # behind the steps: send what is pending as one message
+                    items.append(queue.get_nowait())
+                for item in coalesce(items):
+                    if isinstance(item, Exception):
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, str(item))
+                    choice = choices.get(item.request_id)
+                    if choice is None or choice.finished:
+                        continue
+                    resp = self._response(rid, choice, item, request.return_text)
+                    if choice.finished:
+                        open_choices -= 1
+                    if first and request.WhichOneof("prompt") == "prompt_text":
+                        resp.prompt_token_ids.extend(prompt)
+                    first = False
+                    if not open_choices:
+                        resp.usage.CopyFrom(self._usage(prompt, choices))
+                    yield resp
         finally:
             self._live.pop(rid, None)
             self._abort_all(choices)
