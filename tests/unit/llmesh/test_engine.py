@@ -176,3 +176,16 @@ def test_bad_input_raises_clearly(tiny_models):
     with pytest.raises(TypeError, match="unknown engine settings"):
         LLM(tiny_models["llama"], not_a_setting=1)
     assert_no_leak(llm)
+
+
+def test_async_scheduling_on_and_off_give_the_same_greedy_tokens():
+    """Two plans in flight (the default) or one: the same tokens, EOS mid-flight included."""
+    sp = SamplingParams(temperature=0, max_tokens=40)
+    outs = {}
+    for on in (True, False):
+        llm = LLM(async_scheduling=on, kv_cache_memory=64 << 20, max_num_seqs=3)
+        outs[on] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+        assert_no_leak(llm)
+        llm.engine.close()
+    assert outs[True] == outs[False]
+    assert any(len(t) < 40 for t in outs[True])  # some stopped on EOS while a plan was in flight
