@@ -333,10 +333,9 @@ def write_config(root: str, name: str, cfg: dict[str, Any]) -> str:
     return path
 
 
-def make_llm(path: str, args: argparse.Namespace, **kw: Any):
-    from llmesh import LLM
-
-    base = dict(
+def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine settings every GPU benchmark runs with (random weights, bf16 on CUDA)."""
+    return dict(
         load_format="dummy",
         dtype="bfloat16" if args.device == "cuda" else "float32",
         device=args.device,
@@ -344,6 +343,12 @@ def make_llm(path: str, args: argparse.Namespace, **kw: Any):
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
+
+
+def make_llm(path: str, args: argparse.Namespace, **kw: Any):
+    from llmesh import LLM
+
+    base = engine_settings(args)
     base.update(kw)
     try:
         return LLM(path, **base)

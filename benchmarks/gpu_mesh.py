@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.gpu import SHAPES, SMOKE_SHAPES, ceilings, free_cuda, write_config  # noqa: E402
+from benchmarks.gpu import SHAPES, SMOKE_SHAPES, ceilings, engine_settings, free_cuda, write_config  # noqa: E402
 from benchmarks.offline_throughput import make_workload  # noqa: E402
 
 ROWS: list[dict[str, Any]] = []
@@ -39,17 +39,6 @@ ROWS: list[dict[str, Any]] = []
 
 def log(*a: Any) -> None:
     print(*a, file=sys.stderr, flush=True)
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(
-        load_format="dummy",
-        dtype="bfloat16" if args.device == "cuda" else "float32",
-        device=args.device,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
 
 
 def flags(kw: dict[str, Any]) -> list[str]:
@@ -68,7 +57,7 @@ def weight_bytes(model) -> int:
 def run_in_process(path: str, reqs, args, async_scheduling: bool) -> dict[str, Any]:
     from llmesh import LLM, SamplingParams
 
-    llm = LLM(path, async_scheduling=async_scheduling, **engine_kwargs(args))
+    llm = LLM(path, async_scheduling=async_scheduling, **engine_settings(args))
     read_bytes = weight_bytes(llm.engine.runner.model)
     try:
         warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -127,7 +116,7 @@ async def grpc_generate(address: str, reqs, concurrency_all: bool = True) -> tup
 def run_mesh(path: str, reqs, args, async_scheduling: bool) -> dict[str, Any]:
     from services.launcher import start_mesh
 
-    kw = engine_kwargs(args)
+    kw = engine_settings(args)
     worker_keys = ("load_format", "dtype", "device", "max_model_len", "max_num_seqs")
     worker_args = flags({k: kw[k] for k in worker_keys})
     sched_args = [
