@@ -32,7 +32,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.gpu import SHAPES, SMOKE_SHAPES, ceilings, engine_settings, free_cuda, write_config  # noqa: E402
-from benchmarks.offline_throughput import make_workload  # noqa: E402
+from benchmarks.offline_throughput import make_sharegpt_workload, make_workload  # noqa: E402
 
 ROWS: list[dict[str, Any]] = []
 
@@ -144,9 +144,12 @@ def run_mesh(path: str, reqs, args, async_scheduling: bool) -> dict[str, Any]:
 
 def model_section(name: str, cfg: dict[str, Any], root: str, args, copy_bw: float) -> None:
     path = write_config(root, name, cfg)
-    reqs = make_workload(
-        args.num_requests, cfg["vocab_size"], args.seed, tuple(args.prompt_len), tuple(args.output_len)
-    )
+    if args.workload == "sharegpt":
+        reqs = make_sharegpt_workload(args.num_requests, cfg["vocab_size"], args.seed)
+    else:
+        reqs = make_workload(
+            args.num_requests, cfg["vocab_size"], args.seed, tuple(args.prompt_len), tuple(args.output_len)
+        )
     results: dict[str, dict[str, Any]] = {}
     for label, fn, on in (
         ("in-process async", run_in_process, True),
@@ -198,6 +201,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="llama-3.1-8b,qwen2.5-0.5b")
     ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument(
+        "--workload",
+        default="uniform",
+        choices=["uniform", "sharegpt"],
+        help="uniform: --prompt-len/--output-len ranges; sharegpt: lognormal, means 220/200, clipped to 1024",
+    )
     ap.add_argument("--prompt-len", type=int, nargs=2, default=[128, 1024])
     ap.add_argument("--output-len", type=int, nargs=2, default=[128, 512])
     ap.add_argument("--seed", type=int, default=0)

@@ -26,6 +26,26 @@ def make_workload(n: int, vocab: int, seed: int, prompt=(32, 512), output=(16, 1
     return reqs
 
 
+def make_sharegpt_workload(
+    n: int, vocab: int, seed: int, mean_prompt: float = 220, mean_output: float = 200, clip: int = 1024
+):
+    """ShareGPT-shaped requests: lognormal prompt and output lengths (sigma 1) with the given
+    means, clipped to [4, clip] (the shape of vLLM's and SGLang's ShareGPT offline runs)."""
+    import math
+
+    rng = random.Random(seed)
+    sigma = 1.0
+
+    def length(mean: float) -> int:
+        mu = math.log(mean) - sigma**2 / 2  # so that the lognormal's mean is `mean`
+        return max(4, min(clip, round(rng.lognormvariate(mu, sigma))))
+
+    return [
+        ([rng.randrange(100, vocab - 1) for _ in range(length(mean_prompt))], length(mean_output))
+        for _ in range(n)
+    ]
+
+
 def bench_llmesh(model_path: str, reqs, dtype: str, device: str, **engine_kw) -> tuple[float, int]:
     from llmesh import LLM, SamplingParams
 
