@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 from gateway.config import GatewayConfig
@@ -40,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     print(f"llmesh gateway on http://{config.host}:{config.port} -> scheduler {config.scheduler}", flush=True)
+    # uvicorn drains on SIGTERM/SIGINT, then restores the handlers it found and raises the
+    # signal again; with the default handlers there the process would die of it (-15) after a
+    # clean drain. No-op handlers make a drained gateway exit 0, like the gRPC services.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     server.run()
     return 0 if server.started else 1
 
