@@ -8,6 +8,7 @@ this object; the worker only ever sees block ids.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from scheduler_svc.prefix_hash import extend_block_keys
@@ -87,7 +88,12 @@ class BlockManager:
 
     # ----- allocation -----
     def allocate(
-        self, seq_id: str, token_ids: list[int], num_computed: int, num_new: int
+        self,
+        seq_id: str,
+        token_ids: list[int] | Callable[[], list[int]],
+        num_computed: int,
+        num_new: int,
+        num_known: int | None = None,
     ) -> list[int] | None:
         """Make room for `num_new` tokens after `num_computed` of `token_ids`.
 
@@ -95,10 +101,15 @@ class BlockManager:
         (`num_computed` must then equal the cached length the planner got from
         `longest_cached_prefix`). Returns the newly appended block ids, or None
         (nothing changed) when the free list is too short.
+
+        `token_ids` may be a function that makes the list, with `num_known` its
+        length: a decode step then builds it only when a block fills (once in
+        `block_size` steps), not every step.
         """
         table = self.tables.get(seq_id)
         hits: list[int] = []
         if table is None:
+            token_ids = token_ids() if callable(token_ids) else token_ids
             hits = self.longest_cached_prefix(token_ids)[: num_computed // self.block_size]
             assert len(hits) * self.block_size == num_computed, "first allocation starts at the cached prefix"
         have = len(table.block_ids) if table else len(hits)
@@ -115,7 +126,13 @@ class BlockManager:
             table.num_cached_blocks = len(hits)
         new_ids = [self._take_fresh() for _ in range(max(need, 0))]
         table.block_ids.extend(new_ids)
-        self._register_full_blocks(table, token_ids, num_computed + num_new)
+        if self.enable_prefix_caching:
+            known = len(token_ids) if not callable(token_ids) else num_known
+            assert known is not None, "num_known is needed with a token_ids function"
+            if min(num_computed + num_new, known) // self.block_size > table.num_cached_blocks:
+                self._register_full_blocks(
+                    table, token_ids() if callable(token_ids) else token_ids, num_computed + num_new
+                )
         return new_ids
 
     def free_seq(self, seq_id: str) -> None:

@@ -47,6 +47,11 @@ class PlannerConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
 
 
+def tokens_of(req: Request):
+    """The request's token list, built only if the block manager needs it (a block fills)."""
+    return lambda: req.all_token_ids
+
+
 class RequestRejected(ValueError):
     """The request can never run here (too long for the context or the KV cache)."""
 
@@ -139,7 +144,7 @@ class Planner:
                 continue
             num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget, chunk)
             new_blocks = self.blocks.allocate(
-                req.request_id, req.all_token_ids, req.num_computed_tokens, num_new
+                req.request_id, tokens_of(req), req.num_computed_tokens, num_new, req.num_tokens
             )
             while new_blocks is None:
                 victim = self._pick_victim(self.running[i:])
@@ -148,7 +153,7 @@ class Planner:
                 if victim is req:
                     break
                 new_blocks = self.blocks.allocate(
-                    req.request_id, req.all_token_ids, req.num_computed_tokens, num_new
+                    req.request_id, tokens_of(req), req.num_computed_tokens, num_new, req.num_tokens
                 )
             if new_blocks is None:
                 continue  # req itself was preempted; running[i] is now the next one

@@ -23,7 +23,7 @@ class FinishReason(enum.StrEnum):
     ABORT = "abort"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `req in running` must not compare token lists field by field
 class Request:
     request_id: str
     prompt_token_ids: list[int]
