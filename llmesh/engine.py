@@ -87,7 +87,7 @@ class LLMEngine:
         self._thread = threading.Thread(target=self._loop.run_forever, name="llmesh-engine", daemon=True)
         self._thread.start()
         # At garbage collection or exit: cancel the loop's tasks, then stop it (no "Task was destroyed").
-        weakref.finalize(self, _stop_loop, self._loop)
+        weakref.finalize(self, _stop_loop, self._loop, self._thread)
         link = LocalWorkerLink(self.runner.execute, info, self.runner.drop_all)
         self._slot = self.call(lambda: self.mesh.add_worker(LOCAL_WORKER, info, link))
         self._num_sync_steps = 0
@@ -195,12 +195,14 @@ class LLMEngine:
         try:
             self.wait(shutdown())
         finally:
-            _stop_loop(self._loop)
-            self._thread.join(timeout=5)
+            _stop_loop(self._loop, self._thread)
 
 
 
-def _stop_loop(loop: asyncio.AbstractEventLoop) -> None:
+def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    """Cancel the loop's tasks, stop it, and wait for its thread: once this returns, nothing
+    holds the model runner any more (`del llm; gc.collect()` frees its GPU memory)."""
+
     async def cancel_all() -> None:
         tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         for task in tasks:
@@ -210,3 +212,5 @@ def _stop_loop(loop: asyncio.AbstractEventLoop) -> None:
 
     if loop.is_running():
         asyncio.run_coroutine_threadsafe(cancel_all(), loop)
+    if thread is not threading.current_thread():
+        thread.join(timeout=10)
