@@ -1,8 +1,10 @@
 """The scheduler's core over many workers: routing, one planning loop per worker, failover.
 
 Transport-free: a worker is reached through a `WorkerLink` (the gRPC Step
-stream in the service, a model runner in a thread in tests and benchmarks).
-Callers get an asyncio queue of `RequestDelta`s per request.
+stream in the service, a `LocalWorkerLink` to a model runner on a thread in
+the offline engine and the tests). Callers get an asyncio queue of
+`RequestDelta`s per request. Up to two plans are in flight per worker
+(asynchronous scheduling): step N+1 is planned and sent while step N runs.
 
 A broken link is not a dead worker. The worker's loop re-dials it with
 backoff; if the same process answers (same `instance_id`), its prefix cache
@@ -107,7 +109,7 @@ class WorkerSlot:
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task | None = None
     num_steps: int = 0
-    step_seconds: float = 0.0  # time inside link.step (transport + execution)
+    step_seconds: float = 0.0  # sum of send -> result per plan (wire, queueing, execution)
     connected: bool = True  # False while the link is being re-dialled
     num_reconnects: int = 0
     breaks_without_progress: int = 0
