@@ -92,7 +92,9 @@ class LLM:
                 )
                 cid = f"{out.request_id}-{j}"
                 submissions.append((cid, token_ids, child_sp, priority[i] if priority else 0, out.request_id))
-                detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
+                # Nothing streams here: text is decoded once at the end, unless stop strings must
+                # be matched as tokens arrive (two decodes per token, on the engine's loop).
+                detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer and sp.stop else None
                 comp = CompletionOutput(j, "", [], None, [] if sp.logprobs is not None else None)
                 out.outputs.append(comp)
                 children[cid] = _Child(out, comp, child_sp, detok)
@@ -191,6 +193,8 @@ class LLM:
             out.text = child.detok.text
         if finish is None:
             return False
+        if child.detok is None and self.tokenizer is not None:
+            out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         out.finish_reason = finish.value
         if finish is FinishReason.STOP and out.stop_reason is None and out.token_ids:
             stop_id = out.token_ids[-1]

@@ -189,3 +189,18 @@ def test_async_scheduling_on_and_off_give_the_same_greedy_tokens():
         llm.engine.close()
     assert outs[True] == outs[False]
     assert any(len(t) < 40 for t in outs[True])  # some stopped on EOS while a plan was in flight
+
+
+def test_text_decoded_once_equals_incremental_detokenization():
+    """Without stop strings the offline text is decoded once at the end: the same text."""
+    from services.detokenizer import IncrementalDetokenizer
+
+    llm = LLM(kv_cache_memory=64 << 20)
+    prompts = ["Write a poem in French about the sea:", "日本語で自己紹介してください。", "List some emojis:"]
+    outs = llm.generate(prompts, SamplingParams(temperature=1.0, seed=3, max_tokens=48), use_tqdm=False)
+    for o in outs:
+        incremental = IncrementalDetokenizer(llm.tokenizer)
+        incremental.push(o.outputs[0].token_ids)
+        incremental.flush()
+        assert o.outputs[0].text == incremental.text
+    llm.engine.close()
