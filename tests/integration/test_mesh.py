@@ -93,6 +93,36 @@ def run_concurrently(fn, args_list) -> list:
     return results
 
 
+def start_streams(address: str, prompts: list[str], max_tokens: int = 24):
+    """Generate in threads; returns (threads, results, errors, first-token semaphore)."""
+    results: dict[str, list[int]] = {}
+    errors: list[Exception] = []
+    started = threading.Semaphore(0)
+
+    def client(prompt: str) -> None:
+        req = g.GenerateRequest(
+            prompt_text=prompt, sampling_params=g.SamplingParams(temperature=0, max_tokens=max_tokens)
+        )
+        tokens: list[int] = []
+        try:
+            for resp in stub(address).Generate(req, timeout=300):
+                tokens.extend(resp.token_ids)
+                started.release()
+            results[prompt] = tokens
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    return threads, results, errors, started
+
+
+def join(threads, timeout: float = 120.0) -> None:
+    for t in threads:
+        t.join(timeout)
+
+
 def test_health_and_reflection(mesh):
     for child in [mesh.scheduler, *mesh.workers]:
         resp = health_pb2_grpc.HealthStub(grpc.insecure_channel(child.address)).Check(
@@ -163,36 +193,14 @@ def test_bad_requests_get_invalid_argument_and_the_service_stays_up(mesh, reques
 
 
 def test_worker_killed_mid_generation_loses_no_request(tmp_path, reference):
-    with start_mesh(
-        2, worker_args=WORKER_ARGS, scheduler_args=FAST_FAILURE_ARGS, log_dir=str(tmp_path)
-    ) as m:
-        results: dict[str, list[int]] = {}
-        errors: list[Exception] = []
-        received = threading.Semaphore(0)
-
-        def client(prompt: str) -> None:
-            req = g.GenerateRequest(
-                prompt_text=prompt, sampling_params=g.SamplingParams(temperature=0, max_tokens=16)
-            )
-            tokens: list[int] = []
-            try:
-                for resp in stub(m.scheduler.address).Generate(req, timeout=300):
-                    tokens.extend(resp.token_ids)
-                    received.release()
-                results[prompt] = tokens
-            except Exception as e:
-                errors.append(e)
-
-        threads = [threading.Thread(target=client, args=(p,)) for p in PROMPTS]
-        for t in threads:
-            t.start()
+    with start_mesh(2, worker_args=WORKER_ARGS, scheduler_args=FAST_FAILURE_ARGS, log_dir=str(tmp_path)) as m:
+        threads, results, errors, received = start_streams(m.scheduler.address, PROMPTS, max_tokens=16)
         assert received.acquire(timeout=240)  # generation is under way
         busy = max(stats(m.scheduler.address).workers, key=lambda w: w.running)
         assert busy.running > 0
         victim = next(w for w in m.workers if w.name == busy.worker_id)
         victim.proc.send_signal(signal.SIGKILL)
-        for t in threads:
-            t.join(300)
+        join(threads, 300)
         assert not errors, errors
         assert results == reference
         s = wait_blocks_free(m.scheduler.address)

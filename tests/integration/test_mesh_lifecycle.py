@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import grpc
@@ -19,7 +18,15 @@ from llmesh.v1 import generation_pb2 as g
 from llmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.launcher import grpc_serving, start_mesh
 from services.step import STEP_TOKEN_METADATA
-from tests.integration.test_mesh import generate, run_concurrently, stats, stub, wait_blocks_free
+from tests.integration.test_mesh import (
+    generate,
+    join,
+    run_concurrently,
+    start_streams,
+    stats,
+    stub,
+    wait_blocks_free,
+)
 
 STEP_TOKEN = "lifecycle-test-token"
 KEEPALIVE = ["--keepalive-s", "1"]
@@ -60,36 +67,6 @@ def wait_for(check, what: str, timeout: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not after {timeout} s")
         time.sleep(0.1)
-
-
-def start_streams(address: str, prompts: list[str], max_tokens: int = 24):
-    """Generate in threads; returns (threads, results, errors, first-token semaphore)."""
-    results: dict[str, list[int]] = {}
-    errors: list[Exception] = []
-    started = threading.Semaphore(0)
-
-    def client(prompt: str) -> None:
-        req = g.GenerateRequest(
-            prompt_text=prompt, sampling_params=g.SamplingParams(temperature=0, max_tokens=max_tokens)
-        )
-        tokens: list[int] = []
-        try:
-            for resp in stub(address).Generate(req, timeout=120):
-                tokens.extend(resp.token_ids)
-                started.release()
-            results[prompt] = tokens
-        except Exception as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=client, args=(p,)) for p in prompts]
-    for t in threads:
-        t.start()
-    return threads, results, errors, started
-
-
-def join(threads, timeout: float = 120.0) -> None:
-    for t in threads:
-        t.join(timeout)
 
 
 def test_idle_past_many_keepalive_periods_then_serves(mesh, reference):
