@@ -250,8 +250,12 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (checks every path, also on CPU)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
-    shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    names = list(shapes) if args.smoke else args.models.split(",")
+    shapes = {**SHAPES, **SMOKE_SHAPES}
+    names = list(SMOKE_SHAPES) if args.smoke else args.models.split(",")
+    if len(names) > 1 and not args.smoke:
+        # One process per shape: in one process the second shape's in-process figures came out
+        # 20-25 % low after the first shape's engines (not understood yet; see docs/benchmarks.md).
+        return run_each_in_own_process(names, args)
     copy_bw = 0.0
     if args.device == "cuda":
         copy_bw, _ = ceilings(args)
@@ -269,6 +273,27 @@ def main() -> None:
             f.write(text + "\n")
         with open(os.path.join(args.out, "mesh_results.json"), "w") as f:
             json.dump(ROWS, f, indent=1, default=str)
+
+
+def run_each_in_own_process(names: list[str], args: argparse.Namespace) -> None:
+    import subprocess
+
+    argv = [a for a in sys.argv[1:]]
+    for i, a in enumerate(argv):  # drop --models X / --models=X and --out X / --out=X
+        if a in ("--models", "--out"):
+            argv[i] = argv[i + 1] = ""
+        elif a.startswith(("--models=", "--out=")):
+            argv[i] = ""
+    argv = [a for a in argv if a]
+    tables = []
+    for name in names:
+        out = os.path.join(args.out, name) if args.out else None
+        cmd = [sys.executable, os.path.abspath(__file__), *argv, "--models", name]
+        if out:
+            cmd += ["--out", out]
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+        tables.append(done.stdout.strip())
+    print("\n".join(tables))
 
 
 if __name__ == "__main__":
