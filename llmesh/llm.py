@@ -55,6 +55,7 @@ class _Child:
     output: CompletionOutput
     params: SamplingParams
     detok: IncrementalDetokenizer | None
+    text_at_end: bool = False  # decode the whole output once when it finishes
 
 
 class LLM:
@@ -95,9 +96,10 @@ class LLM:
                 # Nothing streams here: text is decoded once at the end, unless stop strings must
                 # be matched as tokens arrive (two decodes per token, on the engine's loop).
                 detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer and sp.stop else None
+                text_at_end = self.tokenizer is not None and sp.detokenize and not sp.stop
                 comp = CompletionOutput(j, "", [], None, [] if sp.logprobs is not None else None)
                 out.outputs.append(comp)
-                children[cid] = _Child(out, comp, child_sp, detok)
+                children[cid] = _Child(out, comp, child_sp, detok, text_at_end)
         future = asyncio.run_coroutine_threadsafe(
             self._run(children, submissions, len(outputs), use_tqdm), self.engine.loop
         )
@@ -193,7 +195,7 @@ class LLM:
             out.text = child.detok.text
         if finish is None:
             return False
-        if child.detok is None and self.tokenizer is not None:
+        if child.text_at_end:
             out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         out.finish_reason = finish.value
         if finish is FinishReason.STOP and out.stop_reason is None and out.token_ids:

@@ -95,7 +95,7 @@ class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served here")
         prompt = await self._prompt_of(request, context)
         params = await self._params_of(request, context, len(prompt), info.max_model_len)
-        needs_text = request.return_text or bool(params.stop)
+        needs_text = (request.return_text and params.detokenize) or bool(params.stop)
         if needs_text and self.tokenizer is None:
             await context.abort(
                 grpc.StatusCode.UNIMPLEMENTED, "return_text and stop strings need a tokenizer"

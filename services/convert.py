@@ -47,6 +47,7 @@ def sampling_params_to_proto(sp: SamplingParams) -> generation_pb2.SamplingParam
         stop=sp.stop,
         ignore_eos=sp.ignore_eos,
         max_logprobs=sp.max_logprobs,
+        detokenize=sp.detokenize,
     )
     # None means "unset" on the wire (seed: random, max_tokens: to the context
     # length, logprobs: none), so these are only set when present.
@@ -84,6 +85,7 @@ def sampling_params_from_proto(msg: generation_pb2.SamplingParams) -> SamplingPa
         ignore_eos=msg.ignore_eos,
         logprobs=opt("logprobs", None),
         max_logprobs=opt("max_logprobs", _SP_DEFAULTS["max_logprobs"]),
+        detokenize=opt("detokenize", _SP_DEFAULTS["detokenize"]),
     )
 
 

@@ -61,6 +61,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None = no logprobs; k >= 0 = sampled token + top-k
     max_logprobs: int = 20
+    # False: token ids only, no text (saves two decodes per token where nothing reads text).
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         # Only the int -1 means "all tokens"; -1.0 or True must still fail validation.
@@ -104,6 +106,12 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, 0, self.max_logprobs)
         if not isinstance(self.ignore_eos, bool):
             raise SamplingParamsError("ignore_eos", "must be a boolean")
+        if not isinstance(self.detokenize, bool):
+            raise SamplingParamsError("detokenize", "must be a boolean")
+        if self.stop and not self.detokenize:
+            raise SamplingParamsError(
+                "detokenize", "stop strings are matched on text: they need detokenize=True"
+            )
 
     @property
     def greedy(self) -> bool:

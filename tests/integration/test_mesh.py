@@ -182,6 +182,10 @@ def test_cancelled_call_frees_its_blocks(mesh):
         (dict(prompt_text="hi", sampling_params=g.SamplingParams(max_tokens=10**6)), "max_tokens"),
         (dict(prompt_text="hi", sampling_params=g.SamplingParams(n=0)), "n"),
         (dict(sampling_params=g.SamplingParams()), "prompt"),
+        (
+            dict(prompt_text="hi", sampling_params=g.SamplingParams(stop=["x"], detokenize=False)),
+            "detokenize",
+        ),
     ],
 )
 def test_bad_requests_get_invalid_argument_and_the_service_stays_up(mesh, request_kw, needle):

@@ -204,3 +204,15 @@ def test_text_decoded_once_equals_incremental_detokenization():
         incremental.flush()
         assert o.outputs[0].text == incremental.text
     llm.engine.close()
+
+
+def test_detokenize_false_gives_the_same_tokens_and_no_text():
+    llm = LLM(kv_cache_memory=64 << 20)
+    prompts = PROMPTS[:3]
+    with_text = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    ids_only = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=12, detokenize=False), use_tqdm=False
+    )
+    assert [o.outputs[0].token_ids for o in ids_only] == [o.outputs[0].token_ids for o in with_text]
+    assert all(o.outputs[0].text == "" for o in ids_only) and all(o.outputs[0].text for o in with_text)
+    llm.engine.close()

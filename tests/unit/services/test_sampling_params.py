@@ -165,3 +165,11 @@ def test_validate_catches_mutation() -> None:
     with pytest.raises(SamplingParamsError) as exc:
         p.validate()
     assert exc.value.param == "temperature"
+
+
+def test_detokenize_is_a_boolean_and_stop_strings_need_it():
+    assert SamplingParams(detokenize=False).detokenize is False
+    with pytest.raises(SamplingParamsError, match="detokenize"):
+        SamplingParams(detokenize=False, stop=["\n"])
+    with pytest.raises(SamplingParamsError, match="detokenize"):
+        SamplingParams(detokenize=1)  # type: ignore[arg-type]
