@@ -117,15 +117,12 @@ def sampling_params(
     if req.logit_bias:
         raise bad_request("logit_bias", "is not supported", code="unsupported_parameter")
     stop_ids = list(req.stop_token_ids or [])
-    # Counts first: SamplingParams walks both lists, and a body may hold millions of entries.
-    if len(stop_ids) > caps.max_stop_token_ids:
-        raise bad_request("stop_token_ids", f"at most {caps.max_stop_token_ids} ids, got {len(stop_ids)}")
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stops) > caps.max_stop:
-        raise bad_request("stop", f"at most {caps.max_stop} stop strings, got {len(stops)}")
-    if any(not s for s in stops):
-        raise bad_request("stop", "stop strings must not be empty")
     try:
+        # Counts first: SamplingParams walks both lists, and a body may hold millions of entries.
+        caps.check_counts(len(stops), len(stop_ids))
+        if any(not s for s in stops):
+            raise SamplingParamsError("stop", "stop strings must not be empty")
         params = SamplingParams(
             n=req.n,
             temperature=1.0 if req.temperature is None else req.temperature,

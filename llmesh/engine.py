@@ -8,8 +8,8 @@ background thread of this engine, so that callers (the offline `LLM`, a
 notebook with its own loop) need no asyncio; `submit`-style calls cross into
 that loop thread-safely.
 
-`step()` is kept for tests and micro-benchmarks that drive single steps
-synchronously; it must not be mixed with `run()` on the same requests.
+`add_request()` + `step()` are kept for tests and micro-benchmarks that drive
+single steps synchronously; they must not be mixed with `submit()`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.local_link import LocalWorkerLink
 from scheduler_svc.mesh import Mesh, MeshConfig
 from scheduler_svc.planner import Planner, PlannerConfig
-from scheduler_svc.request import FinishReason, Request, RequestDelta
+from scheduler_svc.request import Request, RequestDelta
 from services.sampling_params import SamplingParams
 from worker_svc.config import WorkerConfig
 from worker_svc.runner import ModelRunner, shorten_gil_switch_interval
@@ -138,33 +138,13 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
     ) -> None:
-        """Queue a request for `step()` (not for `run()`: the Mesh streams those)."""
+        """Queue a request for `step()` (not for `submit()`: the Mesh streams those)."""
         self.check_prompt(prompt_token_ids)
         req = Request(request_id, list(prompt_token_ids), params, self.info.eos_token_ids, priority)
         self.call(lambda: self.planner.add_request(req))
 
-    def abort(self, request_id: str) -> RequestDelta | None:
-        def run() -> RequestDelta | None:
-            if self.mesh.abort(request_id):
-                return None
-            req = self.planner.abort(request_id)
-            return self.planner.delta(req, 0) if req is not None else None
-
-        return self.call(run)
-
-    def finish(self, request_id: str, reason: FinishReason) -> None:
-        """End a request from outside (a stop string matched): abort, then relabel."""
-
-        def run() -> None:
-            req = self.planner.requests.get(request_id)
-            self.mesh.abort(request_id) or self.planner.abort(request_id)
-            if req is not None:
-                req.finish_reason = reason
-
-        self.call(run)
-
     def step(self) -> list[RequestDelta]:
-        """One synchronous step: plan, execute on this thread, apply. Not with run() in flight."""
+        """One synchronous step: plan, execute on this thread, apply. Not with submit()ted requests."""
         plan = self.call(self.planner.schedule)
         if plan.num_seqs == 0 and not plan.finished_ids and not plan.preempted_ids:
             return []

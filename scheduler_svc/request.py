@@ -95,6 +95,8 @@ def coalesce(items: list) -> list:
     everything pending instead of a backlog of one-token messages (which only makes the
     reader slower still). `items` holds RequestDeltas and, possibly, an Exception.
     """
+    if len(items) == 1:
+        return items  # the usual case, a reader keeping up: nothing to merge, nothing to copy
     out: list = []
     latest: dict[str, RequestDelta] = {}
     for item in items:

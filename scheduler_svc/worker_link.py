@@ -45,9 +45,7 @@ class GrpcWorkerLink:
             msg = await self._stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=timeout_s)
         except (grpc.aio.AioRpcError, grpc.aio.UsageError) as e:
             raise self._broken("GetWorkerInfo", e) from e
-        info = worker_info_from_proto(msg)
-        info.instance_id = msg.instance_id
-        return info
+        return worker_info_from_proto(msg)
 
     async def connect(self, timeout_s: float = 10.0) -> Connected:
         """(Re)open the Step stream, prove it with a sync plan, then read what the worker executed."""

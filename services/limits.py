@@ -30,25 +30,27 @@ class RequestLimits:
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
 
+    def check_counts(self, num_stop: int, num_stop_token_ids: int) -> None:
+        """The list caps alone: cheap enough to run before a body's lists are walked."""
+        if num_stop_token_ids > self.max_stop_token_ids:
+            raise SamplingParamsError(
+                "stop_token_ids", f"at most {self.max_stop_token_ids} ids, got {num_stop_token_ids}"
+            )
+        if num_stop > self.max_stop:
+            raise SamplingParamsError("stop", f"at most {self.max_stop} stop strings, got {num_stop}")
+
     def check(self, params: SamplingParams, vocab_size: int) -> None:
         """Raise SamplingParamsError (naming the parameter) for what exceeds a cap."""
         if params.n > self.max_n:
             raise SamplingParamsError("n", f"must be <= {self.max_n}, got {params.n}")
         if params.logprobs is not None and params.logprobs > self.max_logprobs:
             raise SamplingParamsError("logprobs", f"must be <= {self.max_logprobs}, got {params.logprobs}")
-        if len(params.stop) > self.max_stop:
-            raise SamplingParamsError(
-                "stop", f"at most {self.max_stop} stop strings, got {len(params.stop)}"
-            )
+        self.check_counts(len(params.stop), len(params.stop_token_ids))
         if any(len(s) > self.max_stop_chars for s in params.stop):
             raise SamplingParamsError(
                 "stop", f"stop strings must be at most {self.max_stop_chars} characters"
             )
         ids = params.stop_token_ids
-        if len(ids) > self.max_stop_token_ids:
-            raise SamplingParamsError(
-                "stop_token_ids", f"at most {self.max_stop_token_ids} ids, got {len(ids)}"
-            )
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
             raise SamplingParamsError(

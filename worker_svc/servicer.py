@@ -40,9 +40,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.runner: ModelRunner | None = None  # set once the model is loaded
         self._lock = asyncio.Lock()
         self._stream_epoch = 0
-        self._replaced: asyncio.Event | None = None  # set to end the current stream (a newer one came)
+        # The current stream's "a newer stream replaced you" event; None while no stream is open.
+        self._replaced: asyncio.Event | None = None
         self._last_step_id = 0
-        self._stream_open = False
         self._stream_closed_at = time.monotonic()
 
     def _ready_runner(self) -> ModelRunner:
@@ -50,21 +50,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise _Abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
         return self.runner
 
-    # ----- for the registration loop -----
     @property
-    def stream_open(self) -> bool:
-        return self._stream_open
+    def _stream_open(self) -> bool:
+        return self._replaced is not None
 
+    # ----- for the registration loop -----
     async def wait_orphaned(self, grace_s: float) -> None:
         """Return once no Step stream has been open for `grace_s` seconds in a row."""
-        while True:
-            if not self._stream_open:
-                idle = time.monotonic() - self._stream_closed_at
-                if idle >= grace_s:
-                    return
-                await asyncio.sleep(min(grace_s - idle, 0.25))
-            else:
-                await asyncio.sleep(0.25)
+        while self._stream_open or time.monotonic() - self._stream_closed_at < grace_s:
+            await asyncio.sleep(min(grace_s, 0.25))
 
     # ----- RPCs -----
     async def GetWorkerInfo(self, request, context):
@@ -113,7 +107,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         replaced = self._replaced = asyncio.Event()
         async with self._lock:  # waits for any step of the old stream to finish
             runner.drop_all()  # state belongs to one stream
-        self._stream_open = True
         log.info("step stream opened", extra={"epoch": epoch, "peer": context.peer()})
         plans = request_iterator.__aiter__()
         stop = asyncio.ensure_future(replaced.wait())  # one waiter for the stream's life
@@ -146,7 +139,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         finally:
             stop.cancel()
             if epoch == self._stream_epoch:
-                self._stream_open = False
                 self._stream_closed_at = time.monotonic()
                 self._replaced = None
                 async with self._lock:
