@@ -333,6 +333,16 @@ def write_config(root: str, name: str, cfg: dict[str, Any]) -> str:
     return path
 
 
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The seeded workload and engine limits every GPU benchmark takes (see engine_settings)."""
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=[128, 1024])
+    ap.add_argument("--output-len", type=int, nargs=2, default=[128, 512])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+
+
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The engine settings every GPU benchmark runs with (random weights, bf16 on CUDA)."""
     return dict(
@@ -629,12 +639,7 @@ def main() -> None:
     ap.add_argument(
         "--num-requests-8b", type=int, default=0, help="requests for the 8B shape (0: --num-requests)"
     )
-    ap.add_argument("--prompt-len", type=int, nargs=2, default=[128, 1024])
-    ap.add_argument("--output-len", type=int, nargs=2, default=[128, 512])
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    add_workload_args(ap)
     ap.add_argument("--hf-batch-sizes", default="16,64")
     ap.add_argument("--hf-requests", type=int, default=32, help="requests transformers is timed on (scaled)")
     ap.add_argument("--skip-transformers", action="store_true")

@@ -32,7 +32,15 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.gpu import SHAPES, SMOKE_SHAPES, ceilings, engine_settings, free_cuda, write_config  # noqa: E402
+from benchmarks.gpu import (  # noqa: E402
+    SHAPES,
+    SMOKE_SHAPES,
+    add_workload_args,
+    ceilings,
+    engine_settings,
+    free_cuda,
+    write_config,
+)
 from benchmarks.offline_throughput import make_sharegpt_workload, make_workload  # noqa: E402
 
 ROWS: list[dict[str, Any]] = []
@@ -234,12 +242,7 @@ def main() -> None:
         choices=["uniform", "sharegpt"],
         help="uniform: --prompt-len/--output-len ranges; sharegpt: lognormal, means 220/200, clipped to 1024",
     )
-    ap.add_argument("--prompt-len", type=int, nargs=2, default=[128, 1024])
-    ap.add_argument("--output-len", type=int, nargs=2, default=[128, 512])
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    add_workload_args(ap)
     ap.add_argument("--client-procs", type=int, default=4, help="processes the mesh's clients run in")
     ap.add_argument("--b1-prompt", type=int, default=128)
     ap.add_argument("--b1-tokens", type=int, default=256)

@@ -19,11 +19,11 @@ GATEWAY_WORKER_ARGS = ["--kv-cache-memory", str(256 << 20)]
 GATEWAY_ARGS = ["--max-body-bytes", str(1 << 20), "--log-format", "text"]
 
 
-def _logs(log_dir: pathlib.Path) -> str:
-    out = []
-    for f in sorted(log_dir.glob("*.log")):
-        out.append(f"--- {f.name} ---\n" + f.read_text(errors="replace")[-3000:])
-    return "\n".join(out)
+def service_logs(log_dir: pathlib.Path, tail: int = 3000) -> str:
+    """The last `tail` characters of each service's log (for failure messages)."""
+    return "\n".join(
+        f"--- {f.name} ---\n" + f.read_text(errors="replace")[-tail:] for f in sorted(log_dir.glob("*.log"))
+    )
 
 
 @pytest.fixture(scope="session")
@@ -38,7 +38,7 @@ def gateway_mesh(tmp_path_factory) -> LocalMesh:
             log_dir=str(log_dir),
         )
     except Exception as e:
-        raise RuntimeError(f"the gateway mesh did not start: {e}\n{_logs(log_dir)}") from e
+        raise RuntimeError(f"the gateway mesh did not start: {e}\n{service_logs(log_dir)}") from e
     mesh.log_dir = log_dir  # type: ignore[attr-defined]
     yield mesh
     mesh.stop()

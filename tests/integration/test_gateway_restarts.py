@@ -7,7 +7,6 @@ gateway itself is restarted, then everything idles past several keepalive period
 
 from __future__ import annotations
 
-import pathlib
 import signal
 import time
 
@@ -15,6 +14,7 @@ import httpx
 import pytest
 
 from services.launcher import LocalMesh, start_mesh
+from tests.integration.conftest import service_logs
 from tests.integration.test_mesh import stats
 from tests.integration.test_mesh_lifecycle import connected_workers
 
@@ -25,12 +25,6 @@ SCHEDULER_ARGS = ["--worker-dead-after-s", "4", "--failover-after-s", "0.5", *KE
 WORKER_ARGS = ["--kv-cache-memory", str(192 << 20), "--rejoin-after-s", "1", *KEEPALIVE]
 GATEWAY_ARGS = ["--log-format", "text", *KEEPALIVE]
 BACK_WITHIN_S = 30.0
-
-
-def _logs(log_dir: pathlib.Path, tail: int = 3000) -> str:
-    return "\n".join(
-        f"--- {f.name} ---\n" + f.read_text(errors="replace")[-tail:] for f in sorted(log_dir.glob("*.log"))
-    )
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +40,7 @@ def mesh(tmp_path_factory):
             log_dir=str(log_dir),
         )
     except Exception as e:
-        raise RuntimeError(f"the mesh did not start: {e}\n{_logs(log_dir)}") from e
+        raise RuntimeError(f"the mesh did not start: {e}\n{service_logs(log_dir)}") from e
     m.log_dir = log_dir  # type: ignore[attr-defined]
     with m:
         yield m
@@ -93,7 +87,7 @@ def wait_for(check, what: str, mesh: LocalMesh, timeout: float = BACK_WITHIN_S) 
             last = e
         if time.monotonic() - t0 > timeout:
             raise AssertionError(
-                f"{what}: not after {timeout:.0f} s (last error: {last!r})\n{_logs(mesh.log_dir)}"
+                f"{what}: not after {timeout:.0f} s (last error: {last!r})\n{service_logs(mesh.log_dir)}"
             )
         time.sleep(0.2)
 
@@ -172,5 +166,5 @@ def test_idle_past_several_keepalive_periods_then_streams(mesh, base, model):
     assert health(base) == 200
     workers = stats(mesh.scheduler.address).workers  # the scheduler of the first test, restarted
     assert [(w.worker_id, w.connected, w.reconnects) for w in workers] == [("worker-0", True, 0)]
-    assert "too_many_pings" not in _logs(mesh.log_dir, tail=10**9), _logs(mesh.log_dir)
+    assert "too_many_pings" not in service_logs(mesh.log_dir, tail=10**9), service_logs(mesh.log_dir)
     assert all(c.proc.poll() is None for c in mesh.children)

@@ -18,7 +18,8 @@ import httpx
 import pytest
 
 from services.launcher import free_port
-from tests.integration.test_supervisor import _alive, _read_until, _start_up, _stop_all, stats
+from tests.integration.test_mesh import stats
+from tests.integration.test_supervisor import _alive, _read_until, _start_up, _stop_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(330)]
 

@@ -50,17 +50,28 @@ def stub(address: str) -> gg.SchedulerStub:
 
 
 def stats(address: str) -> worker_pb2.SchedulerStats:
-    return worker_pb2_grpc.RegistryStub(grpc.insecure_channel(address)).GetStats(worker_pb2.GetStatsRequest())
+    with grpc.insecure_channel(address) as channel:
+        return worker_pb2_grpc.RegistryStub(channel).GetStats(worker_pb2.GetStatsRequest(), timeout=10)
 
 
-def generate(address: str, prompt: str, max_tokens: int = 16, **kw) -> list[int]:
+def generate(address: str, prompt: str, max_tokens: int = 16, timeout: float = 300, **kw) -> list[int]:
     req = g.GenerateRequest(
         prompt_text=prompt, sampling_params=g.SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
     )
-    tokens: list[int] = []
-    for resp in stub(address).Generate(req, timeout=300):
-        tokens.extend(resp.token_ids)
-    return tokens
+    with grpc.insecure_channel(address) as channel:
+        return [
+            t for resp in gg.SchedulerStub(channel).Generate(req, timeout=timeout) for t in resp.token_ids
+        ]
+
+
+def wait_for(check, what: str, timeout: float = 30.0) -> float:
+    """Seconds until `check()` held; fails the test after `timeout`."""
+    started = time.monotonic()
+    while not check():
+        if time.monotonic() - started > timeout:
+            raise AssertionError(f"{what}: not after {timeout:.0f} s")
+        time.sleep(0.1)
+    return time.monotonic() - started
 
 
 def wait_blocks_free(address: str, timeout: float = 30.0) -> worker_pb2.SchedulerStats:
@@ -74,7 +85,7 @@ def wait_blocks_free(address: str, timeout: float = 30.0) -> worker_pb2.Schedule
         time.sleep(0.2)
 
 
-def run_concurrently(fn, args_list) -> list:
+def run_concurrently(fn, args_list, timeout: float = 300) -> list:
     results: list = [None] * len(args_list)
     errors: list = []
 
@@ -88,7 +99,7 @@ def run_concurrently(fn, args_list) -> list:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(300)
+        t.join(timeout)
     assert not errors, errors
     return results
 

@@ -26,6 +26,7 @@ from tests.integration.test_mesh import (
     stats,
     stub,
     wait_blocks_free,
+    wait_for,
 )
 
 STEP_TOKEN = "lifecycle-test-token"
@@ -59,14 +60,6 @@ def connected_workers(address: str) -> list[str]:
         return sorted(w.worker_id for w in stats(address).workers if w.connected)
     except grpc.RpcError:  # the scheduler is (re)starting
         return []
-
-
-def wait_for(check, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not after {timeout} s")
-        time.sleep(0.1)
 
 
 def test_idle_past_many_keepalive_periods_then_serves(mesh, reference):

@@ -15,43 +15,17 @@ import sys
 import threading
 import time
 
-import grpc
 import httpx
 import pytest
 
-from llmesh.v1 import generation_pb2 as g
-from llmesh.v1 import generation_pb2_grpc as gg
-from llmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.launcher import Backoff, Supervisor, free_port, grpc_serving, start_mesh
+from tests.integration.test_mesh import generate as mesh_generate
+from tests.integration.test_mesh import run_concurrently, stats, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 WORKER_ARGS = ["--kv-cache-memory", str(64 << 20)]
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "def add(a, b):", "Water boils at"]
-
-
-def stats(address: str) -> worker_pb2.SchedulerStats:
-    with grpc.insecure_channel(address) as ch:
-        return worker_pb2_grpc.RegistryStub(ch).GetStats(worker_pb2.GetStatsRequest(), timeout=10)
-
-
-def generate(address: str, prompt: str, max_tokens: int = 8) -> list[int]:
-    req = g.GenerateRequest(
-        prompt_text=prompt,
-        sampling_params=g.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-    )
-    with grpc.insecure_channel(address) as ch:
-        return [t for resp in gg.SchedulerStub(ch).Generate(req, timeout=120) for t in resp.token_ids]
-
-
-def wait_for(check, what: str, timeout: float) -> float:
-    """Seconds until `check()` held; fails the test after `timeout`."""
-    t0 = time.monotonic()
-    while not check():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"{what}: not after {timeout:.0f} s")
-        time.sleep(0.1)
-    return time.monotonic() - t0
 
 
 def registered(address: str) -> set[str]:
@@ -62,23 +36,8 @@ def connected(address: str) -> set[str]:
     return {w.worker_id for w in stats(address).workers if w.connected}
 
 
-def generate_concurrently(address: str, prompts: list[str]) -> list[list[int]]:
-    results: dict[int, list[int]] = {}
-    errors: list[Exception] = []
-
-    def client(i: int, prompt: str) -> None:
-        try:
-            results[i] = generate(address, prompt)
-        except Exception as e:  # surfaced below
-            errors.append(e)
-
-    threads = [threading.Thread(target=client, args=(i, p)) for i, p in enumerate(prompts)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180)
-    assert not errors, errors
-    return [results[i] for i in range(len(prompts))]
+def generate(address: str, prompt: str) -> list[int]:
+    return mesh_generate(address, prompt, max_tokens=8, timeout=120, ignore_eos=True)
 
 
 def test_a_sigkilled_worker_is_restarted_and_rejoins_while_the_mesh_keeps_serving(tmp_path):
@@ -107,7 +66,7 @@ def test_a_sigkilled_worker_is_restarted_and_rejoins_while_the_mesh_keeps_servin
 
         # The newcomer takes work: a batch spreads over both workers (the router balances load).
         steps_before = {w.worker_id: w.steps for w in stats(addr).workers}
-        outs = generate_concurrently(addr, PROMPTS * 2)
+        outs = run_concurrently(lambda p: generate(addr, p), [(p,) for p in PROMPTS * 2], timeout=180)
         assert all(len(o) == 8 for o in outs)
         after = {w.worker_id: w.steps for w in stats(addr).workers}
         assert after["worker-1"] > steps_before["worker-1"], after
