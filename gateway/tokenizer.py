@@ -2,7 +2,7 @@
 
 Tokenizing a large prompt takes seconds (about 1 s per MB of text): done on the
 event loop it would stall every stream the gateway serves. Inputs above
-`INLINE_CHARS` run in the gateway's tokenizer threads (HF fast tokenizers
+`INLINE_TOKENIZE_CHARS` run in the gateway's tokenizer threads (HF fast tokenizers
 release the GIL while the Rust encoder runs); small ones stay inline, where a
 thread hop would cost more than the work.
 """
@@ -17,11 +17,9 @@ from typing import Any, TypeVar
 
 from gateway.errors import APIError, bad_request
 from gateway.protocol import ChatMessage
-from services.limits import longest_token_chars
+from services.limits import INLINE_TOKENIZE_CHARS, longest_token_chars
 
 T = TypeVar("T")
-
-INLINE_CHARS = 4096  # below this, encoding (tens of microseconds) is cheaper than a thread hop
 
 
 @functools.cache
@@ -77,7 +75,7 @@ class Tokenizer:
 
     async def off_loop(self, size: int, fn: Callable[[], T]) -> T:
         """`fn()` inline when its input (`size` characters) is small, else in a tokenizer thread."""
-        if size <= INLINE_CHARS:
+        if size <= INLINE_TOKENIZE_CHARS:
             return fn()
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
 

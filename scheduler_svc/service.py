@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 from llmesh.v1 import generation_pb2_grpc, worker_pb2_grpc
 from scheduler_svc.mesh import LinkBroken, Mesh, MeshConfig
@@ -14,7 +15,7 @@ from scheduler_svc.planner import PlannerConfig
 from scheduler_svc.servicer import ModelCard, RegistryServicer, SchedulerServicer
 from services.config import option
 from services.grpc_server import GrpcServer, ServerConfig, Service, serve, service_main
-from services.limits import RequestLimits
+from services.limits import RequestLimits, longest_token_chars
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +64,12 @@ class SchedulerServiceConfig(ServerConfig, PlannerConfig, RequestLimits):
         )
 
 
-def _load_tokenizer(config: SchedulerServiceConfig):
+def load_tokenizer_and_bound(config: SchedulerServiceConfig) -> tuple[Any, int]:
+    """The tokenizer (or None) and its longest token's characters: a vocabulary walk, so in a thread."""
     from worker_svc.loader import load_tokenizer
 
-    return load_tokenizer(config.model, config.cache_dir)
+    tokenizer = load_tokenizer(config.model, config.cache_dir)
+    return tokenizer, longest_token_chars(tokenizer) if tokenizer is not None else 0
 
 
 async def _dial_static(registry: RegistryServicer, address: str, step_token: str) -> None:
@@ -121,7 +124,7 @@ async def run(config: SchedulerServiceConfig) -> None:
         # The tokenizer first: health must not say SERVING while text prompts would still fail.
         if not config.no_tokenizer:
             scheduler.tokenizer_pending = True
-            scheduler.set_tokenizer(await asyncio.to_thread(_load_tokenizer, config))
+            scheduler.set_tokenizer(*await asyncio.to_thread(load_tokenizer_and_bound, config))
             scheduler.tokenizer_pending = False
         mesh.on_workers_changed.append(health)
         health(len(mesh.workers))  # workers may have registered while the tokenizer loaded

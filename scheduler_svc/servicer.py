@@ -25,11 +25,8 @@ from scheduler_svc.worker_link import GrpcWorkerLink
 from services.convert import logprobs_to_proto, sampling_params_from_proto
 from services.detokenizer import IncrementalDetokenizer, find_stop, held_back
 from services.grpc_server import DEFAULT_KEEPALIVE_S
-from services.limits import RequestLimits, longest_token_chars, prompt_char_limit
+from services.limits import INLINE_TOKENIZE_CHARS, RequestLimits, prompt_char_limit
 from services.sampling_params import SamplingParams, SamplingParamsError
-
-# Text prompts longer than this are tokenized in a thread, off the event loop that serves every stream.
-INLINE_TOKENIZE_CHARS = 4096
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +75,10 @@ class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
     def max_logprobs(self) -> int:
         return self.limits.max_logprobs
 
-    def set_tokenizer(self, tokenizer: Any) -> None:
-        """Install the tokenizer (loaded in a thread); its longest token bounds text prompts cheaply."""
-        if tokenizer is not None:  # a model folder may ship none: token-id clients only
-            self._longest_token_chars = longest_token_chars(tokenizer)
+    def set_tokenizer(self, tokenizer: Any, longest_token_chars: int) -> None:
+        """Install the tokenizer (None: the model ships none) and its longest token, which bounds
+        text prompts cheaply; both are made off the event loop (`load_tokenizer_and_bound`)."""
+        self._longest_token_chars = longest_token_chars
         self.tokenizer = tokenizer
 
     # ----- Generate -----

@@ -58,6 +58,11 @@ class RequestLimits:
             )
 
 
+# Text longer than this is tokenized in a thread, off the event loop that serves every stream;
+# below it, encoding (tens of microseconds) is cheaper than the thread hop.
+INLINE_TOKENIZE_CHARS = 4096
+
+
 def prompt_char_limit(max_model_len: int, longest_token_chars: int) -> int:
     """Characters beyond which a text prompt surely exceeds `max_model_len` tokens.
 

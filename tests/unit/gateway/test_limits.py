@@ -10,8 +10,7 @@ import time
 
 import pytest
 
-from gateway.tokenizer import INLINE_CHARS
-from services.limits import RequestLimits
+from services.limits import INLINE_TOKENIZE_CHARS, RequestLimits
 from tests.unit.gateway.conftest import REPLY, FakeScheduler
 
 COMP = "/v1/completions"
@@ -82,7 +81,7 @@ async def test_batch_is_checked_whole_before_any_tokenizing(make_gateway, monkey
 async def test_large_prompts_tokenize_in_a_thread_small_ones_inline(make_gateway, monkeypatch, tokenizer):
     h = await make_gateway(FakeScheduler(reply=[1], max_model_len=8192))
     calls = record_encodes(monkeypatch, h.state.served().tokenizer)
-    large = "word " * (INLINE_CHARS // 5 + 100)
+    large = "word " * (INLINE_TOKENIZE_CHARS // 5 + 100)
     r = await h.client.post(COMP, json={"prompt": ["short", large], "max_tokens": 1})
     assert r.status_code == 200, r.text
     (small_len, small_thread), (large_len, large_thread) = calls
