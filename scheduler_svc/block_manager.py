@@ -56,6 +56,10 @@ class BlockManager:
         # (block id, key) registered since the last take_newly_keyed(): the planner ties them to
         # the plan that computes them, to forget them if that plan is lost with its worker link.
         self._newly_keyed: list[tuple[int, bytes]] = []
+        # Blocks per KV store chunk (0: no store). A registered block that ends a chunk is listed
+        # with the chunk's block ids in _newly_chunked, for the plan that copies it to the store.
+        self.chunk_blocks = 0
+        self._newly_chunked: list[tuple[bytes, list[int]]] = []
 
     # ----- queries -----
     @property
@@ -156,6 +160,17 @@ class BlockManager:
         keyed, self._newly_keyed = self._newly_keyed, []
         return keyed
 
+    def take_newly_chunked(self) -> list[tuple[bytes, list[int]]]:
+        """(key of a chunk's last block, the chunk's block ids) for chunks completed since last asked."""
+        chunked, self._newly_chunked = self._newly_chunked, []
+        return chunked
+
+    def keys_of(self, seq_id: str, token_ids: list[int]) -> list[bytes]:
+        """Content keys of every full block of `token_ids` (cached on the sequence's table if any)."""
+        table = self.tables.get(seq_id)
+        keys = list(table.keys) if table is not None else []
+        return extend_block_keys(keys, token_ids, self.block_size, self.fingerprint)
+
     def forget_keys(self, keyed: list[tuple[int, bytes]]) -> None:
         """Unregister blocks whose content was never written (their plan was lost)."""
         for block_id, key in keyed:
@@ -204,6 +219,7 @@ class BlockManager:
         extend_block_keys(
             table.keys, token_ids[: num_full * self.block_size], self.block_size, self.fingerprint
         )
+        chunk = self.chunk_blocks
         for i in range(table.num_cached_blocks, num_full):
             block = self.blocks[table.block_ids[i]]
             key = table.keys[i]
@@ -211,6 +227,8 @@ class BlockManager:
                 block.key = key
                 self.cached[key] = block.block_id
                 self._newly_keyed.append((block.block_id, key))
+                if chunk and (i + 1) % chunk == 0:
+                    self._newly_chunked.append((key, table.block_ids[i + 1 - chunk : i + 1]))
         table.num_cached_blocks = num_full
 
     def check_invariants(self) -> None:

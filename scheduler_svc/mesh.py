@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -29,11 +30,13 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.kv_tiers import KVTierPlanner
 from scheduler_svc.planner import Planner, PlannerConfig, RequestRejected
+from scheduler_svc.prefix_hash import extend_block_keys
 from scheduler_svc.request import Request, RequestDelta
 from scheduler_svc.router import route
 from services.sampling_params import SamplingParams
-from services.step import StepPlan, StepResult, WorkerInfo
+from services.step import StepPlan, StepResult, WorkerInfo, store_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +88,12 @@ class WorkerLink(Protocol):
     async def close(self) -> None: ...
 
 
+class KVStoreLookup(Protocol):
+    async def lookup(self, fingerprint: bytes, keys: list[bytes]) -> int:
+        """How many leading chunk keys of a chain the store holds (raises when unreachable)."""
+        ...
+
+
 @dataclass
 class MeshConfig:
     planner: PlannerConfig = field(default_factory=PlannerConfig)
@@ -98,6 +107,8 @@ class MeshConfig:
     # Plan step N+1 while the worker runs step N (2 plans in flight), so that planning and the
     # wire overlap the GPU instead of sitting between two steps. False: one plan at a time.
     async_scheduling: bool = True
+    # A KV store lookup that takes longer counts as a miss (the request is admitted without it).
+    kv_lookup_timeout_s: float = 0.2
 
 
 @dataclass
@@ -123,8 +134,12 @@ class _Stream:
 
 
 class Mesh:
-    def __init__(self, config: MeshConfig) -> None:
+    def __init__(self, config: MeshConfig, kv_store: KVStoreLookup | None = None) -> None:
         self.config = config
+        # Where new requests look up prefix chunks that another worker computed (None: nowhere).
+        self.kv_store = kv_store
+        self.num_kv_lookup_errors = 0
+        self._lookups: set[asyncio.Task] = set()
         self.workers: dict[str, WorkerSlot] = {}
         self.streams: dict[str, _Stream] = {}
         self.ready = asyncio.Event()
@@ -144,7 +159,8 @@ class Mesh:
         blocks = BlockManager(
             info.num_kv_blocks, info.block_size, info.fingerprint, self.config.enable_prefix_caching
         )
-        slot = WorkerSlot(worker_id, info, link, Planner(planner_cfg, blocks))
+        tiers = KVTierPlanner(blocks, info.num_host_blocks, info.kv_chunk_blocks)
+        slot = WorkerSlot(worker_id, info, link, Planner(planner_cfg, blocks, tiers))
         self.workers[worker_id] = slot
         slot.task = asyncio.get_running_loop().create_task(self._run(slot), name=f"worker-loop-{worker_id}")
         self.ready.set()
@@ -273,6 +289,7 @@ class Mesh:
                 "step_seconds": s.step_seconds,
                 "connected": s.connected,
                 "reconnects": s.num_reconnects,
+                **dataclasses.asdict(s.planner.tiers.stats),
             }
         return {"workers": workers, "failovers": self.num_failovers, "streams": len(self.streams)}
 
@@ -290,9 +307,39 @@ class Mesh:
         if choice is None:
             raise NoWorkerAvailable("no worker is registered")
         slot = self.workers[choice.worker_id]
+        chunk_tokens = slot.info.kv_chunk_blocks * slot.info.block_size
+        # Worth a lookup only if a whole chunk past what this worker's GPU cache holds may be there.
+        wanted = chunk_tokens and req.num_tokens > choice.cached_tokens + chunk_tokens
+        if self.kv_store is not None and wanted:
+            req.kv_lookup_pending = True
         slot.planner.add_request(req)  # may raise RequestRejected
         self.streams[req.request_id] = _Stream(queue, choice.worker_id)
+        if req.kv_lookup_pending:
+            self._lookups.add(asyncio.get_running_loop().create_task(self._lookup(slot, req)))
         slot.wakeup.set()
+
+    async def _lookup(self, slot: WorkerSlot, req: Request) -> None:
+        """Ask the KV store how many leading chunks of the prompt it holds; the request waits meanwhile."""
+        info = slot.info
+        chunk = info.kv_chunk_blocks
+        try:
+            keys = extend_block_keys([], req.prompt_token_ids, info.block_size, info.fingerprint)
+            chunk_keys = keys[chunk - 1 :: chunk]
+            assert self.kv_store is not None
+            found = await asyncio.wait_for(
+                self.kv_store.lookup(store_fingerprint(info.fingerprint, chunk), chunk_keys),
+                self.config.kv_lookup_timeout_s,
+            )
+            req.store_hit_blocks = min(int(found), len(chunk_keys)) * chunk
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the store is slow or down: compute the prefix instead
+            self.num_kv_lookup_errors += 1
+            log.info("kv store lookup failed", extra={"request_id": req.request_id, "error": repr(e)})
+        finally:
+            req.kv_lookup_pending = False
+            self._lookups.discard(asyncio.current_task())  # type: ignore[arg-type]
+            slot.wakeup.set()
 
     def _requeue(self, dead: WorkerSlot) -> None:
         """Move every unfinished request of a worker to the others, tokens so far kept."""
@@ -403,7 +450,7 @@ class Mesh:
         while True:
             while len(inflight) < depth and planner.has_work_for_worker():
                 plan = planner.schedule()
-                if plan.num_seqs == 0 and not plan.finished_ids and not plan.preempted_ids:
+                if plan.num_seqs == 0 and not plan.finished_ids and not plan.preempted_ids and not plan.kv:
                     break  # nothing to run until a result (or a request) comes in
                 await slot.link.send(plan)
                 inflight.append((plan, time.perf_counter()))

@@ -26,6 +26,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.kv_tiers import KVTierPlanner
 from scheduler_svc.request import FinishReason, Request, RequestDelta, RequestStatus
 from services.step import NewSequence, ScheduledSequence, StepPlan, StepResult
 
@@ -57,9 +58,13 @@ class RequestRejected(ValueError):
 
 
 class Planner:
-    def __init__(self, config: PlannerConfig, blocks: BlockManager) -> None:
+    def __init__(
+        self, config: PlannerConfig, blocks: BlockManager, tiers: KVTierPlanner | None = None
+    ) -> None:
         self.config = config
         self.blocks = blocks
+        # The worker's host tier and the KV store below its GPU cache (disabled: no slots, no store).
+        self.tiers = tiers if tiers is not None else KVTierPlanner(blocks, 0, 0)
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # in policy order
         self.running: list[Request] = []  # in admission order
@@ -124,7 +129,7 @@ class Planner:
         return bool(self.waiting or self.running)
 
     def has_work_for_worker(self) -> bool:
-        return self.has_unfinished() or bool(self._to_drop or self._to_preempt)
+        return self.has_unfinished() or bool(self._to_drop or self._to_preempt) or self.tiers.has_pending()
 
     # ----- planning -----
     def schedule(self) -> StepPlan:
@@ -168,27 +173,45 @@ class Planner:
         # When every waiting request's caller is at its share, admit in order (no idle slots).
         share = max(1, cfg.max_num_seqs // max(1, len(self._groups)))
         w, in_order = 0, False
+        tiers = self.tiers if self.tiers.enabled else None
         while not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             if not in_order:
                 # Counts only grow while admitting, so the scan resumes where it stopped.
-                while w < len(self.waiting) and self._group_running[self.waiting[w].group] >= share:
+                while w < len(self.waiting) and (
+                    self._group_running[self.waiting[w].group] >= share or self.waiting[w].kv_lookup_pending
+                ):
                     w += 1
                 if w == len(self.waiting):
                     w, in_order = 0, True
+            if in_order:
+                # Requests whose store lookup is still out wait for its answer (a few ms at most).
+                while w < len(self.waiting) and self.waiting[w].kv_lookup_pending:
+                    w += 1
+                if w == len(self.waiting):
+                    break
             req = self.waiting[w]
             tokens = req.all_token_ids
             hits = self.blocks.longest_cached_prefix(tokens)
             # Always compute at least the last token: its logits give the next token.
             bs = self.blocks.block_size
-            num_computed = min(len(hits) * bs, (len(tokens) - 1) // bs * bs)
+            max_blocks = (len(tokens) - 1) // bs
+            num_gpu = min(len(hits), max_blocks)
+            # Past the GPU hit, the worker's host tier and then the KV store may hold more blocks:
+            # they are loaded into fresh blocks by this plan instead of being computed.
+            tier_hit = tiers.find(req, tokens, num_gpu, max_blocks) if tiers is not None else None
+            num_computed = (num_gpu + (tier_hit.num_blocks(num_gpu) if tier_hit else 0)) * bs
             num_new = min(len(tokens) - num_computed, budget, chunk)
             if not cfg.enable_chunked_prefill and num_new < len(tokens) - num_computed:
                 break
-            new_blocks = self.blocks.allocate(req.request_id, tokens, num_computed, num_new)
+            new_blocks = self.blocks.allocate(
+                req.request_id, tokens, num_gpu * bs, num_computed - num_gpu * bs + num_new
+            )
             if new_blocks is None:
                 break
             self.waiting.pop(w)
             self._group_running[req.group] += 1
+            if tier_hit is not None:
+                tiers.admit(req, self.blocks.block_ids(req.request_id), num_gpu, tier_hit)  # type: ignore[union-attr]
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_computed
                 self.blocks.record_lookup(len(tokens), num_computed)
@@ -205,11 +228,14 @@ class Planner:
         keyed = self.blocks.take_newly_keyed()
         if keyed:
             self._keyed_by_step[plan.step_id] = keyed
+        if self.tiers.enabled:
+            plan.kv = self.tiers.finish_plan(plan.step_id, keyed)
         return plan
 
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestDelta]:
         """Apply a plan's result (in plan order): append sampled tokens, finish what must stop."""
         self._keyed_by_step.pop(plan.step_id, None)  # its KV is written: the keys are real
+        self.tiers.executed(plan.step_id, result.failed_load_seq_ids)
         sampled = self._sampling_by_step.pop(plan.step_id, {})
         for seq_id, incarnation in sampled.items():
             req = self.requests.get(seq_id)
@@ -268,6 +294,7 @@ class Planner:
                 self.blocks.forget_keys(keyed)
         self._keyed_by_step.clear()
         self._sampling_by_step.clear()
+        self.tiers.resync(last_executed_step_id)
         if last_executed_step_id is None:
             self.blocks.reset_prefix_cache()
         self._on_worker.clear()

@@ -47,6 +47,10 @@ class Request:
     stop_token_id: int | None = None
     # The caller's request this sequence belongs to (its n choices share it): the unit of fairness.
     group: str = ""
+    # Leading blocks of the prompt the KV store holds (found by a lookup when it arrived); the
+    # request waits while `kv_lookup_pending`.
+    store_hit_blocks: int = 0
+    kv_lookup_pending: bool = False
 
     def __post_init__(self) -> None:
         if not self.group:

@@ -23,7 +23,17 @@ from collections.abc import Sequence
 
 from llmesh.v1 import generation_pb2, worker_pb2
 from services.sampling_params import SamplingParams
-from services.step import NewSequence, ScheduledSequence, StepPlan, StepResult, TokenLogprobs, WorkerInfo
+from services.step import (
+    KVTransfers,
+    NewSequence,
+    ScheduledSequence,
+    StepPlan,
+    StepResult,
+    StoreLoad,
+    StorePut,
+    TokenLogprobs,
+    WorkerInfo,
+)
 
 # Engine defaults for proto fields left unset (proto3 `optional`). Read from the
 # dataclass so that the two cannot drift.
@@ -208,7 +218,38 @@ def step_plan_to_proto(plan: StepPlan) -> worker_pb2.StepPlan:
     sched.num_new_tokens.extend([s.num_new_tokens for s in plan.scheduled])
     sched.num_new_block_ids.extend([len(s.new_block_ids) for s in plan.scheduled])
     sched.new_block_ids.extend([b for s in plan.scheduled for b in s.new_block_ids])
+    if plan.kv:
+        kv = plan.kv
+        msg.kv.CopyFrom(
+            worker_pb2.KVTransfers(
+                save_block_ids=kv.save_block_ids,
+                save_host_slots=kv.save_host_slots,
+                store_puts=[worker_pb2.StorePut(key=p.key, block_ids=p.block_ids) for p in kv.store_puts],
+                load_host_slots=kv.load_host_slots,
+                load_block_ids=kv.load_block_ids,
+                store_loads=[
+                    worker_pb2.StoreLoad(seq_id=s.seq_id, keys=s.keys, block_ids=s.block_ids)
+                    for s in kv.store_loads
+                ],
+            )
+        )
     return msg
+
+
+def kv_transfers_from_proto(msg: worker_pb2.KVTransfers) -> KVTransfers:
+    kv = KVTransfers(
+        save_block_ids=list(msg.save_block_ids),
+        save_host_slots=list(msg.save_host_slots),
+        store_puts=[StorePut(p.key, list(p.block_ids)) for p in msg.store_puts],
+        load_host_slots=list(msg.load_host_slots),
+        load_block_ids=list(msg.load_block_ids),
+        store_loads=[StoreLoad(s.seq_id, list(s.keys), list(s.block_ids)) for s in msg.store_loads],
+    )
+    if len(kv.save_block_ids) != len(kv.save_host_slots):
+        raise ValueError("KVTransfers: save_block_ids and save_host_slots differ in length")
+    if len(kv.load_block_ids) != len(kv.load_host_slots):
+        raise ValueError("KVTransfers: load_block_ids and load_host_slots differ in length")
+    return kv
 
 
 def step_plan_from_proto(msg: worker_pb2.StepPlan) -> StepPlan:
@@ -240,6 +281,7 @@ def step_plan_from_proto(msg: worker_pb2.StepPlan) -> StepPlan:
         scheduled=scheduled,
         finished_ids=list(msg.finished_ids),
         preempted_ids=list(msg.preempted_ids),
+        kv=kv_transfers_from_proto(msg.kv),
     )
 
 
@@ -249,7 +291,12 @@ def step_plan_from_proto(msg: worker_pb2.StepPlan) -> StepPlan:
 def step_result_to_proto(result: StepResult) -> worker_pb2.StepResult:
     if len(result.seq_ids) != len(result.token_ids):
         raise ValueError(f"StepResult: {len(result.seq_ids)} seq_ids, {len(result.token_ids)} token_ids")
-    msg = worker_pb2.StepResult(step_id=result.step_id, seq_ids=result.seq_ids, token_ids=result.token_ids)
+    msg = worker_pb2.StepResult(
+        step_id=result.step_id,
+        seq_ids=result.seq_ids,
+        token_ids=result.token_ids,
+        failed_load_seq_ids=result.failed_load_seq_ids,
+    )
     if any(e is not None for e in result.logprobs):
         msg.logprobs.CopyFrom(logprobs_to_proto(result.logprobs, result.token_ids))
     elif result.logprobs and len(result.logprobs) != len(result.token_ids):
@@ -268,6 +315,7 @@ def step_result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
         seq_ids=seq_ids,
         token_ids=token_ids,
         logprobs=logprobs_from_proto(msg.logprobs, token_ids),
+        failed_load_seq_ids=list(msg.failed_load_seq_ids),
     )
 
 

@@ -9,6 +9,7 @@ in-process engines pass them directly.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 from services.sampling_params import SamplingParams
@@ -40,12 +41,60 @@ class ScheduledSequence:
 
 
 @dataclass
+class StorePut:
+    """Copy one chunk of full blocks to the shared KV store under `key` (the last block's key)."""
+
+    key: bytes
+    block_ids: list[int]
+
+
+@dataclass
+class StoreLoad:
+    """Fill a new sequence's blocks from KV store chunks before the forward.
+
+    `keys[i]` names chunk i (consecutive chunks of the sequence's chain); `block_ids` holds
+    `len(keys) * chunk_blocks` entries, chunk by chunk: the block to fill with each of the
+    chunk's blocks, or -1 to skip one (its KV is already in the cache).
+    """
+
+    seq_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+
+
+@dataclass
+class KVTransfers:
+    """KV moves a plan asks for, done in this order before its forward.
+
+    1. saves: GPU blocks computed by earlier plans -> the worker's host (CPU) tier slots;
+    2. store puts: chunks of GPU blocks -> the KV store (copied now, sent in the background);
+    3. host loads: host tier slots -> freshly allocated GPU blocks;
+    4. store loads: KV store chunks -> freshly allocated GPU blocks. Where a chunk cannot be
+       read, the worker computes that sequence from the chunk's first block on in this very
+       forward (it holds the tokens) and lists it in `StepResult.failed_load_seq_ids`.
+    Saves read blocks before loads overwrite any, and loads read slots before saves reuse them
+    only because the scheduler never evicts a slot that the same plan loads.
+    """
+
+    save_block_ids: list[int] = field(default_factory=list)
+    save_host_slots: list[int] = field(default_factory=list)
+    store_puts: list[StorePut] = field(default_factory=list)
+    load_host_slots: list[int] = field(default_factory=list)
+    load_block_ids: list[int] = field(default_factory=list)
+    store_loads: list[StoreLoad] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.save_block_ids or self.store_puts or self.load_block_ids or self.store_loads)
+
+
+@dataclass
 class StepPlan:
     step_id: int
     new_seqs: list[NewSequence] = field(default_factory=list)
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # drop state (finished or aborted)
     preempted_ids: list[str] = field(default_factory=list)  # drop state; will come back as new
+    kv: KVTransfers = field(default_factory=KVTransfers)
 
     @property
     def num_seqs(self) -> int:
@@ -78,6 +127,9 @@ class StepResult:
     seq_ids: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # Sequences whose store loads failed (a miss, a corrupt chunk, the store unreachable): the
+    # worker computed the missing blocks in the same forward instead (informational).
+    failed_load_seq_ids: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -95,3 +147,15 @@ class WorkerInfo:
     max_num_seqs: int = 64
     # Random per worker process start: a change means its KV cache contents are gone.
     instance_id: str = ""
+    # Slots of the worker's host (CPU) KV tier, one block each; 0 = no host tier.
+    num_host_blocks: int = 0
+    # Blocks per KV store chunk (the store's unit); 0 = the worker has no KV store.
+    kv_chunk_blocks: int = 0
+
+
+def store_fingerprint(fingerprint: bytes, chunk_blocks: int) -> bytes:
+    """The KV store's namespace for a worker's blocks: its fingerprint and the chunk size.
+
+    Chunks of different sizes hold different spans under the same key, so they never mix.
+    """
+    return hashlib.sha256(fingerprint + b"/chunk_blocks=%d" % chunk_blocks).digest()

@@ -22,6 +22,12 @@ class WorkerConfig:
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     max_num_seqs: int = 64  # largest decode batch (CUDA graph capture sizes go up to it)
     enforce_eager: bool = False  # no CUDA graphs
+    # The worker's host (CPU) KV tier: bytes of blocks kept after they leave the GPU cache (0 = off).
+    kv_offload_bytes: int = 0
+    # The shared KV store (host:port; None = none) and its unit: tokens per chunk, a whole
+    # number of blocks (LMCache's 256: few entries and round trips per prompt).
+    kvstore_address: str | None = None
+    kv_chunk_tokens: int = 256
     seed: int = 0
 
     def torch_device(self) -> torch.device:

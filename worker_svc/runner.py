@@ -26,6 +26,7 @@ from services.step import NewSequence, StepPlan, StepResult, WorkerInfo
 from worker_svc.attention.base import AttentionMetadata
 from worker_svc.config import WorkerConfig
 from worker_svc.kv_cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
+from worker_svc.kv_tiers import KVStoreLink, WorkerKVTiers
 from worker_svc.loader import load_model, model_fingerprint
 from worker_svc.model_files import resolve_model
 from worker_svc.sampler import Sampler, SamplingRow
@@ -170,7 +171,7 @@ def make_backend(name: str, device: torch.device):
 
 
 class ModelRunner:
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, kv_store: KVStoreLink | None = None) -> None:
         self.config = config
         self.device = config.torch_device()
         self.dtype = config.torch_dtype()
@@ -185,7 +186,8 @@ class ModelRunner:
         )
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        spec = KVCacheSpec.of(mc, config.block_size, self.dtype)
+        bs = config.block_size
+        spec = KVCacheSpec.of(mc, bs, self.dtype)
         self.num_kv_blocks = config.num_kv_blocks or num_blocks_for_budget(spec, self._kv_budget(spec))
         if self.num_kv_blocks < 1:
             raise ValueError("the KV cache budget holds no block; raise kv_cache_memory")
@@ -193,9 +195,18 @@ class ModelRunner:
         # Blocks are only interchangeable between workers with the same weights and cache layout.
         layout = f"{config.block_size}:{self.dtype}:{mc.num_layers}:{mc.num_kv_heads}:{mc.head_dim}"
         self.fingerprint = hashlib.sha256(model_fingerprint(self.model_path) + layout.encode()).digest()
+        if kv_store is not None and (config.kv_chunk_tokens < bs or config.kv_chunk_tokens % bs):
+            raise ValueError(f"kv_chunk_tokens {config.kv_chunk_tokens} is not a multiple of block_size {bs}")
+        self.kv_tiers = WorkerKVTiers(
+            self.kv_caches,
+            spec,
+            self.fingerprint,
+            num_host_blocks=config.kv_offload_bytes // spec.bytes_per_block,
+            store=kv_store,
+            chunk_blocks=config.kv_chunk_tokens // bs,
+        )
         self.sampler = Sampler(mc.vocab_size, self.device, seed=config.seed)
         self.seqs: dict[str, SequenceState] = {}
-        bs = config.block_size
         # Block-table widths are kept multiples of 16: Triton specialises integer arguments (the
         # table's row stride among them) on divisibility by 16, so varying widths would compile
         # new kernel variants mid-run.
@@ -229,6 +240,8 @@ class ModelRunner:
             vocab_size=self.model_config.vocab_size,
             eos_token_ids=list(self.model_config.eos_token_ids),
             max_num_seqs=self.config.max_num_seqs,
+            num_host_blocks=self.kv_tiers.num_host_blocks,
+            kv_chunk_blocks=self.kv_tiers.chunk_blocks,
         )
 
     # ----- state -----
@@ -251,6 +264,24 @@ class ModelRunner:
                 self._tables.append(st.row, s.new_block_ids)
             order.append((st, s.num_new_tokens))
         return order
+
+    def _transfer(
+        self, plan: StepPlan, order: list[tuple[SequenceState, int]], result: StepResult
+    ) -> list[tuple[SequenceState, int]]:
+        """Do the plan's KV moves; a sequence whose store chunks could not be had computes them now."""
+        failed = self.kv_tiers.apply(plan.kv, lambda seq_id, block: self.seqs[seq_id].block_ids.index(block))
+        if not failed:
+            return order
+        result.failed_load_seq_ids = list(failed)
+        bs = self.config.block_size
+        redone = []
+        for st, num_new in order:
+            first_block = failed.get(st.seq_id)
+            if first_block is not None and first_block * bs < st.num_computed_tokens:
+                num_new += st.num_computed_tokens - first_block * bs
+                st.num_computed_tokens = first_block * bs
+            redone.append((st, num_new))
+        return redone
 
     def _drop(self, seq_id: str) -> None:
         st = self.seqs.pop(seq_id, None)
@@ -287,6 +318,8 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         order = self._apply(plan)
         result = StepResult(step_id=plan.step_id)
+        if plan.kv:
+            order = self._transfer(plan, order, result)
         if not order:
             return result
         bs = self.config.block_size

@@ -1,0 +1,157 @@
+"""Planning the KV tiers below one worker's GPU cache: its host (CPU) tier and the shared KV store.
+
+Tier 0 is the worker's GPU prefix cache (the BlockManager). Below it:
+- tier 1, the worker's host tier: every block a plan computes is saved there by
+  the next plan (before that plan's forward, so a block reused at once is still
+  intact), into a slot this side picks (`HostBlockIndex` mirrors the tier);
+- tier 2, the KV store: every completed chunk of `chunk_blocks` blocks is put
+  there the same way, and looked up (by the Mesh, when a request arrives) so
+  that a prefix computed on any worker is loaded instead of recomputed.
+
+At admission, a request whose chain continues past its GPU hit in the host
+tier and then in the store gets fresh blocks filled by the plan (host loads,
+store loads) and computes only the rest. A store load may fail (the entry
+vanished or is corrupt, the store went down): the worker then computes those
+blocks itself in the same forward (it holds the tokens), so a miss costs time,
+never a wrong token or a failed request, and nothing here has to roll back.
+Loaded blocks are neither saved back nor put back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.host_cache import HostBlockIndex
+from scheduler_svc.request import Request
+from services.step import KVTransfers, StoreLoad, StorePut
+
+
+@dataclass
+class KVTierStats:
+    host_hit_tokens: int = 0  # prompt tokens loaded from the worker's host tier
+    store_hit_tokens: int = 0  # prompt tokens loaded from the KV store
+    saved_blocks: int = 0  # blocks copied to the host tier
+    stored_chunks: int = 0  # chunks put to the KV store
+    failed_loads: int = 0  # sequences whose store loads failed (the worker computed them instead)
+
+
+@dataclass
+class TierHit:
+    """Where a waiting request's blocks past its GPU hit come from (block indices in its chain)."""
+
+    host_slots: list[int] = field(default_factory=list)  # blocks n .. n+len-1 from host slots
+    store_start: int = 0  # first block index loaded from the store
+    store_end: int = 0  # one past the last
+
+    def num_blocks(self, num_gpu_blocks: int) -> int:
+        return max(num_gpu_blocks + len(self.host_slots), self.store_end) - num_gpu_blocks
+
+
+class KVTierPlanner:
+    def __init__(self, blocks: BlockManager, num_host_blocks: int, chunk_blocks: int) -> None:
+        self.blocks = blocks
+        self.host = HostBlockIndex(num_host_blocks)
+        self.chunk_blocks = chunk_blocks
+        blocks.chunk_blocks = chunk_blocks
+        self.stats = KVTierStats()
+        self._kv = KVTransfers()
+        # Blocks (and chunks) the last plan made full: saved / put by the next plan.
+        self._pending_saves: list[tuple[int, bytes]] = []
+        self._pending_puts: list[tuple[bytes, list[int]]] = []
+        self._loaded_now: set[int] = set()  # blocks the plan being built loads
+        # Per plan in flight: host keys it assigned (forgotten if the plan is lost).
+        self._assigned_by_step: dict[int, list[bytes]] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.host.num_slots > 0 or self.chunk_blocks > 0
+
+    # ----- admission -----
+    def find(self, req: Request, token_ids: list[int], num_gpu_blocks: int, max_blocks: int) -> TierHit:
+        """Blocks past the GPU hit that the tiers hold, at most up to block `max_blocks`."""
+        hit = TierHit()
+        if num_gpu_blocks >= max_blocks:
+            return hit
+        keys = self.blocks.keys_of(req.request_id, token_ids)[:max_blocks]
+        if self.host.num_slots:
+            hit.host_slots = self.host.leading_run(keys[num_gpu_blocks:])
+        have = num_gpu_blocks + len(hit.host_slots)
+        store_end = min(req.store_hit_blocks, max_blocks)
+        if store_end > have:
+            hit.store_start, hit.store_end = have, store_end
+        self.host.pin(hit.host_slots)
+        return hit
+
+    def admit(self, req: Request, block_ids: list[int], num_gpu_blocks: int, hit: TierHit) -> None:
+        """Add the loads of an admitted request (its blocks allocated) to the plan being built."""
+        kv = self._kv
+        bs = self.blocks.block_size
+        for i, slot in enumerate(hit.host_slots):
+            kv.load_host_slots.append(slot)
+            kv.load_block_ids.append(block_ids[num_gpu_blocks + i])
+        self._loaded_now.update(block_ids[num_gpu_blocks : num_gpu_blocks + len(hit.host_slots)])
+        self.stats.host_hit_tokens += len(hit.host_slots) * bs
+        if hit.store_end > hit.store_start:
+            c = self.chunk_blocks
+            first, last = hit.store_start // c, -(-hit.store_end // c)
+            keys = self.blocks.keys_of(req.request_id, req.all_token_ids)
+            start, end = hit.store_start, hit.store_end
+            targets = [block_ids[i] if start <= i < end else -1 for i in range(first * c, last * c)]
+            kv.store_loads.append(
+                StoreLoad(req.request_id, [keys[(k + 1) * c - 1] for k in range(first, last)], targets)
+            )
+            self._loaded_now.update(block_ids[hit.store_start : hit.store_end])
+            self.stats.store_hit_tokens += (hit.store_end - hit.store_start) * bs
+
+    # ----- the plan -----
+    def finish_plan(self, step_id: int, keyed: list[tuple[int, bytes]]) -> KVTransfers:
+        """The transfers of plan `step_id`: last plan's saves and puts, this plan's loads.
+
+        `keyed`: the (block, key) pairs this plan made full, saved by the next plan.
+        """
+        kv, self._kv = self._kv, KVTransfers()
+        assigned = []
+        for block_id, key in self._pending_saves:
+            slot = self.host.assign(key)
+            if slot is None:
+                continue
+            kv.save_block_ids.append(block_id)
+            kv.save_host_slots.append(slot)
+            assigned.append(key)
+        self.stats.saved_blocks += len(assigned)
+        kv.store_puts = [StorePut(key, ids) for key, ids in self._pending_puts]
+        self.stats.stored_chunks += len(kv.store_puts)
+        if assigned:
+            self._assigned_by_step[step_id] = assigned
+        self.host.unpin_all()
+        # What this plan makes full is saved by the next one; loaded blocks are already in a tier.
+        loaded = self._loaded_now
+        self._pending_saves = [(b, k) for b, k in keyed if b not in loaded] if self.host.num_slots else []
+        chunked = self.blocks.take_newly_chunked()
+        self._pending_puts = [(k, ids) for k, ids in chunked if loaded.isdisjoint(ids)]
+        self._loaded_now = set()
+        return kv
+
+    def has_pending(self) -> bool:
+        return bool(self._pending_saves or self._pending_puts)
+
+    # ----- results -----
+    def executed(self, step_id: int, failed_load_seq_ids: list[str]) -> None:
+        self._assigned_by_step.pop(step_id, None)
+        self.stats.failed_loads += len(failed_load_seq_ids)
+
+    def resync(self, last_executed_step_id: int | None) -> None:
+        """The worker's link broke: plans after `last_executed_step_id` never ran (None: a new process)."""
+        if last_executed_step_id is None:
+            self.host.clear()
+        else:
+            for step_id, keys in self._assigned_by_step.items():
+                if step_id > last_executed_step_id:
+                    self.host.forget(keys)
+        self._assigned_by_step.clear()
+        self._pending_saves.clear()
+        self._pending_puts.clear()
+        self._kv = KVTransfers()
+        self._loaded_now = set()
+        self.host.unpin_all()

@@ -1,0 +1,210 @@
+"""The worker's side of the KV tiers: its host (CPU) tier and its connection to the KV store.
+
+The scheduler decides every move (`services.step.KVTransfers`); this module
+only copies bytes, in the order the contract gives, before a plan's forward:
+
+- the host tier is one tensor of `num_host_blocks` slots, each one KV block of
+  every layer (pinned memory on CUDA, so copies are DMA); saves and loads move
+  many blocks at once, one gather/scatter per layer, never one copy per block;
+- a store put copies a chunk of blocks to host memory now and hands it to a
+  background thread that sends it (the step never waits on the store; when the
+  queue is full a put is dropped, which loses nothing but a later hit);
+- a store load fetches chunks and scatters them into the sequence's fresh
+  blocks. A chunk that cannot be had (a miss, a corrupt entry, the store down)
+  is not an error: the caller computes the sequence from that chunk on instead.
+
+The store client is passed in (`KVStoreLink`), so this module knows no transport.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from services.step import KVTransfers, StoreLoad, store_fingerprint
+from worker_svc.kv_cache import KVCacheSpec
+
+log = logging.getLogger(__name__)
+
+# Entry layout: chunk blocks outermost, so that a chunk is one contiguous run of whole blocks.
+LAYOUT = "blocks,layers,kv,block_size,kv_heads,head_dim"
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# Bytes of store puts waiting for the background sender; past this, new puts are dropped.
+MAX_PENDING_PUT_BYTES = 512 << 20
+
+
+class KVStoreLink(Protocol):
+    """What the worker needs of a KV store client (kvstore_svc.client.KVStoreClient)."""
+
+    def put(self, fingerprint: bytes, entries: list) -> int: ...
+
+    def get(self, fingerprint: bytes, keys: list[bytes]) -> list: ...
+
+
+@dataclass
+class KVTierCounters:
+    saved_blocks: int = 0
+    host_loaded_blocks: int = 0
+    store_loaded_blocks: int = 0
+    store_put_chunks: int = 0
+    store_put_dropped: int = 0
+    store_put_failed: int = 0
+    store_load_failures: int = 0
+
+
+class WorkerKVTiers:
+    def __init__(
+        self,
+        kv_caches: list[torch.Tensor],
+        spec: KVCacheSpec,
+        fingerprint: bytes,
+        num_host_blocks: int,
+        store: KVStoreLink | None,
+        chunk_blocks: int,
+    ) -> None:
+        self.kv_caches = kv_caches
+        self.spec = spec
+        self.device = kv_caches[0].device
+        self.num_host_blocks = num_host_blocks
+        self.store = store
+        self.chunk_blocks = chunk_blocks if store is not None else 0
+        self.store_fingerprint = store_fingerprint(fingerprint, self.chunk_blocks)
+        self.counters = KVTierCounters()
+        block_shape = (spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.block_shape = block_shape
+        pin = self.device.type == "cuda"
+        # torch.empty: pages are committed only as slots are written, so an idle tier costs nothing.
+        self.host = torch.empty((num_host_blocks, *block_shape), dtype=spec.dtype, pin_memory=pin)
+        self._puts: queue.Queue = queue.Queue()
+        self._pending_put_bytes = 0
+        self._lock = threading.Lock()
+        self._sender: threading.Thread | None = None
+        if self.chunk_blocks:
+            self._sender = threading.Thread(target=self._send_puts, name="llmesh-kv-put", daemon=True)
+            self._sender.start()
+
+    # ----- block gather / scatter -----
+    def _gather(self, block_ids: list[int]) -> torch.Tensor:
+        """[n, layers, 2, block_size, heads, head_dim] copy of blocks, on the cache's device."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        stacked = torch.stack([c.index_select(1, idx) for c in self.kv_caches], dim=1)  # [2, L, n, ...]
+        return stacked.transpose(0, 2).contiguous()
+
+    def _scatter(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Write [n, layers, 2, ...] into blocks `block_ids` (data on any device)."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        data = data.to(self.device, non_blocking=True)
+        for layer, cache in enumerate(self.kv_caches):
+            cache.index_copy_(1, idx, data[:, layer].transpose(0, 1))
+
+    # ----- a plan's transfers -----
+    def apply(self, kv: KVTransfers, block_index: Callable[[str, int], int]) -> dict[str, int]:
+        """Do a plan's transfers; {seq_id: block index to compute from} for failed store loads.
+
+        `block_index(seq_id, block_id)` is the position of a block in that sequence's table.
+        """
+        if kv.save_block_ids:
+            data = self._gather(kv.save_block_ids).to("cpu")
+            self.host[torch.tensor(kv.save_host_slots, dtype=torch.long)] = data
+            self.counters.saved_blocks += len(kv.save_block_ids)
+        for put in kv.store_puts:
+            self._queue_put(put.key, self._gather(put.block_ids).to("cpu"))
+        if kv.load_block_ids:
+            data = self.host[torch.tensor(kv.load_host_slots, dtype=torch.long)]
+            self._scatter(kv.load_block_ids, data)
+            self.counters.host_loaded_blocks += len(kv.load_block_ids)
+        failed: dict[str, int] = {}
+        for load in kv.store_loads:
+            first_missing = self._load_from_store(load)
+            if first_missing is not None:
+                failed[load.seq_id] = block_index(load.seq_id, first_missing)
+                self.counters.store_load_failures += 1
+        return failed
+
+    def _load_from_store(self, load: StoreLoad) -> int | None:
+        """Fill the blocks of `load`; the first block id not filled, or None when all were."""
+        c = self.chunk_blocks
+        if not c or len(load.block_ids) != len(load.keys) * c:
+            raise ValueError(f"store load for {load.seq_id!r}: {len(load.block_ids)} blocks, chunk size {c}")
+        try:
+            entries = self.store.get(self.store_fingerprint, list(load.keys)) if self.store else []
+        except Exception as e:  # the store is down or slow: compute instead
+            log.warning("kv store get failed", extra={"seq_id": load.seq_id, "error": repr(e)})
+            entries = []
+        for i, key in enumerate(load.keys):
+            targets = load.block_ids[i * c : (i + 1) * c]
+            chunk = self._chunk_tensor(entries[i], key) if i < len(entries) else None
+            if chunk is None:
+                return next((b for b in load.block_ids[i * c :] if b >= 0), None)
+            keep = [j for j, b in enumerate(targets) if b >= 0]
+            if keep:
+                self._scatter([targets[j] for j in keep], chunk[keep])
+                self.counters.store_loaded_blocks += len(keep)
+        return None
+
+    def _chunk_tensor(self, entry: tuple, key: bytes) -> torch.Tensor | None:
+        """The chunk's KV as [chunk_blocks, layers, 2, ...], or None if it is not what we expect."""
+        got_key, header, payload = entry
+        want_shape = (self.chunk_blocks, *self.block_shape)
+        dtype_name = DTYPE_NAMES.get(self.spec.dtype)
+        if got_key != key or tuple(header.shape) != want_shape or header.dtype != dtype_name:
+            log.warning("kv store entry does not fit this worker's cache layout; computing instead")
+            return None
+        flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        return flat.view(self.spec.dtype).view(want_shape)
+
+    # ----- background puts -----
+    def _queue_put(self, key: bytes, data: torch.Tensor) -> None:
+        nbytes = data.numel() * data.element_size()
+        with self._lock:
+            if self._pending_put_bytes + nbytes > MAX_PENDING_PUT_BYTES:
+                self.counters.store_put_dropped += 1
+                return
+            self._pending_put_bytes += nbytes
+        self._puts.put((key, data))
+
+    def _send_puts(self) -> None:
+        from kvstore_svc.entry import make_header  # the store's value format (no torch)
+
+        dtype_name = DTYPE_NAMES[self.spec.dtype]
+        while True:
+            item = self._puts.get()
+            if item is None:
+                return
+            key, data = item
+            try:
+                payload = memoryview(data.reshape(-1).view(torch.uint8).numpy())
+                header = make_header(
+                    self.store_fingerprint,
+                    dtype_name,
+                    tuple(data.shape),
+                    LAYOUT,
+                    self.chunk_blocks * self.spec.block_size,
+                    payload,
+                )
+                assert self.store is not None
+                self.store.put(self.store_fingerprint, [(key, header, payload)])
+                self.counters.store_put_chunks += 1
+            except Exception as e:  # a put that fails costs a future hit, nothing more
+                self.counters.store_put_failed += 1
+                log.info("kv store put failed", extra={"error": repr(e)})
+            finally:
+                with self._lock:
+                    self._pending_put_bytes -= data.numel() * data.element_size()
+
+    def flush(self, timeout_s: float = 10.0) -> None:
+        """Wait until queued puts are sent (tests, shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while self._pending_put_bytes and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        if self._sender is not None:
+            self._puts.put(None)
