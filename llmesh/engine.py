@@ -20,8 +20,9 @@ import threading
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
+from llmesh.kv_store import ThreadedLookup, open_kv_store
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.local_link import LocalWorkerLink
 from scheduler_svc.mesh import Mesh, MeshConfig
@@ -43,6 +44,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Plan step N+1 while step N runs (see MeshConfig.async_scheduling).
     async_scheduling: bool = True
+    # The KV store prefixes are put to and loaded from (llmesh.kv_store.open_kv_store); None = none.
+    kv_store: Any = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
@@ -51,6 +54,7 @@ class EngineConfig:
         planner_fields = {f.name for f in dataclasses.fields(PlannerConfig)}
         enable = kwargs.pop("enable_prefix_caching", True)
         async_scheduling = kwargs.pop("async_scheduling", True)
+        kv_store = kwargs.pop("kv_store", None)
         unknown = set(kwargs) - worker_fields - planner_fields
         if unknown:
             raise TypeError(f"unknown engine settings: {', '.join(sorted(unknown))}")
@@ -62,6 +66,7 @@ class EngineConfig:
             planner=PlannerConfig(**planner_kw),
             enable_prefix_caching=enable,
             async_scheduling=bool(async_scheduling),
+            kv_store=kv_store,
         )
 
 
@@ -69,7 +74,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         shorten_gil_switch_interval()  # the runner steps on a thread of its own (LocalWorkerLink)
-        self.runner = ModelRunner(config.worker)
+        self.kv_store = open_kv_store(config.kv_store) if config.kv_store is not None else None
+        self.runner = ModelRunner(config.worker, kv_store=self.kv_store)
         info = self.runner.info
         self.info = info
         planner_cfg = dataclasses.replace(
@@ -81,7 +87,8 @@ class LLMEngine:
                 planner=planner_cfg,
                 enable_prefix_caching=config.enable_prefix_caching,
                 async_scheduling=config.async_scheduling,
-            )
+            ),
+            kv_store=ThreadedLookup(self.kv_store) if self.kv_store is not None else None,
         )
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="llmesh-engine", daemon=True)
