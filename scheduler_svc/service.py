@@ -9,6 +9,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from kvstore_svc.client import AsyncKVStoreClient
 from llmesh.v1 import generation_pb2_grpc, worker_pb2_grpc
 from scheduler_svc.mesh import LinkBroken, Mesh, MeshConfig
 from scheduler_svc.planner import PlannerConfig
@@ -43,6 +44,12 @@ class SchedulerServiceConfig(ServerConfig, PlannerConfig, RequestLimits):
     )
     worker_step_token: str = option(
         "", help="token for workers dialled from --workers that were started with --step-token"
+    )
+    kvstore_address: str = option(
+        "", help="KV store host:port where new prompts look up prefix chunks other workers computed"
+    )
+    kv_lookup_timeout_s: float = option(
+        0.2, help="a KV store lookup slower than this counts as a miss (the prefix is computed)"
     )
     log_level: str = option("info", help="debug | info | warning | error")
 
@@ -97,7 +104,9 @@ async def run(config: SchedulerServiceConfig) -> None:
             worker_dead_after_s=config.worker_dead_after_s,
             failover_after_s=config.failover_after_s,
             async_scheduling=config.async_scheduling,
-        )
+            kv_lookup_timeout_s=config.kv_lookup_timeout_s,
+        ),
+        kv_store=AsyncKVStoreClient(config.kvstore_address) if config.kvstore_address else None,
     )
     name = config.served_model_name or (
         os.path.basename(os.path.normpath(config.model)) if config.model else "SmolLM2-135M-Instruct"

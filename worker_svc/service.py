@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvstore_svc.client import KVStoreClient
 from llmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.config import option
 from services.grpc_server import (
@@ -112,7 +113,8 @@ async def run(config: WorkerServiceConfig) -> None:
 
     async def on_started(server: GrpcServer) -> None:
         # Health stays NOT_SERVING until the model is loaded and the KV cache allocated.
-        servicer.runner = await asyncio.to_thread(ModelRunner, config)
+        kv_store = KVStoreClient(config.kvstore_address) if config.kvstore_address else None
+        servicer.runner = await asyncio.to_thread(ModelRunner, config, kv_store)
         address = config.advertise or host_port(_reachable_host(config.host), server.port)
         log.info("worker ready", extra={"address": address, "worker_id": worker_id})
         print(f"llmesh worker {worker_id} listening on {address}", flush=True)
