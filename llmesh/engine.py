@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -171,6 +172,18 @@ class LLMEngine:
     ) -> None:
         """On the loop thread: route a request into the Mesh; its deltas go to `queue`."""
         self.mesh.submit(request_id, prompt_token_ids, params, priority, queue, group=group)
+
+    def flush_kv(self, timeout_s: float = 30.0) -> None:
+        """Wait until every KV save and store put planned so far has run and been sent.
+
+        Puts are planned one step after the blocks fill and sent by a background thread, so a
+        finished `generate` may still have some going: call this before another engine (or a
+        process exit) relies on them.
+        """
+        deadline = time.monotonic() + timeout_s
+        while not self.call(lambda: self._slot.settled) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        self.runner.kv_tiers.flush(max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         if self._loop.is_closed():

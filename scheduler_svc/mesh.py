@@ -125,6 +125,12 @@ class WorkerSlot:
     num_reconnects: int = 0
     breaks_without_progress: int = 0
     redial_now: asyncio.Event = field(default_factory=asyncio.Event)  # cut a re-dial backoff short
+    num_inflight: int = 0  # plans sent whose results are not back
+
+    @property
+    def settled(self) -> bool:
+        """Nothing left to send or to hear back (every KV transfer planned so far has run)."""
+        return self.num_inflight == 0 and not self.planner.has_work_for_worker()
 
 
 @dataclass
@@ -454,11 +460,13 @@ class Mesh:
                     break  # nothing to run until a result (or a request) comes in
                 await slot.link.send(plan)
                 inflight.append((plan, time.perf_counter()))
+                slot.num_inflight = len(inflight)
             if not inflight:
                 await self._idle(slot)
                 continue
             result = await slot.link.recv()
             plan, sent_at = inflight.popleft()
+            slot.num_inflight = len(inflight)
             if result.step_id != plan.step_id:
                 raise LinkBroken(f"worker {slot.worker_id}: result {result.step_id} for plan {plan.step_id}")
             slot.step_seconds += time.perf_counter() - sent_at

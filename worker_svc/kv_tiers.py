@@ -22,6 +22,7 @@ import logging
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -57,6 +58,12 @@ class KVTierCounters:
     store_put_dropped: int = 0
     store_put_failed: int = 0
     store_load_failures: int = 0
+    # Time and bytes of loads (the achieved bandwidth of each path).
+    host_load_seconds: float = 0.0
+    store_load_seconds: float = 0.0
+    store_get_seconds: float = 0.0  # of which waiting for the store's bytes
+    host_loaded_bytes: int = 0
+    store_loaded_bytes: int = 0
 
 
 class WorkerKVTiers:
@@ -116,28 +123,42 @@ class WorkerKVTiers:
             self.counters.saved_blocks += len(kv.save_block_ids)
         for put in kv.store_puts:
             self._queue_put(put.key, self._gather(put.block_ids).to("cpu"))
+        c = self.counters
         if kv.load_block_ids:
+            started = time.perf_counter()
             data = self.host[torch.tensor(kv.load_host_slots, dtype=torch.long)]
             self._scatter(kv.load_block_ids, data)
-            self.counters.host_loaded_blocks += len(kv.load_block_ids)
+            self._sync()
+            c.host_load_seconds += time.perf_counter() - started
+            c.host_loaded_blocks += len(kv.load_block_ids)
+            c.host_loaded_bytes += len(kv.load_block_ids) * self.spec.bytes_per_block
         failed: dict[str, int] = {}
         for load in kv.store_loads:
+            started = time.perf_counter()
             first_missing = self._load_from_store(load)
+            self._sync()
+            c.store_load_seconds += time.perf_counter() - started
             if first_missing is not None:
                 failed[load.seq_id] = block_index(load.seq_id, first_missing)
-                self.counters.store_load_failures += 1
+                c.store_load_failures += 1
         return failed
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _load_from_store(self, load: StoreLoad) -> int | None:
         """Fill the blocks of `load`; the first block id not filled, or None when all were."""
         c = self.chunk_blocks
         if not c or len(load.block_ids) != len(load.keys) * c:
             raise ValueError(f"store load for {load.seq_id!r}: {len(load.block_ids)} blocks, chunk size {c}")
+        started = time.perf_counter()
         try:
             entries = self.store.get(self.store_fingerprint, list(load.keys)) if self.store else []
         except Exception as e:  # the store is down or slow: compute instead
             log.warning("kv store get failed", extra={"seq_id": load.seq_id, "error": repr(e)})
             entries = []
+        self.counters.store_get_seconds += time.perf_counter() - started
         for i, key in enumerate(load.keys):
             targets = load.block_ids[i * c : (i + 1) * c]
             chunk = self._chunk_tensor(entries[i], key) if i < len(entries) else None
@@ -147,6 +168,7 @@ class WorkerKVTiers:
             if keep:
                 self._scatter([targets[j] for j in keep], chunk[keep])
                 self.counters.store_loaded_blocks += len(keep)
+                self.counters.store_loaded_bytes += len(keep) * self.spec.bytes_per_block
         return None
 
     def _chunk_tensor(self, entry: tuple, key: bytes) -> torch.Tensor | None:
@@ -157,7 +179,9 @@ class WorkerKVTiers:
         if got_key != key or tuple(header.shape) != want_shape or header.dtype != dtype_name:
             log.warning("kv store entry does not fit this worker's cache layout; computing instead")
             return None
-        flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        with warnings.catch_warnings():  # read-only bytes: only ever copied into the cache
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(payload, dtype=torch.uint8)
         return flat.view(self.spec.dtype).view(want_shape)
 
     # ----- background puts -----

@@ -54,7 +54,7 @@ def test_a_prefix_computed_by_one_engine_is_loaded_by_another_from_the_store(tin
 
     first = LLM(path, kv_store=store, kv_chunk_tokens=32)
     assert generate(first, batch) == reference
-    first.engine.runner.kv_tiers.flush()
+    first.engine.flush_kv()
     assert tier_stats(first)["stored_chunks"] >= 3 * 4  # 4 whole 32-token chunks per prompt
 
     second = LLM(path, kv_store=store, kv_chunk_tokens=32)  # another worker, same model: cold GPU cache
@@ -96,7 +96,7 @@ def test_store_loads_that_fail_are_computed_instead(tiny_models, mode):
     store = open_kv_store("memory:64000000")
     first = LLM(path, kv_store=store, kv_chunk_tokens=32)
     generate(first, batch)
-    first.engine.runner.kv_tiers.flush()
+    first.engine.flush_kv()
 
     second = LLM(path, kv_store=_FlakyStore(store, mode), kv_chunk_tokens=32)
     assert generate(second, batch) == reference

@@ -1,0 +1,267 @@
+"""KV tiers against recompute: TTFT and throughput, side by side in one run.
+
+Workloads (greedy; every path is checked to give the recompute path's tokens):
+- long shared document: a `--prefix` token document + a short question, the
+  document computed once by one engine, then asked about by a fresh engine (a
+  cold GPU cache, as on another worker) that loads it from a tier:
+    recompute         nothing below the GPU cache
+    worker CPU tier   the same engine, its GPU cache too small to keep the document
+    store (process)   the store's core in this process (no gRPC: the floor of the store path)
+    store (memory)    a `llmesh kvstore` service on loopback, memory tier
+    store (redis)     a `llmesh kvstore` service whose only tier is a real redis-server
+- multi-round chat: users whose histories grow every round, served by two
+  engines in turn (as a router without stickiness would): out tok/s with and
+  without the store;
+- random prompts (nothing to reuse): out tok/s with the store on and off.
+
+    .venv/bin/python benchmarks/kv_store.py [--prefix 2048] [--device cpu|cuda] [--load-format dummy]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from llmesh import LLM, SamplingParams  # noqa: E402
+from llmesh.kv_store import open_kv_store  # noqa: E402
+from services.launcher import free_port  # noqa: E402
+
+FIRST = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+def random_tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(100, vocab - 100) for _ in range(n)]
+
+
+def ttft(llm: LLM, prompt: list[int]) -> tuple[float, list[int]]:
+    started = time.perf_counter()
+    out = llm.generate([prompt], FIRST, use_tqdm=False)[0]
+    return time.perf_counter() - started, out.outputs[0].token_ids
+
+
+def start_kvstore(stack: ExitStack, memory_bytes: int, redis_url: str = "") -> str:
+    port = free_port()
+    cmd = [sys.executable, "-m", "services.cli", "kvstore", "--port", str(port)]
+    cmd += ["--memory-bytes", str(memory_bytes)]
+    if redis_url:
+        cmd += ["--redis-url", redis_url]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    stack.callback(lambda: (proc.terminate(), proc.wait(10)))
+    from kvstore_svc.client import KVStoreClient
+
+    address = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with KVStoreClient(address) as client:
+                client.stats(timeout_s=1.0)
+            return address
+        except Exception:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError("the kvstore service did not start") from None
+            time.sleep(0.2)
+
+
+def start_redis(stack: ExitStack) -> str:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server is missing (`make setup` installs it)")
+    port = free_port()
+    workdir = stack.enter_context(tempfile.TemporaryDirectory())
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        + ["--dir", workdir],
+        stdout=subprocess.DEVNULL,
+    )
+    stack.callback(lambda: (proc.terminate(), proc.wait(10)))
+    import redis
+
+    client = redis.Redis(host="127.0.0.1", port=port)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            return f"redis://127.0.0.1:{port}/0"
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def document_rows(args, engine_kw: dict, vocab: int, stack: ExitStack) -> list[tuple]:
+    """TTFT of each path on fresh documents; rows of (path, ttft, GB/s of the load, ok)."""
+    rng = random.Random(args.seed)
+    docs = [random_tokens(rng, args.prefix, vocab) for _ in range(args.docs)]
+    questions = [random_tokens(rng, args.suffix, vocab) for _ in range(args.docs)]
+    prompts = [d + q for d, q in zip(docs, questions, strict=True)]
+    kw = dict(engine_kw, kv_chunk_tokens=args.chunk_tokens)
+
+    cold = LLM(enable_prefix_caching=False, **engine_kw)
+    ttft(cold, prompts[0][:64])  # warm-up
+    reference = [ttft(cold, p) for p in prompts]
+    rows = [("recompute", sum(t for t, _ in reference) / len(reference), 0.0, True)]
+    expected = [toks for _, toks in reference]
+    del cold
+
+    def measure(name: str, asker: LLM, before=None) -> None:
+        times, same = [], True
+        counters = asker.engine.runner.kv_tiers.counters
+        b0 = counters.host_loaded_bytes + counters.store_loaded_bytes
+        s0 = counters.host_load_seconds + counters.store_load_seconds
+        for prompt, want in zip(prompts, expected, strict=True):
+            if before is not None:
+                before()
+            t, got = ttft(asker, prompt)
+            times.append(t)
+            same &= got == want
+        moved = counters.host_loaded_bytes + counters.store_loaded_bytes - b0
+        secs = counters.host_load_seconds + counters.store_load_seconds - s0
+        rows.append((name, sum(times) / len(times), moved / secs / 1e9 if secs else 0.0, same))
+
+    # Worker CPU tier: a GPU cache of about one request, so each document is evicted by the next.
+    blocks = -(-(args.prefix + args.suffix + 16) // 16) + 4
+    host = LLM(num_kv_blocks=blocks, kv_offload_bytes=args.host_bytes, **engine_kw)
+    for d in docs:
+        ttft(host, d)  # computes and saves every document; each evicts the one before
+    flood = random_tokens(rng, args.prefix, vocab)
+    measure("worker CPU tier", host, before=lambda h=host: ttft(h, flood))  # flood evicts before each ask
+    del host
+
+    stores = [("store (in process)", lambda: open_kv_store(f"memory:{args.store_bytes}"))]
+    stores.append(("store (memory, gRPC)", lambda: start_kvstore(stack, args.store_bytes)))
+    if not args.no_redis:
+        stores.append(("store (redis, gRPC)", lambda: start_kvstore(stack, 0, start_redis(stack))))
+    for name, make in stores:
+        store = make()
+        writer = LLM(kv_store=store, **kw)
+        for d in docs:
+            ttft(writer, d)
+        writer.engine.flush_kv()
+        del writer
+        asker = LLM(kv_store=store, **kw)
+        ttft(asker, random_tokens(rng, args.chunk_tokens + 32, vocab))  # connects; a miss
+        measure(name, asker)
+    return rows
+
+
+def throughput(llm: LLM, batches: list[list[list[int]]], max_tokens: int) -> tuple[float, list]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outs, tokens = [], 0
+    started = time.perf_counter()
+    for batch in batches:
+        got = llm.generate(batch, params, use_tqdm=False)
+        outs.append([o.outputs[0].token_ids for o in got])
+        tokens += sum(len(o.outputs[0].token_ids) for o in got)
+    return tokens / (time.perf_counter() - started), outs
+
+
+def chat_rows(args, engine_kw: dict, vocab: int) -> list[tuple]:
+    """Multi-round chat over two engines in turn; random prompts with the store on and off."""
+    rng = random.Random(args.seed + 1)
+    system = random_tokens(rng, args.chat_system, vocab)
+    histories = [list(system) for _ in range(args.chat_users)]
+    rounds = []
+    for _ in range(args.chat_rounds):
+        for h in histories:
+            h.extend(random_tokens(rng, args.chat_turn, vocab))
+        rounds.append([list(h) for h in histories])
+        for h in histories:
+            h.extend(random_tokens(rng, args.chat_answer, vocab))  # the "answer" the next round sees
+    kw = dict(engine_kw, kv_chunk_tokens=args.chunk_tokens)
+    rows = []
+
+    def two_engines(store) -> tuple[float, list]:
+        a = LLM(kv_store=store, **kw) if store else LLM(**engine_kw)
+        b = LLM(kv_store=store, **kw) if store else LLM(**engine_kw)
+        params = SamplingParams(max_tokens=args.chat_answer, temperature=0.0, ignore_eos=True)
+        tokens, outs = 0, []
+        started = time.perf_counter()
+        for i, batch in enumerate(rounds):
+            llm = (a, b)[i % 2]
+            got = llm.generate(batch, params, use_tqdm=False)
+            outs.append([o.outputs[0].token_ids for o in got])
+            tokens += sum(len(o.outputs[0].token_ids) for o in got)
+            llm.engine.flush_kv()
+        return tokens / (time.perf_counter() - started), outs
+
+    off, ref = two_engines(None)
+    on, got = two_engines(open_kv_store(f"memory:{args.store_bytes}"))
+    rows.append(("multi-round chat, 2 engines in turn", off, on, got == ref))
+
+    randoms = [
+        [random_tokens(rng, rng.randrange(args.prefix // 4, args.prefix // 2), vocab) for _ in range(8)]
+        for _ in range(args.random_batches)
+    ]
+    off_llm = LLM(**engine_kw)
+    throughput(off_llm, randoms[:1], 4)  # warm-up
+    off, ref = throughput(off_llm, randoms, args.random_output)
+    del off_llm
+    on_llm = LLM(kv_store=open_kv_store(f"memory:{args.store_bytes}"), **kw)
+    throughput(on_llm, [[random_tokens(rng, 64, vocab)]], 4)
+    on, got = throughput(on_llm, randoms, args.random_output)
+    rows.append(("random prompts (nothing reused)", off, on, got == ref))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--prefix", type=int, default=2048, help="document tokens")
+    ap.add_argument("--suffix", type=int, default=32, help="question tokens")
+    ap.add_argument("--docs", type=int, default=3)
+    ap.add_argument("--chunk-tokens", type=int, default=256)
+    ap.add_argument("--host-bytes", type=int, default=2 << 30)
+    ap.add_argument("--store-bytes", type=int, default=4 << 30)
+    ap.add_argument("--no-redis", action="store_true")
+    ap.add_argument("--chat-users", type=int, default=4)
+    ap.add_argument("--chat-rounds", type=int, default=4)
+    ap.add_argument("--chat-system", type=int, default=512)
+    ap.add_argument("--chat-turn", type=int, default=64)
+    ap.add_argument("--chat-answer", type=int, default=32)
+    ap.add_argument("--random-batches", type=int, default=3)
+    ap.add_argument("--random-output", type=int, default=32)
+    ap.add_argument("--skip-chat", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    engine_kw = dict(device=args.device, load_format=args.load_format, max_model_len=args.prefix + 1024)
+    if args.model:
+        engine_kw["model"] = args.model
+    probe = LLM(num_kv_blocks=8, **engine_kw)
+    vocab = probe.engine.info.vocab_size
+    device = str(probe.engine.runner.device)
+    kv_per_token = probe.engine.runner.kv_tiers.spec.bytes_per_block // probe.engine.info.block_size
+    del probe
+
+    with ExitStack() as stack:
+        rows = document_rows(args, engine_kw, vocab, stack)
+    base = rows[0][1]
+    doc_mb = args.prefix * kv_per_token / 1e6
+    print(f"\nlong shared document: {args.prefix}-token prefix ({doc_mb:.0f} MB of KV) + {args.suffix}-token "
+          f"question, {args.docs} documents, device {device}")
+    print("| path | TTFT ms | vs recompute | load GB/s | same tokens |")
+    print("| --- | ---: | ---: | ---: | --- |")
+    for name, t, gbs, same in rows:
+        print(f"| {name} | {t * 1e3:.1f} | {base / t:.1f}x | {gbs:.2f} | {'yes' if same else 'NO'} |")
+    if args.skip_chat:
+        return
+    chat = chat_rows(args, engine_kw, vocab)
+    print("\n| workload | out tok/s store off | out tok/s store on | on / off | same tokens |")
+    print("| --- | ---: | ---: | ---: | --- |")
+    for name, off, on, same in chat:
+        print(f"| {name} | {off:.1f} | {on:.1f} | {on / off:.1%} | {'yes' if same else 'NO'} |")
+
+
+if __name__ == "__main__":
+    main()
