@@ -87,8 +87,11 @@ class WorkerKVTiers:
         block_shape = (spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.block_shape = block_shape
         pin = self.device.type == "cuda"
-        # torch.empty: pages are committed only as slots are written, so an idle tier costs nothing.
+        # torch.empty: on CPU pages are committed only as slots are written (pinned memory, on CUDA,
+        # is locked at once: its size is the operator's choice).
         self.host = torch.empty((num_host_blocks, *block_shape), dtype=spec.dtype, pin_memory=pin)
+        wants_copies = num_host_blocks > 0 or store is not None
+        self.copy_stream = torch.cuda.Stream(self.device) if pin and wants_copies else None
         self._puts: queue.Queue = queue.Queue()
         self._pending_put_bytes = 0
         self._lock = threading.Lock()
@@ -116,18 +119,17 @@ class WorkerKVTiers:
         """Do a plan's transfers; {seq_id: block index to compute from} for failed store loads.
 
         `block_index(seq_id, block_id)` is the position of a block in that sequence's table.
+
+        On CUDA, saves and puts run on a copy stream: the forward waits only for the gathers
+        (device-side, microseconds) that read blocks it may overwrite, while the device-to-host
+        copies into pinned memory overlap it. Host loads wait for earlier saves to land.
         """
-        if kv.save_block_ids:
-            data = self._gather(kv.save_block_ids).to("cpu")
-            self.host[torch.tensor(kv.save_host_slots, dtype=torch.long)] = data
-            self.counters.saved_blocks += len(kv.save_block_ids)
-        for put in kv.store_puts:
-            self._queue_put(put.key, self._gather(put.block_ids).to("cpu"))
         c = self.counters
+        if kv.save_block_ids or kv.store_puts:
+            self._save_and_put(kv)
         if kv.load_block_ids:
             started = time.perf_counter()
-            data = self.host[torch.tensor(kv.load_host_slots, dtype=torch.long)]
-            self._scatter(kv.load_block_ids, data)
+            self._load_from_host(kv.load_host_slots, kv.load_block_ids)
             self._sync()
             c.host_load_seconds += time.perf_counter() - started
             c.host_loaded_blocks += len(kv.load_block_ids)
@@ -142,6 +144,45 @@ class WorkerKVTiers:
                 failed[load.seq_id] = block_index(load.seq_id, first_missing)
                 c.store_load_failures += 1
         return failed
+
+    def _save_and_put(self, kv: KVTransfers) -> None:
+        cs = self.copy_stream
+        if cs is None:  # CPU: plain copies
+            if kv.save_block_ids:
+                slots = torch.tensor(kv.save_host_slots, dtype=torch.long)
+                self.host[slots] = self._gather(kv.save_block_ids)
+            for put in kv.store_puts:
+                self._queue_put(put.key, self._gather(put.block_ids), None)
+        else:
+            main = torch.cuda.current_stream(self.device)
+            cs.wait_stream(main)  # the blocks were written by earlier plans' forwards
+            with torch.cuda.stream(cs):
+                saved = self._gather(kv.save_block_ids) if kv.save_block_ids else None
+                puts = [self._gather(p.block_ids) for p in kv.store_puts]
+            main.wait_stream(cs)  # this plan's forward may overwrite them once they are gathered
+            with torch.cuda.stream(cs):
+                if saved is not None:
+                    for i, slot, n in _runs(kv.save_host_slots):
+                        self.host[slot : slot + n].copy_(saved[i : i + n], non_blocking=True)
+                    saved.record_stream(cs)
+                for put, data in zip(kv.store_puts, puts, strict=True):
+                    pinned = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
+                    pinned.copy_(data, non_blocking=True)
+                    data.record_stream(cs)
+                    done = torch.cuda.Event()
+                    done.record(cs)
+                    self._queue_put(put.key, pinned, done)
+        self.counters.saved_blocks += len(kv.save_block_ids)
+
+    def _load_from_host(self, slots: list[int], block_ids: list[int]) -> None:
+        if self.copy_stream is None:
+            self._scatter(block_ids, self.host[torch.tensor(slots, dtype=torch.long)])
+            return
+        torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)  # saves into slots landed
+        data = torch.empty((len(slots), *self.block_shape), dtype=self.spec.dtype, device=self.device)
+        for i, slot, n in _runs(slots):
+            data[i : i + n].copy_(self.host[slot : slot + n], non_blocking=True)
+        self._scatter(block_ids, data)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -185,14 +226,15 @@ class WorkerKVTiers:
         return flat.view(self.spec.dtype).view(want_shape)
 
     # ----- background puts -----
-    def _queue_put(self, key: bytes, data: torch.Tensor) -> None:
+    def _queue_put(self, key: bytes, data: torch.Tensor, ready: torch.cuda.Event | None) -> None:
+        """Hand a chunk (host memory, complete once `ready` fires) to the background sender."""
         nbytes = data.numel() * data.element_size()
         with self._lock:
             if self._pending_put_bytes + nbytes > MAX_PENDING_PUT_BYTES:
                 self.counters.store_put_dropped += 1
                 return
             self._pending_put_bytes += nbytes
-        self._puts.put((key, data))
+        self._puts.put((key, data, ready))
 
     def _send_puts(self) -> None:
         from kvstore_svc.entry import make_header  # the store's value format (no torch)
@@ -202,8 +244,10 @@ class WorkerKVTiers:
             item = self._puts.get()
             if item is None:
                 return
-            key, data = item
+            key, data, ready = item
             try:
+                if ready is not None:
+                    ready.synchronize()  # the device-to-host copy has landed
                 payload = memoryview(data.reshape(-1).view(torch.uint8).numpy())
                 header = make_header(
                     self.store_fingerprint,
@@ -232,3 +276,15 @@ class WorkerKVTiers:
     def close(self) -> None:
         if self._sender is not None:
             self._puts.put(None)
+
+
+def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """(index in `slots`, first slot, length) of each run of consecutive slots: one copy per run."""
+    runs: list[tuple[int, int, int]] = []
+    for i, slot in enumerate(slots):
+        if runs and runs[-1][1] + runs[-1][2] == slot:
+            start, first, n = runs[-1]
+            runs[-1] = (start, first, n + 1)
+        else:
+            runs.append((i, slot, 1))
+    return runs
