@@ -30,6 +30,9 @@ import time
 from contextlib import ExitStack
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from gpu import SHAPES, write_config  # noqa: E402
 
 from llmesh import LLM, SamplingParams  # noqa: E402
 from llmesh.kv_store import open_kv_store  # noqa: E402
@@ -40,6 +43,17 @@ FIRST = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 def random_tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(100, vocab - 100) for _ in range(n)]
+
+
+def release() -> None:
+    """Let a deleted engine's memory go before the next one is made (one model on the GPU at a time)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def ttft(llm: LLM, prompt: list[int]) -> tuple[float, list[int]]:
@@ -111,6 +125,7 @@ def document_rows(args, engine_kw: dict, vocab: int, stack: ExitStack) -> list[t
     rows = [("recompute", sum(t for t, _ in reference) / len(reference), 0.0, True)]
     expected = [toks for _, toks in reference]
     del cold
+    release()
 
     def measure(name: str, asker: LLM, before=None) -> None:
         times, same = [], True
@@ -129,12 +144,13 @@ def document_rows(args, engine_kw: dict, vocab: int, stack: ExitStack) -> list[t
 
     # Worker CPU tier: a GPU cache of about one request, so each document is evicted by the next.
     blocks = -(-(args.prefix + args.suffix + 16) // 16) + 4
-    host = LLM(num_kv_blocks=blocks, kv_offload_bytes=args.host_bytes, **engine_kw)
+    host = LLM(**dict(engine_kw, num_kv_blocks=blocks, kv_offload_bytes=args.host_bytes))
     for d in docs:
         ttft(host, d)  # computes and saves every document; each evicts the one before
     flood = random_tokens(rng, args.prefix, vocab)
     measure("worker CPU tier", host, before=lambda h=host: ttft(h, flood))  # flood evicts before each ask
     del host
+    release()
 
     stores = [("store (in process)", lambda: open_kv_store(f"memory:{args.store_bytes}"))]
     stores.append(("store (memory, gRPC)", lambda: start_kvstore(stack, args.store_bytes)))
@@ -147,9 +163,12 @@ def document_rows(args, engine_kw: dict, vocab: int, stack: ExitStack) -> list[t
             ttft(writer, d)
         writer.engine.flush_kv()
         del writer
+        release()
         asker = LLM(kv_store=store, **kw)
         ttft(asker, random_tokens(rng, args.chunk_tokens + 32, vocab))  # connects; a miss
         measure(name, asker)
+        del asker
+        release()
     return rows
 
 
@@ -214,7 +233,12 @@ def chat_rows(args, engine_kw: dict, vocab: int) -> list[tuple]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="a model folder, or a shape of benchmarks/gpu.py (llama-3.1-8b, qwen2.5-0.5b) with dummy "
+        "weights; default: the embedded SmolLM2-135M-Instruct",
+    )
     ap.add_argument("--device", default="auto")
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--prefix", type=int, default=2048, help="document tokens")
@@ -232,17 +256,24 @@ def main() -> None:
     ap.add_argument("--random-batches", type=int, default=3)
     ap.add_argument("--random-output", type=int, default=32)
     ap.add_argument("--skip-chat", action="store_true")
+    ap.add_argument("--num-kv-blocks", type=int, default=0, help="GPU cache blocks (0 = from memory)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
     engine_kw = dict(device=args.device, load_format=args.load_format, max_model_len=args.prefix + 1024)
-    if args.model:
+    if args.num_kv_blocks:
+        engine_kw["num_kv_blocks"] = args.num_kv_blocks
+    if args.model in SHAPES:
+        engine_kw["model"] = write_config(tempfile.mkdtemp(), args.model, SHAPES[args.model])
+        engine_kw["load_format"] = "dummy"
+    elif args.model:
         engine_kw["model"] = args.model
-    probe = LLM(num_kv_blocks=8, **engine_kw)
+    probe = LLM(**dict(engine_kw, num_kv_blocks=8))
     vocab = probe.engine.info.vocab_size
     device = str(probe.engine.runner.device)
     kv_per_token = probe.engine.runner.kv_tiers.spec.bytes_per_block // probe.engine.info.block_size
     del probe
+    release()
 
     with ExitStack() as stack:
         rows = document_rows(args, engine_kw, vocab, stack)
