@@ -11,7 +11,12 @@ ARGS ?=
 
 .PHONY: setup run test lint bench clean stubs model system-deps
 
-setup: $(STAMP) stubs model
+setup: system-deps $(STAMP) stubs model
+
+# redis-server: the KV store's shared tier, and what its tests run against (a real server on loopback).
+# We run as root (no sudo); a machine that has it already skips apt entirely.
+system-deps:
+	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 
 # torch is pinned to the CPU build on this machine's disk; `pip install torch` alone would fetch CUDA.
 $(STAMP): pyproject.toml

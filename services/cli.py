@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "up",
-        help="start the whole local mesh (scheduler, workers, gateway) on loopback and keep it running",
+        help="start the whole local mesh (scheduler, workers, gateway, KV store) on loopback, supervised",
         description="Start the local mesh and supervise it: a service that dies is restarted "
         "(same flags, same port) with backoff; Ctrl-C / SIGTERM stops everything.",
     )
@@ -93,10 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
         ("scheduler", "run the scheduler service"),
         ("worker", "run one worker service"),
         ("gateway", "run the OpenAI-compatible gateway"),
+        ("kvstore", "run the tiered KV store service (memory -> disk -> Redis)"),
     ):
         p = sub.add_parser(name, help=helptext, add_help=False)
         p.set_defaults(func=_service_main(name))
     return parser
+
+
+SERVICES = ("scheduler", "worker", "gateway", "kvstore")
 
 
 def _service_main(name: str):
@@ -107,6 +111,7 @@ def _service_main(name: str):
             "scheduler": "scheduler_svc.service",
             "worker": "worker_svc.service",
             "gateway": "gateway.service",
+            "kvstore": "kvstore_svc.service",
         }
         return importlib.import_module(module[name]).main(args.rest)
 
@@ -158,9 +163,19 @@ def _add_up_flags(p: argparse.ArgumentParser) -> None:
         "--request-timeout-s", type=_positive(float), default=None, help="deadline of one generation, seconds"
     )
 
+    k = p.add_argument_group("kvstore", "the KV store (memory tier by default; `llmesh kvstore --help`)")
+    k.add_argument("--no-kvstore", action="store_true", help="do not start the KV store")
+    k.add_argument("--kvstore-port", type=int, default=0, help="KV store gRPC port (default: any free port)")
+    k.add_argument(
+        "--redis-url",
+        default=None,
+        help="redis://[:password@]host:port/db: Redis as the KV store's shared tier (default $REDIS_URL); "
+        "handed to the KV store in its environment, not on its command line",
+    )
+
     pt = p.add_argument_group(
         "passthrough",
-        "any other flag of a service (`llmesh scheduler|worker|gateway --help`), as one shell-quoted "
+        "any other flag of a service (`llmesh scheduler|worker|gateway|kvstore --help`), as one shell-quoted "
         'string, repeatable, applied last: --worker-args "--kv-cache-memory 268435456". '
         "A lone flag needs `=`: --scheduler-args=--no-tokenizer",
     )
@@ -168,6 +183,7 @@ def _add_up_flags(p: argparse.ArgumentParser) -> None:
         ("scheduler", "the scheduler"),
         ("worker", "every worker"),
         ("gateway", "the gateway"),
+        ("kvstore", "the KV store"),
     ):
         pt.add_argument(
             f"--{name}-args",
@@ -198,6 +214,9 @@ def up_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         gateway += ["--max-body-bytes", str(args.max_body_bytes)]
     if args.request_timeout_s is not None:
         gateway += ["--request-timeout-s", str(args.request_timeout_s)]
+    env = {"LLMESH_GATEWAY_API_KEY": args.api_key} if args.api_key else {}
+    if args.redis_url:  # service-scoped and in the environment: a password stays out of `ps` output
+        env["LLMESH_KVSTORE_REDIS_URL"] = args.redis_url
     return {
         "num_workers": args.workers,
         "model": args.model,
@@ -207,8 +226,11 @@ def up_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "worker_args": [*common, *args.worker_arg, *_flatten(args.worker_args)],
         "scheduler_args": [*scheduler, *_flatten(args.scheduler_args)],
         "gateway_args": [*gateway, *_flatten(args.gateway_args)],
-        # The service-scoped variable reaches the gateway only, and keeps the key out of `ps` output.
-        "env": {"LLMESH_GATEWAY_API_KEY": args.api_key} if args.api_key else {},
+        "kvstore": not args.no_kvstore,
+        "kvstore_port": args.kvstore_port,
+        "kvstore_args": _flatten(args.kvstore_args),
+        # Service-scoped variables reach one service only, and keep secrets out of `ps` output.
+        "env": env,
     }
 
 
@@ -225,7 +247,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    if argv and argv[0] in ("scheduler", "worker", "gateway"):
+    if argv and argv[0] in SERVICES:
         args = argparse.Namespace(rest=argv[1:], func=_service_main(argv[0]))
     else:
         args = parser.parse_args(argv)

@@ -16,7 +16,8 @@ so that one shell can configure several local services apart.
 
 Supported field types: str, int, float, bool (`--x/--no-x`; env 1/0, true/false,
 yes/no, on/off), pathlib.Path, Literal[...] and Enum (choices), `T | None`
-("none" or "" means None), and list[T] (comma-separated). Help text comes from
+("none" or "" means None), list[T] (comma-separated), and ByteSize (an int
+written `2GiB`, `512MiB`, `1.5G` or plain bytes). Help text comes from
 the field's metadata["help"] (`option(help=...)`), else from the `# comment`
 that ends the field's line in the class source.
 """
@@ -29,6 +30,7 @@ import enum
 import inspect
 import io
 import os
+import re
 import tokenize
 import types
 import typing
@@ -67,6 +69,29 @@ def env_names(field_name: str, service: str | None = None) -> list[str]:
 
 # -- types -----------------------------------------------------------------------
 
+_BYTE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BYTE_UNITS |= {f"{u}i": 1024 ** (i + 1) for i, u in enumerate("kmgt")}
+_BYTE_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*$", re.IGNORECASE)
+
+
+class ByteSize(int):
+    """A size in bytes that config fields, flags and env vars may write with a unit.
+
+    `ByteSize("2GiB")` = 2 * 1024**3, `ByteSize("1.5G")` = 1_500_000_000 (K/M/G/T are
+    powers of 1000, Ki/Mi/Gi/Ti of 1024, as in Kubernetes), `ByteSize("4096")` = 4096.
+    """
+
+    def __new__(cls, value: int | str) -> ByteSize:
+        if isinstance(value, str):
+            m = _BYTE_SIZE.match(value)
+            if not m:
+                raise ValueError(f"expected a size like 4096, 512MiB or 2GiB, got {value!r}")
+            number, scale = m.group(1), _BYTE_UNITS[(m.group(2) or "").lower()]
+            value = int(float(number) * scale) if "." in number else int(number) * scale
+        if value < 0:
+            raise ValueError(f"a size must be >= 0, got {value}")
+        return super().__new__(cls, value)
+
 
 def _parse_bool(text: str) -> bool:
     t = text.strip().lower()
@@ -91,7 +116,7 @@ def _scalar_converter(tp: Any) -> tuple[Callable[[str], Any], list[str] | None]:
     """A str -> value function for a scalar type, and its choices (for --help) if any."""
     if tp is bool:
         return _parse_bool, None
-    if tp in (int, float, str, Path):
+    if tp in (int, float, str, Path, ByteSize):
         return tp, None
     if typing.get_origin(tp) is Literal:
         values = typing.get_args(tp)

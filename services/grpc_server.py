@@ -33,7 +33,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,6 +180,78 @@ def insecure_channel(
     target: str, max_message_bytes: int = MAX_MESSAGE_BYTES, keepalive_s: float = DEFAULT_KEEPALIVE_S
 ) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(target, options=channel_options(max_message_bytes, keepalive_s))
+
+
+AddToServer = Callable[[Any, Any], None]
+
+
+class _HandlerRecorder:
+    """Stands in for a server to capture what a generated `add_XServicer_to_server` registers."""
+
+    def __init__(self) -> None:
+        self.service = ""
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        self.service, self.handlers = service, handlers
+
+
+def _strict_handler(h: Any) -> Any:
+    """The same handler, taking raw bytes and parsing them itself (INVALID_ARGUMENT when they do not)."""
+    parse = h.request_deserializer
+
+    async def parse_or_abort(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return parse(raw)
+        except Exception as e:  # protobuf's DecodeError, or whatever a custom deserializer raises
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request message does not parse: {e}")
+
+    async def parse_each(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        async for raw in requests:
+            yield await parse_or_abort(raw, context)
+
+    field = ("stream_" if h.request_streaming else "unary_") + ("stream" if h.response_streaming else "unary")
+    behaviour = getattr(h, field)
+
+    async def request_of(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if h.request_streaming:
+            return parse_each(request, context)
+        return await parse_or_abort(request, context)
+
+    # grpc.aio tells an async generator (responses yielded) from a coroutine (context.write) by its type.
+    if inspect.isasyncgenfunction(behaviour):
+
+        async def generator(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            async for response in behaviour(await request_of(request, context), context):
+                yield response
+
+        return h._replace(request_deserializer=None, **{field: generator})
+
+    async def coroutine(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await behaviour(await request_of(request, context), context)
+
+    return h._replace(request_deserializer=None, **{field: coroutine})
+
+
+def strict_parsing(add_to_server: AddToServer) -> AddToServer:
+    """A generated `add_XServicer_to_server` whose requests that do not parse get INVALID_ARGUMENT.
+
+    Plain grpc.aio answers such a message (random bytes, another message type)
+    with UNKNOWN "Unexpected DecodeError" and logs a traceback for each: a
+    stranger could fill the logs. For grpc.aio servicers with async methods.
+    """
+
+    def add(servicer: Any, server: Any) -> None:
+        recorder = _HandlerRecorder()
+        add_to_server(servicer, recorder)
+        handlers = {name: _strict_handler(h) for name, h in recorder.handlers.items()}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(recorder.service, handlers),))
+        server.add_registered_method_handlers(recorder.service, handlers)
+
+    return add
 
 
 class HealthServicer(health_pb2_grpc.HealthServicer):
@@ -417,13 +489,17 @@ async def serve(
 
 
 def service_main(
-    config_cls: type, run: Callable[[Any], Awaitable[None]], service: str, argv: Sequence[str] | None = None
+    config_cls: type,
+    run: Callable[[Any], Awaitable[None]],
+    service: str,
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> int:
-    """A gRPC service's `main`: config from flags/env, JSON logs, run until drained, exit 0."""
+    """A gRPC service's `main`: config from flags/env (default os.environ), JSON logs, run until drained."""
     from services.config import load_config
     from services.logging_setup import setup_logging
 
-    config = load_config(config_cls, argv, service=service, prog=f"llmesh {service}")
+    config = load_config(config_cls, argv, environ, service=service, prog=f"llmesh {service}")
     setup_logging(service, config.log_level)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(run(config))

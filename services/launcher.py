@@ -1,8 +1,8 @@
 """`llmesh up`: the whole local mesh as child processes on loopback, kept alive by a supervisor.
 
-Starts the scheduler, N workers (each registering with the scheduler) and the
-gateway when it exists, waits until each answers grpc.health.v1 (or HTTP
-/health), prints where each listens, then supervises: a child that dies is
+Starts the scheduler, N workers (each registering with the scheduler), the
+gateway when it exists and the KV store (unless --no-kvstore), waits until each
+answers grpc.health.v1 (or HTTP /health), prints where each listens, then supervises: a child that dies is
 started again with the same arguments and port (a worker keeps its --worker-id,
 so it re-registers as itself; the scheduler keeps its port, so the gateway and
 the workers find it again), with exponential backoff. Ctrl-C / SIGTERM stops
@@ -62,10 +62,21 @@ class LocalMesh:
     scheduler: Child
     workers: list[Child] = field(default_factory=list)
     gateway: Child | None = None
+    kvstore: Child | None = None
 
     @property
     def children(self) -> list[Child]:
-        return [self.scheduler, *self.workers] + ([self.gateway] if self.gateway else [])
+        # The KV store first, so that stop() (reversed) ends it last: the others may still write to it.
+        return (
+            ([self.kvstore] if self.kvstore else [])
+            + [self.scheduler, *self.workers]
+            + ([self.gateway] if self.gateway else [])
+        )
+
+    @property
+    def kvstore_address(self) -> str | None:
+        """host:port of the KV store (llmesh.v1.KVStore), None when the mesh runs without one."""
+        return self.kvstore.address if self.kvstore else None
 
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)
@@ -147,11 +158,17 @@ def start_mesh(
     worker_args: list[str] | None = None,
     scheduler_args: list[str] | None = None,
     gateway_args: list[str] | None = None,
+    kvstore: bool = False,
+    kvstore_port: int = 0,
+    kvstore_args: list[str] | None = None,
     log_dir: str | None = None,
     env: dict[str, str] | None = None,
     timeout: float = 300.0,
 ) -> LocalMesh:
     """Start scheduler + workers (+ gateway when `gateway_port` is not None) and wait until ready.
+
+    kvstore=True adds a KV store (memory tier unless `kvstore_args` say more); `llmesh up` does
+    by default. Its address is `mesh.kvstore_address`; nothing is told about it yet.
 
     Every port is explicit (a free one is picked for 0), so that a child restarted by
     `Supervisor` binds the same address and its peers find it again.
@@ -163,6 +180,8 @@ def start_mesh(
     sched_args = ["--host", host, "--port", sched_port, *model_args, *(scheduler_args or [])]
     mesh = LocalMesh(_start_child("scheduler", sched_addr, "scheduler_svc.service", sched_args, env, log_dir))
     try:
+        if kvstore:
+            mesh.kvstore = _start_kvstore(host, kvstore_port, kvstore_args or [], env, log_dir)
         for i in range(num_workers):
             port = free_port(host)
             # A fixed --worker-id: a restarted worker re-registers as itself.
@@ -172,6 +191,8 @@ def start_mesh(
                 _start_child(f"worker-{i}", f"{host}:{port}", "worker_svc.service", args, env, log_dir)
             )
         procs = [c.proc for c in mesh.children]
+        if mesh.kvstore:
+            wait_until(lambda: grpc_serving(mesh.kvstore.address), "kvstore", procs, timeout)
         for w in mesh.workers:
             wait_until(lambda a=w.address: grpc_serving(a), w.name, procs, timeout)
         wait_until(lambda: grpc_serving(sched_addr), "scheduler", procs, timeout)
@@ -183,6 +204,14 @@ def start_mesh(
         mesh.stop()
         raise
     return mesh
+
+
+def _start_kvstore(host: str, port: int, args: list[str], env: dict[str, str], log_dir: str | None) -> Child:
+    """A KV store child on `port` (0 = a free one); `env` adds to this process's environment."""
+    env = {**os.environ, **env}
+    port = port or free_port(host)
+    args = ["--host", host, "--port", str(port), *args]
+    return _start_child("kvstore", f"{host}:{port}", "kvstore_svc.service", args, env, log_dir)
 
 
 def _start_gateway(host, port, sched_addr, args, env, log_dir) -> Child:
@@ -374,6 +403,9 @@ def run_up(
     *,
     scheduler_args: list[str] | None = None,
     gateway_args: list[str] | None = None,
+    kvstore: bool = True,
+    kvstore_port: int = 0,
+    kvstore_args: list[str] | None = None,
     env: dict[str, str] | None = None,
     backoff: Backoff | None = None,
 ) -> int:
@@ -404,6 +436,9 @@ def run_up(
             worker_args=worker_args,
             scheduler_args=scheduler_args,
             gateway_args=gateway_args,
+            kvstore=kvstore,
+            kvstore_port=kvstore_port,
+            kvstore_args=kvstore_args,
             env=env,
         )
     except KeyboardInterrupt:

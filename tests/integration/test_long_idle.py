@@ -58,7 +58,7 @@ def test_llmesh_up_with_defaults_serves_after_three_idle_minutes():
         _read_until(up, "OpenAI API", 180, lines)
         listed = (re.match(r"\s+(\S+)\s+\S+\s+\(pid (\d+)\)", line) for line in lines)
         pids = {m[1]: int(m[2]) for m in listed if m}
-        assert set(pids) == {"scheduler", "worker-0", "gateway"}, lines
+        assert set(pids) == {"kvstore", "scheduler", "worker-0", "gateway"}, lines
         base = f"http://127.0.0.1:{port}"
         assert httpx.get(f"{base}/health", timeout=10).status_code == 200
 

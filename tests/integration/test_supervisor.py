@@ -117,7 +117,10 @@ def test_llmesh_up_restarts_a_killed_worker_and_stops_cleanly_on_sigterm():
         _read_until(up, "OpenAI API", 180, lines)
         listed = (re.match(r"\s+(\S+)\s+\S+\s+\(pid (\d+)\)", line) for line in lines)
         pids = {m[1]: int(m[2]) for m in listed if m}
-        assert set(pids) == {"scheduler", "worker-0", "gateway"}
+        assert set(pids) == {"kvstore", "scheduler", "worker-0", "gateway"}
+        # The KV store is up by default (memory tier), health-gated like the others.
+        kvstore = next(m[1] for line in lines if (m := re.match(r"\s+kvstore\s+(\S+)\s+\(pid", line)))
+        assert grpc_serving(kvstore)
         # The gateway got its flags: the key (through its environment) and the body cap.
         base, auth = f"http://127.0.0.1:{port}", {"Authorization": "Bearer sekret"}
         assert httpx.get(f"{base}/v1/models").status_code == 401

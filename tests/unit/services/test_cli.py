@@ -25,6 +25,9 @@ def test_up_help_lists_the_gateway_flags_and_the_passthroughs(capsys):
         "--worker-args",
         "--gateway-args",
         "--worker-arg",
+        "--no-kvstore",
+        "--redis-url",
+        "--kvstore-args",
     ):
         assert flag in text
 
@@ -35,6 +38,7 @@ def test_defaults_pass_nothing_extra():
     assert kw["scheduler_port"] == 50051
     assert kw["worker_args"] == kw["scheduler_args"] == kw["gateway_args"] == []
     assert kw["env"] == {}
+    assert kw["kvstore"] is True and kw["kvstore_port"] == 0 and kw["kvstore_args"] == []
 
 
 def test_gateway_flags_reach_the_gateway():
@@ -120,3 +124,23 @@ def test_cmd_up_hands_the_parsed_flags_to_run_up(monkeypatch):
     assert cli.main(["up", "--workers", "3", "--api-key", "k", "--port", "9000"]) == 0
     assert seen["num_workers"] == 3 and seen["port"] == 9000
     assert seen["env"] == {"LLMESH_GATEWAY_API_KEY": "k"}
+
+
+def test_kvstore_flags():
+    assert up("--no-kvstore")["kvstore"] is False
+    url = "redis://:pw@r:6379/0"
+    kw = up("--redis-url", url, "--kvstore-port", "7000", "--kvstore-args", "--memory-bytes 1GiB")
+    # The URL may hold a password: it travels in the KV store's environment, not on a command line.
+    assert kw["env"] == {"LLMESH_KVSTORE_REDIS_URL": url}
+    assert kw["kvstore_port"] == 7000 and kw["kvstore_args"] == ["--memory-bytes", "1GiB"]
+    for name in ("worker_args", "scheduler_args", "gateway_args", "kvstore_args"):
+        assert "pw" not in " ".join(kw[name])
+
+
+def test_llmesh_kvstore_runs_the_kvstore_service(monkeypatch):
+    import kvstore_svc.service
+
+    seen: list = []
+    monkeypatch.setattr(kvstore_svc.service, "main", lambda argv: seen.append(argv) or 0)
+    assert cli.main(["kvstore", "--memory-bytes", "1GiB"]) == 0
+    assert seen == [["--memory-bytes", "1GiB"]]

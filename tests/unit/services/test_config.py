@@ -9,7 +9,7 @@ from typing import Literal
 
 import pytest
 
-from services.config import build_parser, env_names, load_config, option
+from services.config import ByteSize, build_parser, env_names, load_config, option
 from services.grpc_server import ServerConfig
 
 
@@ -142,3 +142,34 @@ def test_help_lists_every_flag_with_help_env_and_default() -> None:
     assert "LLMESH_DEMO_MAX_NUM_SEQS" in flat and "default 64" in flat
     assert "{auto,float32,bfloat16}" in flat
     assert "Demo service." in text
+
+
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("4096", 4096),
+        ("2GiB", 2 << 30),
+        ("512MiB", 512 << 20),
+        ("1k", 1000),
+        ("1Ki", 1024),
+        ("0.5 GiB", 1 << 29),
+    ],
+)
+def test_byte_size(text, value):
+    assert ByteSize(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "-1", "1 XB", "1.2.3"])
+def test_byte_size_refuses_nonsense(text):
+    with pytest.raises(ValueError):
+        ByteSize(text)
+
+
+def test_byte_size_fields_take_units_from_flags_and_env():
+    @dataclass
+    class Sized:
+        budget: ByteSize = option(ByteSize("1GiB"), help="a budget")
+
+    assert load_config(Sized, [], {}).budget == 1 << 30
+    assert load_config(Sized, ["--budget", "3MiB"], {}).budget == 3 << 20
+    assert load_config(Sized, [], {"LLMESH_BUDGET": "2k"}).budget == 2000

@@ -176,3 +176,18 @@ def test_a_failed_spawn_is_retried_later(monkeypatch):
     sup.poll()
     assert w.proc.poll() is None
     assert sup.restarts("gateway") == 2
+
+
+def test_the_kvstore_child_starts_first_stops_last_and_is_restarted_like_the_others(spawned):
+    mesh = make_mesh()
+    assert mesh.kvstore_address is None
+    mesh.kvstore = Child("kvstore", "127.0.0.1:5100", FakeProc(), "kvstore_svc.service", ["--port", "5100"])
+    assert [c.name for c in mesh.children] == ["kvstore", "scheduler", "worker-0", "worker-1", "gateway"]
+    assert mesh.kvstore_address == "127.0.0.1:5100"
+    clock = Clock()
+    sup = Supervisor(mesh, Backoff(1.0, 2.0, 30.0, 60.0), clock=clock, ready=lambda c: True)
+    mesh.kvstore.proc.die(1)
+    sup.poll()
+    clock.now += 1.1
+    sup.poll()
+    assert spawned == [("kvstore_svc.service", ["--port", "5100"], "kvstore")]

@@ -1,0 +1,287 @@
+"""Clients of the KV store: `KVStoreClient` (blocking, for worker threads) and `AsyncKVStoreClient`.
+
+    with KVStoreClient("127.0.0.1:50070") as kv:
+        n = kv.lookup(fingerprint, keys)                     # leading keys present
+        kv.put(fingerprint, [(key, make_header(...), payload)])
+        for key, header, payload in kv.get(fingerprint, keys[:n]):
+            ...
+
+A store that is down, slow or shutting down raises `KVStoreUnavailable`:
+treat it as a miss and recompute. Other failures (the store refused the call
+as malformed) raise `KVStoreError`, its base class, so `except KVStoreError`
+covers both. Entries from `get` are checked (header, key order, checksum)
+before they are returned; the list stops before the first one that fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+import grpc
+
+from kvstore_svc.config import PIECE_BYTES
+from kvstore_svc.entry import CorruptEntry, EntryHeader, check_payload
+from kvstore_svc.wire import Assembled, EntryAssembler, EntryIn, check_entry_keys, entries_of, put_requests
+from llmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
+from services.grpc_server import DEFAULT_KEEPALIVE_S, MAX_MESSAGE_BYTES, channel_options
+
+log = logging.getLogger(__name__)
+
+EntryOut = tuple[bytes, EntryHeader, bytes]
+DEFAULT_TIMEOUT_S = 5.0
+# Codes that say "not now" rather than "never": the caller should treat them as a miss.
+_TRANSIENT = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.ABORTED,
+    }
+)
+# Payloads above this are checksummed off the event loop by the async client.
+_INLINE_CHECK_BYTES = 1 << 20
+
+
+class KVStoreError(Exception):
+    """A KV store call failed; `code` is the gRPC status (None for a reply that failed validation)."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class KVStoreUnavailable(KVStoreError):
+    """The store is unreachable, too slow (deadline) or shutting down: treat the call as a miss."""
+
+
+def _error(e: grpc.RpcError, what: str) -> KVStoreError:
+    code = e.code() if hasattr(e, "code") else None
+    details = e.details() if hasattr(e, "details") else str(e)
+    cls = KVStoreUnavailable if code in _TRANSIENT or code is None else KVStoreError
+    return cls(f"kvstore {what}: {code.name if code else 'error'}: {details}", code)
+
+
+class _Collector:
+    """Checks the entries of a Get reply in order; `accept` says False at the first bad one."""
+
+    def __init__(self, fingerprint: bytes, keys: Sequence[bytes]) -> None:
+        self.fingerprint = fingerprint
+        self.keys = keys
+        self.entries: list[EntryOut] = []
+
+    def check(self, entry: Assembled) -> EntryOut | None:
+        i = len(self.entries)
+        try:
+            if i >= len(self.keys) or entry.key != self.keys[i]:
+                raise CorruptEntry(f"entry {i} is not key {i} of the request")
+            if entry.header.fingerprint != self.fingerprint:
+                raise CorruptEntry(f"entry {i} has another fingerprint")
+            payload = entry.payload()
+            check_payload(entry.header, payload)
+        except CorruptEntry as e:
+            log.warning("kvstore sent an entry that fails validation", extra={"reason": str(e)})
+            return None
+        return entry.key, entry.header, payload
+
+
+class KVStoreClient:
+    """Blocking client; thread-safe (one gRPC channel, any number of threads)."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        piece_bytes: int = PIECE_BYTES,
+        keepalive_s: float = DEFAULT_KEEPALIVE_S,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+    ) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.piece_bytes = piece_bytes
+        self._channel = grpc.insecure_channel(
+            address, options=channel_options(max_message_bytes, keepalive_s)
+        )
+        self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
+
+    def lookup(self, fingerprint: bytes, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
+        """How many leading keys the store holds (0 for no keys)."""
+        if not keys:
+            return 0
+        req = kvstore_pb2.LookupRequest(fingerprint=fingerprint, keys=keys)
+        try:
+            return self._stub.Lookup(req, timeout=timeout_s or self.timeout_s).num_present
+        except grpc.RpcError as e:
+            raise _error(e, "lookup") from None
+
+    def put(self, fingerprint: bytes, entries: Sequence[EntryIn], *, timeout_s: float | None = None) -> int:
+        """Store (key, header, payload) entries; returns how many the store now holds.
+
+        ValueError for a header of another fingerprint (nothing is sent);
+        KVStoreError (INVALID_ARGUMENT) when the store refuses an entry.
+        """
+        if not entries:
+            return 0
+        check_entry_keys(entries, fingerprint)
+        try:
+            resp = self._stub.Put(
+                put_requests(fingerprint, entries, self.piece_bytes), timeout=timeout_s or self.timeout_s
+            )
+        except grpc.RpcError as e:
+            raise _error(e, "put") from None
+        return resp.num_stored
+
+    def get(
+        self, fingerprint: bytes, keys: Sequence[bytes], *, timeout_s: float | None = None
+    ) -> list[EntryOut]:
+        """The entries of the leading present keys, validated, in order (stops at a miss or a bad entry)."""
+        if not keys:
+            return []
+        collector = _Collector(fingerprint, keys)
+        call = self._stub.Get(
+            kvstore_pb2.GetRequest(fingerprint=fingerprint, keys=keys), timeout=timeout_s or self.timeout_s
+        )
+        try:
+            for entry in entries_of(call):
+                checked = collector.check(entry)
+                if checked is None:
+                    call.cancel()
+                    break
+                collector.entries.append(checked)
+        except CorruptEntry as e:  # broken framing: keep what was whole before it
+            log.warning("kvstore Get stream broke its framing", extra={"reason": str(e)})
+            call.cancel()
+        except grpc.RpcError as e:
+            raise _error(e, "get") from None
+        return collector.entries
+
+    def delete(self, fingerprint: bytes, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
+        if not keys:
+            return 0
+        req = kvstore_pb2.DeleteRequest(fingerprint=fingerprint, keys=keys)
+        try:
+            return self._stub.Delete(req, timeout=timeout_s or self.timeout_s).num_deleted
+        except grpc.RpcError as e:
+            raise _error(e, "delete") from None
+
+    def stats(self, *, timeout_s: float | None = None) -> kvstore_pb2.StatsResponse:
+        try:
+            return self._stub.Stats(kvstore_pb2.StatsRequest(), timeout=timeout_s or self.timeout_s)
+        except grpc.RpcError as e:
+            raise _error(e, "stats") from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> KVStoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncKVStoreClient:
+    """The same calls for an asyncio loop (the scheduler's); create and use it inside that loop."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        piece_bytes: int = PIECE_BYTES,
+        keepalive_s: float = DEFAULT_KEEPALIVE_S,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+    ) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.piece_bytes = piece_bytes
+        self._channel = grpc.aio.insecure_channel(
+            address, options=channel_options(max_message_bytes, keepalive_s)
+        )
+        self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
+
+    async def lookup(
+        self, fingerprint: bytes, keys: Sequence[bytes], *, timeout_s: float | None = None
+    ) -> int:
+        if not keys:
+            return 0
+        req = kvstore_pb2.LookupRequest(fingerprint=fingerprint, keys=keys)
+        try:
+            return (await self._stub.Lookup(req, timeout=timeout_s or self.timeout_s)).num_present
+        except grpc.RpcError as e:
+            raise _error(e, "lookup") from None
+
+    async def put(
+        self, fingerprint: bytes, entries: Sequence[EntryIn], *, timeout_s: float | None = None
+    ) -> int:
+        if not entries:
+            return 0
+        check_entry_keys(entries, fingerprint)
+        try:
+            resp = await self._stub.Put(
+                put_requests(fingerprint, entries, self.piece_bytes), timeout=timeout_s or self.timeout_s
+            )
+        except grpc.RpcError as e:
+            raise _error(e, "put") from None
+        return resp.num_stored
+
+    async def get(
+        self, fingerprint: bytes, keys: Sequence[bytes], *, timeout_s: float | None = None
+    ) -> list[EntryOut]:
+        if not keys:
+            return []
+        collector = _Collector(fingerprint, keys)
+        assembler = EntryAssembler()
+        call = self._stub.Get(
+            kvstore_pb2.GetRequest(fingerprint=fingerprint, keys=keys), timeout=timeout_s or self.timeout_s
+        )
+        try:
+            async for msg in call:
+                entry = assembler.feed(msg.key, msg.header if msg.HasField("header") else None, msg.data)
+                if entry is None:
+                    continue
+                if entry.header.payload_length > _INLINE_CHECK_BYTES:
+                    checked = await asyncio.to_thread(collector.check, entry)
+                else:
+                    checked = collector.check(entry)
+                if checked is None:
+                    call.cancel()
+                    break
+                collector.entries.append(checked)
+            else:
+                assembler.finish()
+        except CorruptEntry as e:
+            log.warning("kvstore Get stream broke its framing", extra={"reason": str(e)})
+            call.cancel()
+        except grpc.RpcError as e:
+            raise _error(e, "get") from None
+        return collector.entries
+
+    async def delete(
+        self, fingerprint: bytes, keys: Sequence[bytes], *, timeout_s: float | None = None
+    ) -> int:
+        if not keys:
+            return 0
+        req = kvstore_pb2.DeleteRequest(fingerprint=fingerprint, keys=keys)
+        try:
+            return (await self._stub.Delete(req, timeout=timeout_s or self.timeout_s)).num_deleted
+        except grpc.RpcError as e:
+            raise _error(e, "delete") from None
+
+    async def stats(self, *, timeout_s: float | None = None) -> kvstore_pb2.StatsResponse:
+        try:
+            return await self._stub.Stats(kvstore_pb2.StatsRequest(), timeout=timeout_s or self.timeout_s)
+        except grpc.RpcError as e:
+            raise _error(e, "stats") from None
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncKVStoreClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

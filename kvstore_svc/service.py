@@ -1,0 +1,62 @@
+"""`llmesh kvstore`: the tiered KV store as a gRPC service (llmesh.v1.KVStore, health, reflection).
+
+Binds first (health NOT_SERVING), then builds the tiers (the disk tier scans
+its directory, which may take a while), then turns SERVING. On SIGTERM it
+drains like every llmesh service, then finishes queued write-behind writes
+before exiting. Counters are served by the Stats RPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+from kvstore_svc.config import KVStoreConfig, kvstore_environ
+from kvstore_svc.servicer import KVStoreServicer
+from kvstore_svc.store import TieredKVStore
+from kvstore_svc.tiers.redis_tier import redact_url
+from llmesh.v1 import kvstore_pb2_grpc
+from services.grpc_server import GrpcServer, Service, host_port, serve, service_main, strict_parsing
+
+log = logging.getLogger(__name__)
+
+
+async def run(config: KVStoreConfig) -> None:
+    executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kv-io")
+    servicer = KVStoreServicer(executor)
+
+    async def on_started(server: GrpcServer) -> None:
+        servicer.store = await asyncio.to_thread(TieredKVStore.from_config, config)
+        address = host_port(config.host, server.port)
+        log.info(
+            "kvstore ready",
+            extra={
+                "address": address,
+                "tiers": [t.name for t in servicer.store.tiers],
+                "memory_bytes": config.memory_bytes,
+                "disk_dir": config.disk_dir or None,
+                "disk_bytes": config.disk_bytes if config.disk_dir else None,
+                "redis": redact_url(config.redis_url) if config.redis_url else None,
+                "write_behind": config.write_behind,
+            },
+        )
+        print(f"llmesh kvstore listening on {address}", flush=True)
+
+    add = strict_parsing(kvstore_pb2_grpc.add_KVStoreServicer_to_server)  # garbage in: INVALID_ARGUMENT
+    services = [Service.of("llmesh.v1.KVStore", add, servicer)]
+    try:
+        await serve(services, config, on_started=on_started)
+    finally:
+        if servicer.store is not None:
+            await asyncio.to_thread(servicer.store.close, config.shutdown_grace_s)
+        executor.shutdown(wait=False, cancel_futures=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return service_main(KVStoreConfig, run, "kvstore", argv, environ=kvstore_environ())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""llmesh.v1.KVStore over grpc.aio: a thin adapter from protobuf to `TieredKVStore`.
+
+The store blocks (disk reads, Redis round trips, hashing megabytes), so every
+call into it runs on a thread pool: one caller's 64 MiB Put must not hold up
+another's Lookup on the event loop. Malformed input is INVALID_ARGUMENT with
+a message naming what is wrong; a miss is never an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import grpc
+
+from kvstore_svc.entry import CorruptEntry, encode_entry
+from kvstore_svc.store import StoreStats, TieredKVStore, check_key, check_keys
+from kvstore_svc.wire import Assembled, EntryAssembler, get_responses
+from llmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+GET_RUN_BYTES = 16 << 20
+
+
+def stats_to_proto(stats: StoreStats) -> kvstore_pb2.StatsResponse:
+    out = kvstore_pb2.StatsResponse(
+        **{k: v for k, v in vars(stats).items() if k != "tiers"},
+    )
+    for t in stats.tiers:
+        out.tiers.append(kvstore_pb2.TierStats(**vars(t)))
+    return out
+
+
+def _ingest(store: TieredKVStore, fingerprint: bytes, entry: Assembled) -> bool:
+    """Join the pieces into a blob and store it (store.put validates it): a thread's work, megabytes."""
+    blob = encode_entry(entry.header, entry.pieces, verify=False)
+    entry.pieces.clear()  # the blob holds the bytes now: do not pin them twice
+    return store.put(fingerprint, entry.key, blob)
+
+
+class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
+    def __init__(self, executor: ThreadPoolExecutor, store: TieredKVStore | None = None) -> None:
+        self.store = store  # None until the service has built it (the disk scan runs after bind)
+        self._executor = executor
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _ready_store(self, context: grpc.aio.ServicerContext) -> TieredKVStore:
+        if self.store is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the KV store is starting")
+        return self.store  # type: ignore[return-value]
+
+    async def _check_keys(
+        self, context: grpc.aio.ServicerContext, fingerprint: bytes, keys: Sequence[bytes]
+    ) -> None:
+        try:
+            check_keys(fingerprint, keys)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    async def Lookup(
+        self, request: kvstore_pb2.LookupRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.LookupResponse:
+        store = await self._ready_store(context)
+        await self._check_keys(context, request.fingerprint, request.keys)
+        n = await self._run(store.lookup, request.fingerprint, list(request.keys))
+        return kvstore_pb2.LookupResponse(num_present=n)
+
+    async def Put(
+        self, request_iterator: AsyncIterator[kvstore_pb2.PutRequest], context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.PutResponse:
+        store = await self._ready_store(context)
+        assembler = EntryAssembler(store.max_entry_bytes)
+        fingerprint = b""
+        stored = rejected = 0
+        try:
+            async for msg in request_iterator:
+                if not fingerprint:
+                    if not msg.fingerprint:
+                        raise CorruptEntry("the first message of a Put stream needs the fingerprint")
+                    fingerprint = msg.fingerprint
+                    check_keys(fingerprint, [])
+                elif msg.fingerprint and msg.fingerprint != fingerprint:
+                    raise CorruptEntry("a Put stream carries one fingerprint; a later message named another")
+                if msg.key:
+                    check_key(msg.key, f"entry {assembler.count}: key")
+                done = assembler.feed(msg.key, msg.header if msg.HasField("header") else None, msg.data)
+                if done is None:
+                    continue
+                try:
+                    ok = await self._run(_ingest, store, fingerprint, done)
+                except CorruptEntry as e:
+                    raise CorruptEntry(f"entry {done.index} (key {done.key.hex()[:16]}): {e}") from None
+                stored += ok
+                rejected += not ok
+            assembler.finish()
+        except (CorruptEntry, ValueError) as e:
+            log.info("put refused", extra={"reason": str(e), "stored_before": stored, "peer": context.peer()})
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"{e} ({stored} earlier entries stored, this one not)"
+            )
+        return kvstore_pb2.PutResponse(num_stored=stored, num_rejected=rejected)
+
+    async def Get(
+        self, request: kvstore_pb2.GetRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[kvstore_pb2.GetResponse]:
+        store = await self._ready_store(context)
+        await self._check_keys(context, request.fingerprint, request.keys)
+        keys = list(request.keys)
+        while keys:
+            # A run of entries per trip to the I/O threads (a chain of small blocks is one trip),
+            # bounded in bytes (a chain of big ones is not held in full at once).
+            run, missed = await self._run(store.get_run, request.fingerprint, keys, GET_RUN_BYTES)
+            for key, header, payload in run:
+                for msg in get_responses(key, header, payload):
+                    yield msg
+            if missed:
+                return  # the chain ends at its first miss
+            keys = keys[len(run) :]
+
+    async def Delete(
+        self, request: kvstore_pb2.DeleteRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.DeleteResponse:
+        store = await self._ready_store(context)
+        await self._check_keys(context, request.fingerprint, request.keys)
+        n = await self._run(store.delete, request.fingerprint, list(request.keys))
+        return kvstore_pb2.DeleteResponse(num_deleted=n)
+
+    async def Stats(
+        self, request: kvstore_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.StatsResponse:
+        store = await self._ready_store(context)
+        return stats_to_proto(await self._run(store.stats))

@@ -1,0 +1,286 @@
+"""The tiered KV store's core: memory -> disk -> Redis, no transport (the servicer adapts gRPC to it).
+
+Reads try the tiers fastest first and copy a hit into the faster tiers it
+missed (promotion). Writes go to memory and, by default, through to disk and
+Redis before the put returns (write-through); with write-behind a background
+queue writes the slower tiers. Every entry is validated on the way in
+(`put` raises CorruptEntry), and copies read back from disk or Redis are
+validated again (a corrupt one is deleted and counts as a miss): a cache may
+lose entries, it must never serve wrong ones.
+
+Thread-safe: the servicer calls it from a thread pool, since disk and Redis block.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvstore_svc.config import KVStoreConfig
+from kvstore_svc.entry import MAX_FINGERPRINT_BYTES, CorruptEntry, EntryHeader, decode_entry
+from kvstore_svc.tiers.base import EntryKey, Tier, TierStats
+from kvstore_svc.tiers.disk import DiskTier
+from kvstore_svc.tiers.memory import MemoryTier
+from kvstore_svc.tiers.redis_tier import RedisTier
+from kvstore_svc.write_behind import WriteBehind
+
+log = logging.getLogger(__name__)
+
+MAX_KEY_BYTES = 64
+MAX_KEYS_PER_REQUEST = 16384
+
+
+def check_keys(fingerprint: bytes, keys: Sequence[bytes]) -> None:
+    """Raise ValueError unless the fingerprint and every key are 1..64 bytes and keys are few enough."""
+    if not 1 <= len(fingerprint) <= MAX_FINGERPRINT_BYTES:
+        raise ValueError(f"fingerprint must be 1..{MAX_FINGERPRINT_BYTES} bytes, got {len(fingerprint)}")
+    if len(keys) > MAX_KEYS_PER_REQUEST:
+        raise ValueError(f"at most {MAX_KEYS_PER_REQUEST} keys per request, got {len(keys)}")
+    for i, key in enumerate(keys):
+        check_key(key, f"key {i}")
+
+
+def check_key(key: bytes, what: str = "key") -> None:
+    if not 1 <= len(key) <= MAX_KEY_BYTES:
+        raise ValueError(f"{what} must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
+
+
+@dataclass
+class StoreStats:
+    """Counters of the store (llmesh.v1.StatsResponse)."""
+
+    tiers: list[TierStats] = field(default_factory=list)
+    lookups: int = 0
+    lookup_keys: int = 0
+    lookup_hits: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    invalid_entries: int = 0
+    write_behind_dropped: int = 0
+    write_behind_pending_bytes: int = 0
+    redis_errors: int = 0
+    redis_circuit_open: bool = False
+
+
+class TieredKVStore:
+    def __init__(
+        self,
+        *,
+        memory: MemoryTier | None = None,
+        disk: DiskTier | None = None,
+        redis: RedisTier | None = None,
+        write_behind_bytes: int = 0,
+        max_entry_bytes: int = 64 << 20,
+    ) -> None:
+        """Tiers left None are off. write_behind_bytes > 0 turns write-behind on with that queue bound."""
+        if memory is None and disk is None and redis is None:
+            raise ValueError("a store needs at least one tier")
+        self.memory, self.disk, self.redis = memory, disk, redis
+        self.tiers: list[Tier] = [t for t in (memory, disk, redis) if t is not None]
+        self._slower: list[Tier] = [t for t in (disk, redis) if t is not None]
+        self.max_entry_bytes = max_entry_bytes
+        self._write_behind = (
+            WriteBehind(self._write_slower, write_behind_bytes)
+            if write_behind_bytes and self._slower
+            else None
+        )
+        self._lock = threading.Lock()
+        self._stats = StoreStats()
+
+    @classmethod
+    def from_config(cls, config: KVStoreConfig) -> TieredKVStore:
+        """The tiers the config names (the disk tier scans its directory: call it off the event loop)."""
+        return cls(
+            memory=MemoryTier(config.memory_bytes) if config.memory_bytes else None,
+            disk=DiskTier(config.disk_dir, config.disk_bytes) if config.disk_dir else None,
+            redis=RedisTier(
+                config.redis_url,
+                timeout_s=config.redis_timeout_s,
+                retry_after_s=config.redis_retry_after_s,
+                ttl_s=config.redis_ttl_s,
+            )
+            if config.redis_url
+            else None,
+            write_behind_bytes=config.write_behind_bytes if config.write_behind else 0,
+            max_entry_bytes=config.max_entry_bytes,
+        )
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, n in deltas.items():
+                setattr(self._stats, name, getattr(self._stats, name) + n)
+
+    # -- reads -------------------------------------------------------------------
+
+    def _held_locally(self, key: EntryKey) -> bool:
+        if self.memory is not None and self.memory.contains(key):
+            return True
+        if self._write_behind is not None and self._write_behind.pending(key) is not None:
+            return True
+        return self.disk is not None and self.disk.contains(key)
+
+    def lookup(self, fingerprint: bytes, keys: Sequence[bytes]) -> int:
+        """How many leading keys are present in some tier (indexes only; one Redis round trip at most)."""
+        check_keys(fingerprint, keys)
+        eks = [EntryKey(fingerprint, k) for k in keys]
+        n = 0
+        while n < len(eks) and self._held_locally(eks[n]):
+            n += 1
+        if n < len(eks) and self.redis is not None:
+            rest = eks[n:]
+            for ek, remote in zip(rest, self.redis.contains_many(rest), strict=True):
+                if not (remote or self._held_locally(ek)):
+                    break
+                n += 1
+        self._count(lookups=1, lookup_keys=len(keys), lookup_hits=n)
+        return n
+
+    def get(self, fingerprint: bytes, key: bytes) -> tuple[EntryHeader, memoryview] | None:
+        """(header, payload) of one entry, or None: absent, or every copy found was corrupt."""
+        check_keys(fingerprint, [key])
+        ek = EntryKey(fingerprint, key)
+        found = self._read(ek)
+        if found is not None:
+            self._count(bytes_out=found[0].payload_length)
+        return found
+
+    def get_run(
+        self, fingerprint: bytes, keys: Sequence[bytes], max_bytes: int
+    ) -> tuple[list[tuple[bytes, EntryHeader, memoryview]], bool]:
+        """Entries of the leading keys, in order, and whether a miss ended the run.
+
+        Stops early (without a miss) once `max_bytes` of payload are gathered, so
+        that a caller streaming a long chain holds a bounded amount at a time;
+        at least one entry is returned when the first key is present.
+        """
+        check_keys(fingerprint, keys)
+        out: list[tuple[bytes, EntryHeader, memoryview]] = []
+        total = 0
+        for key in keys:
+            if total >= max_bytes:
+                return out, False
+            found = self._read(EntryKey(fingerprint, key))
+            if found is None:
+                self._count(bytes_out=total)
+                return out, True
+            out.append((key, *found))
+            total += found[0].payload_length
+        self._count(bytes_out=total)
+        return out, False
+
+    def _read(self, ek: EntryKey) -> tuple[EntryHeader, memoryview] | None:
+        if self.memory is not None:
+            blob = self.memory.get(ek)
+            if blob is not None:
+                # Checked on the way in, and memory does not rot: sizes only, no payload hash.
+                return decode_entry(blob, verify_checksum=False)
+        if self._write_behind is not None:
+            blob = self._write_behind.pending(ek)
+            if blob is not None:
+                return decode_entry(blob, verify_checksum=False)
+        for i, tier in enumerate(self._slower):
+            blob = tier.get(ek)
+            if blob is None:
+                continue
+            try:
+                header, payload = decode_entry(blob)
+                if header.fingerprint != ek.fingerprint:
+                    raise CorruptEntry("stored under another fingerprint")
+            except CorruptEntry as e:
+                log.warning(
+                    "corrupt stored entry", extra={"tier": tier.name, "key": ek.hex(), "reason": str(e)}
+                )
+                tier.note_corrupt(ek)
+                continue  # a slower tier may still hold a good copy
+            self._promote(ek, blob, self._slower[:i])
+            return header, payload
+        return None
+
+    def _promote(self, ek: EntryKey, blob: bytes, faster: Sequence[Tier]) -> None:
+        if self.memory is not None:
+            self.memory.put(ek, blob)
+        for tier in faster:  # Redis -> disk
+            tier.put(ek, blob)
+
+    # -- writes ------------------------------------------------------------------
+
+    def put(self, fingerprint: bytes, key: bytes, blob: bytes) -> bool:
+        """Validate and store one entry blob; False when no tier could keep it.
+
+        Raises CorruptEntry (the entry is not stored) for a blob that fails
+        decode_entry, names another fingerprint or exceeds max_entry_bytes;
+        ValueError for a malformed fingerprint or key.
+        """
+        check_keys(fingerprint, [key])
+        try:
+            header, _ = decode_entry(blob)
+            if header.fingerprint != fingerprint:
+                raise CorruptEntry(
+                    f"header fingerprint {header.fingerprint.hex()[:16]}... differs from the request's"
+                )
+            if header.payload_length > self.max_entry_bytes:
+                raise CorruptEntry(
+                    f"payload of {header.payload_length} bytes exceeds --max-entry-bytes "
+                    f"{self.max_entry_bytes}"
+                )
+        except CorruptEntry:
+            self._count(invalid_entries=1)
+            raise
+        self._count(bytes_in=header.payload_length)
+        ek = EntryKey(fingerprint, key)
+        if self.memory is not None and self.memory.contains(ek):
+            # Written through when it first came; re-sending it to Redis would only cost bandwidth.
+            self.memory.put(ek, blob)  # refreshes its recency
+            return True
+        stored = self.memory is not None and self.memory.put(ek, blob)
+        if self._write_behind is not None:
+            stored = self._write_behind.offer(ek, blob) or stored
+        else:
+            for tier in self._slower:
+                stored = tier.put(ek, blob) or stored
+        return stored
+
+    def _write_slower(self, ek: EntryKey, blob: bytes) -> None:
+        for tier in self._slower:
+            tier.put(ek, blob)
+
+    def delete(self, fingerprint: bytes, keys: Sequence[bytes]) -> int:
+        """Remove entries from every tier; how many were found in some tier."""
+        check_keys(fingerprint, keys)
+        removed = 0
+        for key in keys:
+            ek = EntryKey(fingerprint, key)
+            found = self._write_behind is not None and self._write_behind.pending(ek) is not None
+            if self._write_behind is not None:
+                self._write_behind.discard(ek)
+            for tier in self.tiers:
+                found = tier.delete(ek) or found
+            removed += found
+        return removed
+
+    # -- the rest ----------------------------------------------------------------
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for write-behind to drain (True at once with write-through)."""
+        return self._write_behind.flush(timeout) if self._write_behind is not None else True
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            out = StoreStats(**{k: v for k, v in vars(self._stats).items() if k != "tiers"})
+        out.tiers = [t.stats() for t in self.tiers]
+        if self._write_behind is not None:
+            out.write_behind_dropped = self._write_behind.dropped
+            out.write_behind_pending_bytes = self._write_behind.pending_bytes
+        if self.redis is not None:
+            out.redis_errors = out.tiers[-1].errors
+            out.redis_circuit_open = self.redis.breaker.is_open
+        return out
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Finish write-behind (up to `timeout`), then release the tiers."""
+        if self._write_behind is not None:
+            self._write_behind.close(timeout)
+        for tier in self.tiers:
+            tier.close()
