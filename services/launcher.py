@@ -168,7 +168,8 @@ def start_mesh(
     """Start scheduler + workers (+ gateway when `gateway_port` is not None) and wait until ready.
 
     kvstore=True adds a KV store (memory tier unless `kvstore_args` say more); `llmesh up` does
-    by default. Its address is `mesh.kvstore_address`; nothing is told about it yet.
+    by default. Its address is `mesh.kvstore_address`, passed to the scheduler (which looks new
+    prompts up there) and to every worker (which puts and loads chunks of KV there).
 
     Every port is explicit (a free one is picked for 0), so that a child restarted by
     `Supervisor` binds the same address and its peers find it again.
@@ -177,15 +178,18 @@ def start_mesh(
     model_args = ["--model", model] if model else []
     sched_addr = f"{host}:{scheduler_port or free_port(host)}"
     sched_port = sched_addr.rsplit(":", 1)[1]
-    sched_args = ["--host", host, "--port", sched_port, *model_args, *(scheduler_args or [])]
+    kv_port = (kvstore_port or free_port(host)) if kvstore else 0
+    # The store may come up after its clients: they treat it as a miss until it answers.
+    kv_args = ["--kvstore-address", f"{host}:{kv_port}"] if kvstore else []
+    sched_args = ["--host", host, "--port", sched_port, *model_args, *kv_args, *(scheduler_args or [])]
     mesh = LocalMesh(_start_child("scheduler", sched_addr, "scheduler_svc.service", sched_args, env, log_dir))
     try:
         if kvstore:
-            mesh.kvstore = _start_kvstore(host, kvstore_port, kvstore_args or [], env, log_dir)
+            mesh.kvstore = _start_kvstore(host, kv_port, kvstore_args or [], env, log_dir)
         for i in range(num_workers):
             port = free_port(host)
             # A fixed --worker-id: a restarted worker re-registers as itself.
-            args = ["--host", host, "--port", str(port), "--scheduler", sched_addr]
+            args = ["--host", host, "--port", str(port), "--scheduler", sched_addr, *kv_args]
             args += ["--worker-id", f"worker-{i}", *model_args, *(worker_args or [])]
             mesh.workers.append(
                 _start_child(f"worker-{i}", f"{host}:{port}", "worker_svc.service", args, env, log_dir)
