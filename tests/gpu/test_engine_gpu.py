@@ -173,25 +173,36 @@ def test_graph_and_eager_steps_interleave(model_dir: str) -> None:
     assert tokens["b"][:2] == outs[1].outputs[0].token_ids[:2]
 
 
-def test_kv_tiers_on_cuda_give_the_computed_tokens(model_dir: str, graph_outputs: list) -> None:
-    """Host-tier saves/loads (pinned, copy stream) and store puts/loads round-trip the KV exactly."""
+def test_kv_tiers_on_cuda_give_the_computed_tokens(model_dir: str) -> None:
+    """Blocks loaded from the host tier (pinned, copy stream) or the store give the tokens computed ones do.
+
+    fp32, so that the comparison can be exact: in bf16, a batch that computes a suffix instead
+    of a whole prompt already moves near-tied greedy picks (the copies themselves are checked
+    bit for bit in test_kv_tiers_gpu.py).
+    """
     from llmesh.kv_store import open_kv_store
 
-    store = open_kv_store("memory:1000000000")
-    kw = dict(ENGINE, num_kv_blocks=80, kv_offload_bytes=1 << 30, kv_store=store, kv_chunk_tokens=64)
-    llm = LLM(model_dir, attention_backend="triton", **kw)
-    _assert_same_greedy(graph_outputs, _generate(llm))
+    def ids(llm: LLM) -> list[list[int]]:
+        return [t for t, _ in _generate(llm)]
+
+    kw = dict(ENGINE, dtype="float32", num_kv_blocks=80)
+    reference = ids(LLM(model_dir, attention_backend="triton", **kw))
+    _free()
+    store = open_kv_store("memory:2000000000")
+    tiers = dict(kv_offload_bytes=1 << 30, kv_store=store, kv_chunk_tokens=64)
+    llm = LLM(model_dir, attention_backend="triton", **kw, **tiers)
+    assert ids(llm) == reference
     llm.engine.flush_kv()
     flood = [list(range(5000 + 900 * i, 5000 + 900 * i + 700)) for i in range(2)]
     llm.generate([{"prompt_token_ids": p} for p in flood], SamplingParams(max_tokens=2), use_tqdm=False)
-    _assert_same_greedy(graph_outputs, _generate(llm))  # prefixes evicted from the GPU: host loads
+    assert ids(llm) == reference  # the prompts' blocks were evicted from the GPU: host loads
     stats = llm.engine.mesh.stats()["workers"]["local"]
     assert stats["host_hit_tokens"] > 0, stats
     llm.engine.flush_kv()
     del llm
     _free()
-    other = LLM(model_dir, attention_backend="triton", **dict(kw, kv_offload_bytes=0))
-    _assert_same_greedy(graph_outputs, _generate(other))  # a cold worker: store loads
+    other = LLM(model_dir, attention_backend="triton", **kw, **dict(tiers, kv_offload_bytes=0))
+    assert ids(other) == reference  # a cold worker: store loads
     stats = other.engine.mesh.stats()["workers"]["local"]
     assert stats["store_hit_tokens"] > 0 and stats["failed_loads"] == 0, stats
     del other
