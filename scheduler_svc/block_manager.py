@@ -77,11 +77,15 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def longest_cached_prefix(self, token_ids: list[int]) -> list[int]:
-        """Block ids of the longest run of leading full blocks already cached (no refs taken)."""
+    def longest_cached_prefix(self, token_ids: list[int], keys: list[bytes] | None = None) -> list[int]:
+        """Block ids of the longest run of leading full blocks already cached (no refs taken).
+
+        `keys`: the blocks' content keys if the caller has them already.
+        """
         if not self.enable_prefix_caching:
             return []
-        keys = extend_block_keys([], token_ids, self.block_size, self.fingerprint)
+        if keys is None:
+            keys = extend_block_keys([], token_ids, self.block_size, self.fingerprint)
         hits: list[int] = []
         for key in keys:
             block_id = self.cached.get(key)

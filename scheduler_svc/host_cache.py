@@ -39,6 +39,13 @@ class HostBlockIndex:
             slots.append(slot)
         return slots
 
+    def count_run(self, keys: list[bytes]) -> int:
+        """How many leading `keys` are present (a peek: recency unchanged)."""
+        n = 0
+        while n < len(keys) and keys[n] in self._slots:
+            n += 1
+        return n
+
     def pin(self, slots: list[int]) -> None:
         """Keep these slots from being saved over until `unpin_all` (the plan loading them is built)."""
         self._pinned.update(slots)

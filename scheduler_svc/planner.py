@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.kv_tiers import KVTierPlanner
+from scheduler_svc.prefix_hash import extend_block_keys
 from scheduler_svc.request import FinishReason, Request, RequestDelta, RequestStatus
 from services.step import NewSequence, ScheduledSequence, StepPlan, StepResult
 
@@ -124,6 +125,17 @@ class Planner:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """Leading tokens of a prompt this worker holds: in its GPU cache, then its host tier."""
+        blocks = self.blocks
+        if not blocks.enable_prefix_caching:
+            return 0
+        keys = extend_block_keys([], token_ids, blocks.block_size, blocks.fingerprint)
+        n = len(blocks.longest_cached_prefix(token_ids, keys))
+        if self.tiers.host.num_slots:
+            n += self.tiers.host.count_run(keys[n:])
+        return n * blocks.block_size
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -1,5 +1,8 @@
 """Pick the worker for a new request: longest cached prefix first, then least load.
 
+A worker's cached prefix counts its GPU cache and then its host (CPU) tier: both are local
+loads. What the shared KV store holds, every worker can load alike, so it does not count.
+
 A worker whose queue is far longer than the least-loaded one loses its prefix
 advantage: recomputing a prefix is cheaper than waiting behind a long queue.
 """
@@ -28,8 +31,7 @@ def route(planners: dict[str, Planner], token_ids: list[int], overload_margin: i
         return None
     choices = []
     for worker_id, planner in planners.items():
-        hit_blocks = planner.blocks.longest_cached_prefix(token_ids)
-        choices.append(RouteChoice(worker_id, len(hit_blocks) * planner.blocks.block_size, load_of(planner)))
+        choices.append(RouteChoice(worker_id, planner.cached_prefix_tokens(token_ids), load_of(planner)))
     least = min(c.load for c in choices)
     eligible = [c for c in choices if c.load <= least + overload_margin]
     return max(eligible, key=lambda c: (c.cached_tokens, -c.load))  # first maximum wins ties
