@@ -31,6 +31,7 @@ from scheduler_svc.planner import Planner, PlannerConfig
 from scheduler_svc.request import Request, RequestDelta
 from services.sampling_params import SamplingParams
 from worker_svc.config import WorkerConfig
+from worker_svc.pipeline import StepPipeline
 from worker_svc.runner import ModelRunner, shorten_gil_switch_interval
 
 T = TypeVar("T")
@@ -96,7 +97,8 @@ class LLMEngine:
         self._thread.start()
         # At garbage collection or exit: cancel the loop's tasks, then stop it (no "Task was destroyed").
         weakref.finalize(self, _stop_loop, self._loop, self._thread)
-        link = LocalWorkerLink(self.runner.execute, info, self.runner.drop_all)
+        # Plans are launched one ahead of reading the previous one's sampled ids (StepPipeline).
+        link = LocalWorkerLink(StepPipeline(self.runner), info, self.runner.drop_all)
         self._slot = self.call(lambda: self.mesh.add_worker(LOCAL_WORKER, info, link))
         self._num_sync_steps = 0
 

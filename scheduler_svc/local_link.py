@@ -1,60 +1,170 @@
-"""A worker in this process: the Step contract over a function call on a thread of its own.
+"""A worker in this process: the Step contract over function calls on a thread of its own.
 
 The offline engine, the benchmarks and the scheduling core's tests drive a
 model runner (or any `execute(plan) -> result`) through this link exactly as
 the service drives a remote worker through the gRPC Step stream: plans run
 strictly in order on one thread, several may be in flight, and the event loop
 stays free while a step runs (so planning step N+1 overlaps step N).
+
+The runner may be a `Stepper` that launches a plan before the previous one's
+result is read (worker_svc.pipeline.StepPipeline): the thread then pushes each
+plan as it comes and, when no plan is waiting, flushes the one in flight.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import queue
+import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 from scheduler_svc.mesh import Connected, LinkBroken
 from services.step import StepPlan, StepResult, WorkerInfo
+
+Outcome = StepResult | Exception
+
+
+class Stepper(Protocol):
+    @property
+    def has_pending(self) -> bool: ...
+
+    def push(self, plan: StepPlan) -> list[Outcome]:
+        """Take a plan; outcomes of the plans completed meanwhile, oldest first."""
+        ...
+
+    def flush(self) -> list[Outcome]:
+        """Complete the plan still in flight."""
+        ...
+
+
+class SerialStepper:
+    """One plan at a time, to the end: any `execute(plan) -> result` as a Stepper."""
+
+    has_pending = False
+
+    def __init__(self, execute: Callable[[StepPlan], StepResult]) -> None:
+        self._execute = execute
+
+    def push(self, plan: StepPlan) -> list[Outcome]:
+        try:
+            return [self._execute(plan)]
+        except (KeyError, ValueError) as e:
+            return [e]
+
+    def flush(self) -> list[Outcome]:
+        return []
+
+
+_STOP = object()
+
+
+class _StepThread:
+    """The link's thread and what it shares with the link: never the link itself, so that a
+    link nobody holds is collected, which stops the thread and lets the runner go."""
+
+    def __init__(self, stepper: Stepper) -> None:
+        self.stepper = stepper
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.unresolved: deque[asyncio.Future] = deque()  # resolved in order by the thread
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.last_step_id = 0
+        threading.Thread(target=self._work, name="llmesh-step", daemon=True).start()
+
+    def _work(self) -> None:
+        stepper = self.stepper
+        while True:
+            if stepper.has_pending:
+                try:
+                    item = self.queue.get_nowait()
+                except queue.Empty:  # nothing else to launch: read the step in flight now
+                    self._deliver(self._guard(stepper.flush))
+                    continue
+            else:
+                item = self.queue.get()
+            if item is _STOP:
+                self.stepper = None  # type: ignore[assignment]
+                return
+            if isinstance(item, StepPlan):
+                self._deliver(self._guard(lambda plan=item: stepper.push(plan)))
+                continue
+            fn, fut = item  # a call between plans (drop_all on reconnect)
+            self._deliver(self._guard(stepper.flush))
+            try:
+                self._resolve(fut, fn())
+            except Exception as e:
+                self._resolve(fut, e)
+
+    @staticmethod
+    def _guard(fn: Callable[[], list[Outcome]]) -> list[Outcome]:
+        try:
+            return fn()
+        except Exception as e:  # the oldest plan in flight takes the blame; the link breaks on it
+            return [e]
+
+    def _deliver(self, outcomes: list[Outcome]) -> None:
+        for outcome in outcomes:
+            if isinstance(outcome, StepResult):
+                self.last_step_id = outcome.step_id
+            self._resolve(self.unresolved.popleft(), outcome)
+
+    def _resolve(self, fut: asyncio.Future, outcome: object) -> None:
+        def settle() -> None:
+            if fut.done():
+                return
+            if isinstance(outcome, BaseException):
+                fut.set_exception(outcome)
+            else:
+                fut.set_result(outcome)
+
+        assert self.loop is not None
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            self.loop.call_soon_threadsafe(settle)
 
 
 class LocalWorkerLink:
     def __init__(
         self,
-        execute: Callable[[StepPlan], StepResult],
+        runner: Stepper | Callable[[StepPlan], StepResult],
         info: WorkerInfo,
         drop_all: Callable[[], None] | None = None,
     ) -> None:
-        self._execute = execute
+        stepper = runner if hasattr(runner, "push") else SerialStepper(runner)  # type: ignore[arg-type]
         self._drop_all = drop_all
         self.info = info
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="llmesh-step")
-        self._inflight: deque[asyncio.Future] = deque()
-        self._last_step_id = 0
+        self._inflight: deque[asyncio.Future] = deque()  # awaited by recv(), oldest first
         self._closed = False
+        self._steps = _StepThread(stepper)  # type: ignore[arg-type]
+        weakref.finalize(self, self._steps.queue.put, _STOP)
 
-    def _run(self, plan: StepPlan) -> StepResult:
-        result = self._execute(plan)
-        self._last_step_id = plan.step_id
-        return result
-
+    # ----- the link -----
     async def connect(self, timeout_s: float = 10.0) -> Connected:
         """A fresh stream: the worker forgets its sequences (after any step still running)."""
         if self._closed:
             raise LinkBroken("the local worker is closed")
+        self._steps.loop = asyncio.get_running_loop()
         while self._inflight:
             fut = self._inflight.popleft()
             await asyncio.wait([fut])
             if not fut.cancelled():
                 fut.exception()  # retrieved: a lost plan's failure is not an unhandled error
         if self._drop_all is not None:
-            await asyncio.get_running_loop().run_in_executor(self._thread, self._drop_all)
-        return Connected(self.info, self._last_step_id)
+            done = self._steps.loop.create_future()
+            self._steps.queue.put((self._drop_all, done))
+            await done
+        return Connected(self.info, self._steps.last_step_id)
 
     async def send(self, plan: StepPlan) -> None:
         if self._closed:
             raise LinkBroken("the local worker is closed")
-        self._inflight.append(asyncio.get_running_loop().run_in_executor(self._thread, self._run, plan))
+        loop = self._steps.loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._inflight.append(fut)
+        self._steps.unresolved.append(fut)
+        self._steps.queue.put(plan)
 
     async def recv(self) -> StepResult:
         if not self._inflight:
@@ -73,4 +183,4 @@ class LocalWorkerLink:
 
     async def close(self) -> None:
         self._closed = True
-        self._thread.shutdown(wait=False, cancel_futures=True)
+        self._steps.queue.put(_STOP)

@@ -119,8 +119,12 @@ class DecodeGraphs:
         slots: np.ndarray,
         seq_lens: np.ndarray,
         tables: np.ndarray,
+        patch: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Hidden states [n, hidden] of a decode batch of n = len(ids) sequences.
+
+        `patch` = (indices, ids) on the device overwrite those input ids: tokens a previous step
+        sampled that the host has not read yet.
 
         `tables` is [n, w] with w the widest block count this step; columns beyond w in the
         static table keep stale values that no sequence reads (it stops at its own length).
@@ -139,6 +143,8 @@ class DecodeGraphs:
         bt[:n] = tables
         d_i64, d_lens, d_bt = self.runner.upload([i64, lens, bt])
         self.i64[:, :b].copy_(d_i64)
+        if patch is not None:
+            self.i64[0].index_copy_(0, *patch)
         self.seq_lens[:b].copy_(d_lens)
         self.block_tables[:b, :w].copy_(d_bt)
         if b in self.graphs:

@@ -29,7 +29,7 @@ from worker_svc.kv_cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_b
 from worker_svc.kv_tiers import KVStoreLink, WorkerKVTiers
 from worker_svc.loader import load_model, model_fingerprint
 from worker_svc.model_files import resolve_model
-from worker_svc.sampler import Sampler, SamplingRow
+from worker_svc.sampler import SampledIds, Sampler, SamplingRow
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,19 @@ class SequenceState:
     seq_id: str = ""
     row: int = -1  # this sequence's row of the runner's host block table
     sampling_row: SamplingRow | None = None  # cached (live views) when no penalty needs copies
+    # A step launched but not finished samples this sequence's next token: it is on the device
+    # (row `inflight_row` of that step's sampled ids), not yet in token_ids.
+    inflight: LaunchedStep | None = None
+    inflight_row: int = -1
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose GPU work is queued; `ModelRunner.finish` reads its sampled ids."""
+
+    result: StepResult
+    sampling: list[SequenceState]
+    sampled: SampledIds | None = None
 
 
 class _TokenSpan(Sequence[int]):
@@ -314,14 +327,35 @@ class ModelRunner:
         return pack_to_device(arrays, self.device)
 
     # ----- execution -----
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        """Run one plan to the end (its sampled ids read back)."""
+        return self.finish(self.launch(plan))
+
+    def can_follow(self, plan: StepPlan) -> bool:
+        """Whether `plan` may be launched while the step before it is still unfinished.
+
+        The next token of a sequence in flight is known only on the device. It can be fed to
+        the forward from there, but a sampler that reads the output so far (penalties, a
+        seed's per-position draw, min_tokens) needs it on the host first.
+        """
+        for s in plan.scheduled:
+            st = self.seqs.get(s.seq_id)
+            if st is not None and st.inflight is not None:
+                p = st.params
+                if _uses_penalties(p) or p.seed is not None or p.min_tokens > 0:
+                    return False
+        return True
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """Queue a plan's forward and sampling; a sequence's token still in flight is read on the device."""
         order = self._apply(plan)
         result = StepResult(step_id=plan.step_id)
         if plan.kv:
             order = self._transfer(plan, order, result)
+        launched = LaunchedStep(result, [])
         if not order:
-            return result
+            return launched
         bs = self.config.block_size
         n = len(order)
         starts = np.empty(n, dtype=np.int64)
@@ -330,23 +364,33 @@ class ModelRunner:
         input_ids: list[int] = []
         sample_rows: list[int] = []  # index in the batch of the sequences that sample
         sampling: list[SequenceState] = []
+        # (index in input_ids, row of the previous step's sampled ids) for tokens still in flight.
+        from_device: list[tuple[int, int]] = []
+        prev: SampledIds | None = None
         pure_decode = True
         for i, (st, num_new) in enumerate(order):
             start = st.num_computed_tokens
             end = start + num_new
-            if end > len(st.token_ids) or end > len(st.block_ids) * bs:
+            known = len(st.token_ids)
+            total = known + (st.inflight is not None)
+            if end > total or end > len(st.block_ids) * bs:
                 raise ValueError(f"sequence {st.seq_id!r}: {end} tokens exceed its tokens or blocks")
             starts[i] = start
             query_lens[i] = num_new
             rows[i] = st.row
-            if num_new == 1:
-                input_ids.append(st.token_ids[start])
-            else:
+            if num_new != 1:
                 pure_decode = False
-                input_ids.extend(st.token_ids[start:end])
-            if end == len(st.token_ids):
+            input_ids.extend(st.token_ids[start:min(end, known)])
+            if end > known:  # its last input is the token the unfinished step samples
+                assert st.inflight is not None and st.inflight.sampled is not None
+                prev = st.inflight.sampled
+                from_device.append((len(input_ids), st.inflight_row))
+                input_ids.append(0)
+            if end == total:
+                st.inflight, st.inflight_row = launched, len(sampling)
                 sample_rows.append(i)
                 sampling.append(st)
+        launched.sampling = sampling
         seq_lens = starts + query_lens
         max_seq_len = int(seq_lens.max())
         table = self._tables.table
@@ -363,10 +407,15 @@ class ModelRunner:
             positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - qsl[:-1], query_lens)
             token_rows = np.repeat(rows, query_lens)
         slots = table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        patch = None
+        if from_device:
+            assert prev is not None
+            where = self.upload([np.asarray(from_device, dtype=np.int64).T.copy()])[0]
+            patch = (where[0], prev.sampled.index_select(0, where[1]).to(torch.int64))
 
         graphs = self._graphs
         if pure_decode and graphs is not None and n <= graphs.max_size and width <= graphs.width:
-            hidden = graphs.run(ids, positions, slots, seq_lens.astype(np.int32), tables)
+            hidden = graphs.run(ids, positions, slots, seq_lens.astype(np.int32), tables, patch)
             all_sample = len(sample_rows) == n
             last_rows = None if all_sample else np.asarray(sample_rows, dtype=np.int64)
             sample_index = None if all_sample else self.upload([last_rows])[0]
@@ -378,6 +427,8 @@ class ModelRunner:
             d_ids, d_pos, d_slots, d_last, d_qsl, d_lens, d_tables = self.upload(
                 [ids, positions, slots, last, qsl.astype(np.int32), seq_lens.astype(np.int32), tables]
             )
+            if patch is not None:
+                d_ids.index_copy_(0, *patch)
             meta = AttentionMetadata(
                 slot_mapping=d_slots,
                 query_start_loc=d_qsl,
@@ -393,14 +444,24 @@ class ModelRunner:
         for st, num_new in order:
             st.num_computed_tokens += num_new
         if not sampling:
-            return result
+            return launched
         picked = hidden if sample_index is None else hidden[sample_index]
         logits = self.model.compute_logits(picked)
-        token_ids, logprobs = self.sampler.sample(logits, [self._sampling_row(st) for st in sampling])
-        seq_ids = [st.seq_id for st in sampling]
-        for st, token_id in zip(sampling, token_ids, strict=True):
+        launched.sampled = self.sampler.sample_async(logits, [self._sampling_row(st) for st in sampling])
+        return launched
+
+    def finish(self, launched: LaunchedStep) -> StepResult:
+        """Read a launched step's sampled ids (waiting for the device) and append them."""
+        result = launched.result
+        if launched.sampled is None:
+            return result
+        token_ids, logprobs = launched.sampled.wait()
+        for st, token_id in zip(launched.sampling, token_ids, strict=True):
             st.token_ids.append(token_id)
-        result.seq_ids, result.token_ids, result.logprobs = seq_ids, token_ids, logprobs
+            if st.inflight is launched:
+                st.inflight = None
+        result.seq_ids = [st.seq_id for st in launched.sampling]
+        result.token_ids, result.logprobs = token_ids, logprobs
         return result
 
     def _sampling_row(self, st: SequenceState) -> SamplingRow:

@@ -63,6 +63,53 @@ def seeded_draw_seed(seed: int, num_output_tokens: int) -> int:
     return int.from_bytes(hashlib.sha256(data).digest()[:8], "little") & _MASK63
 
 
+@dataclass
+class SampledIds:
+    """One step's sampled ids: on the device at once, on the host after `wait()`."""
+
+    sampled: torch.Tensor  # int32 [rows] on the device
+    _host: torch.Tensor  # packed int32 results on the host, complete once `_done` fires
+    _done: torch.cuda.Event | None
+    _logprobs: list[int | None]  # each row's requested number of top logprobs
+    _lp_rows: list[int]
+    _k_max: int
+
+    @classmethod
+    def empty(cls, device: torch.device) -> SampledIds:
+        none = torch.empty(0, dtype=torch.int32)
+        return cls(none.to(device), none, None, [], [], 0)
+
+    def wait(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        if self._done is not None:
+            self._done.synchronize()
+        host = self._host
+        num_rows = len(self._logprobs)
+        ids = host[:num_rows].tolist()
+        out: list[TokenLogprobs | None] = [None] * num_rows
+        n_lp, k_max = len(self._lp_rows), self._k_max
+        if not n_lp:
+            return ids, out
+        off = num_rows
+        tok_lps = host[off : off + n_lp].view(torch.float32).tolist()
+        off += n_lp
+        ranks = host[off : off + n_lp].tolist()
+        off += n_lp
+        if k_max > 0:
+            top_ids_h = host[off : off + n_lp * k_max].view(n_lp, k_max).tolist()
+            off += n_lp * k_max
+            top_lps_h = host[off : off + n_lp * k_max].view(torch.float32).view(n_lp, k_max).tolist()
+        for j, i in enumerate(self._lp_rows):
+            k = self._logprobs[i] or 0
+            out[i] = TokenLogprobs(
+                token_id=ids[i],
+                logprob=tok_lps[j],
+                rank=ranks[j],
+                top_token_ids=top_ids_h[j][:k] if k else [],
+                top_logprobs=top_lps_h[j][:k] if k else [],
+            )
+        return ids, out
+
+
 class Sampler:
     # Above this k, sorting the vocabulary once beats torch.topk.
     TOPK_PATH_MAX_K = 1024
@@ -125,12 +172,15 @@ class Sampler:
 
     # -- the step -------------------------------------------------------------
 
-    def sample(
-        self, logits: torch.Tensor, rows: list[SamplingRow]
-    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+    def sample_async(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampledIds:
+        """Queue the sampling of each row; the ids stay on the device until `wait()` reads them.
+
+        The next step may take its input ids from `SampledIds.sampled` before they are read, so
+        the host never waits on the device between two steps.
+        """
         num_rows = len(rows)
         if num_rows == 0:
-            return [], []
+            return SampledIds.empty(self.device)
         if logits.dim() != 2 or logits.shape[0] != num_rows or logits.shape[1] < self.vocab_size:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {num_rows} rows x {self.vocab_size}")
         logits = self._private_copy(logits)
@@ -317,47 +367,39 @@ class Sampler:
         raw_logprobs: torch.Tensor | None,  # [L, V], rows of lp_rows
         rows: list[SamplingRow],
         lp_rows: list[int],
-    ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        num_rows = len(rows)
+    ) -> SampledIds:
+        """Start the one device->host copy of the results; `SampledIds.wait()` reads them."""
         sampled = sampled.to(torch.int32)
+        k_max = 0
         if raw_logprobs is None:
-            return sampled.cpu().tolist(), [None] * num_rows
+            packed = sampled
+        else:
+            # Pack everything into one int32 tensor (floats bit-cast, not converted) so that
+            # the step costs a single device->host copy.
+            k_max = max(rows[i].params.logprobs or 0 for i in lp_rows)
+            lp = raw_logprobs
+            _, tok = self._rows(sampled, lp_rows)
+            tok = tok.long()
+            tok_lp = lp.gather(1, tok[:, None])  # [L, 1]
+            # Rank 1 = most likely; tokens tied with the sampled one do not push it down.
+            rank = (lp > tok_lp).sum(dim=-1, dtype=torch.int32) + 1
+            parts = [sampled, tok_lp[:, 0].view(torch.int32), rank]
+            if k_max > 0:
+                top_lp, top_ids = lp.topk(k_max, dim=-1)
+                parts += [top_ids.to(torch.int32).reshape(-1), top_lp.reshape(-1).view(torch.int32)]
+            packed = torch.cat(parts)
+        done = None
+        if packed.is_cuda:
+            host = torch.empty(packed.shape, dtype=torch.int32, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host = packed
+        return SampledIds(sampled, host, done, [r.params.logprobs for r in rows], lp_rows, k_max)
 
-        # Pack everything into one int32 tensor (floats bit-cast, not converted) so that
-        # the step costs a single device->host copy.
-        n_lp = len(lp_rows)
-        k_max = max(rows[i].params.logprobs or 0 for i in lp_rows)
-        lp = raw_logprobs
-        _, tok = self._rows(sampled, lp_rows)
-        tok = tok.long()
-        tok_lp = lp.gather(1, tok[:, None])  # [L, 1]
-        # Rank 1 = most likely; tokens tied with the sampled one do not push it down.
-        rank = (lp > tok_lp).sum(dim=-1, dtype=torch.int32) + 1
-        parts = [sampled, tok_lp[:, 0].view(torch.int32), rank]
-        if k_max > 0:
-            top_lp, top_ids = lp.topk(k_max, dim=-1)
-            parts += [top_ids.to(torch.int32).reshape(-1), top_lp.reshape(-1).view(torch.int32)]
-        host = torch.cat(parts).cpu()
-
-        ids = host[:num_rows].tolist()
-        off = num_rows
-        tok_lps = host[off : off + n_lp].view(torch.float32).tolist()
-        off += n_lp
-        ranks = host[off : off + n_lp].tolist()
-        off += n_lp
-        if k_max > 0:
-            top_ids_h = host[off : off + n_lp * k_max].view(n_lp, k_max).tolist()
-            off += n_lp * k_max
-            top_lps_h = host[off : off + n_lp * k_max].view(torch.float32).view(n_lp, k_max).tolist()
-
-        out: list[TokenLogprobs | None] = [None] * num_rows
-        for j, i in enumerate(lp_rows):
-            k = rows[i].params.logprobs or 0
-            out[i] = TokenLogprobs(
-                token_id=ids[i],
-                logprob=tok_lps[j],
-                rank=ranks[j],
-                top_token_ids=top_ids_h[j][:k] if k else [],
-                top_logprobs=top_lps_h[j][:k] if k else [],
-            )
-        return ids, out
+    def sample(
+        self, logits: torch.Tensor, rows: list[SamplingRow]
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Sampled token ids (and logprobs) of each row; waits for the device."""
+        return self.sample_async(logits, rows).wait()
