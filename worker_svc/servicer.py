@@ -25,10 +25,15 @@ import grpc
 
 from llmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.convert import step_plan_from_proto, step_result_to_proto, worker_info_to_proto
-from services.step import STEP_TOKEN_METADATA, StepPlan, StepResult
+from services.step import STEP_TOKEN_METADATA, StepResult
+from worker_svc.pipeline import StepPipeline
 from worker_svc.runner import ModelRunner
 
 log = logging.getLogger(__name__)
+
+# How long a worker with a step in flight waits for the next plan before it reads that step's
+# results instead: a plan the scheduler already sent is on the socket by then.
+ARRIVAL_GRACE_S = 0.0002
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -110,9 +115,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         log.info("step stream opened", extra={"epoch": epoch, "peer": context.peer()})
         plans = request_iterator.__aiter__()
         stop = asyncio.ensure_future(replaced.wait())  # one waiter for the stream's life
+        # Plans are launched one ahead of reading the previous one's sampled ids when the next
+        # plan is already here (the scheduler keeps one in flight ahead): the GPU never waits
+        # for this process between two steps.
+        pipeline = StepPipeline(runner)
+        read: asyncio.Future | None = None
         try:
             while True:
-                msg = await _next_or_none(plans, stop)
+                if read is None:
+                    read = asyncio.ensure_future(anext(plans, None))
+                if pipeline.has_pending and not await _arrives_now(read, stop):
+                    async with self._lock:  # no plan waiting: read the step in flight now
+                        outcomes = await self._run_whole(pipeline.flush)
+                    for outcome in outcomes:
+                        yield await self._result_or_abort(outcome, runner, context)
+                    continue
+                msg = await _next_or_none(read, stop)
+                read = None
                 if replaced.is_set():
                     await context.abort(grpc.StatusCode.ABORTED, "a newer Step stream replaced this one")
                 if msg is None:
@@ -122,22 +141,30 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 except ValueError as e:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad plan: {e}")
                 if plan.step_id == 0:
-                    if plan.num_seqs or plan.finished_ids or plan.preempted_ids:
+                    if plan.num_seqs or plan.finished_ids or plan.preempted_ids or plan.kv:
                         await context.abort(
                             grpc.StatusCode.INVALID_ARGUMENT, "a sync plan (step_id 0) must be empty"
                         )
+                    if pipeline.has_pending:  # results go back in plan order
+                        async with self._lock:
+                            outcomes = await self._run_whole(pipeline.flush)
+                        for outcome in outcomes:
+                            yield await self._result_or_abort(outcome, runner, context)
                     yield step_result_to_proto(StepResult(step_id=0))
                     continue
                 async with self._lock:
-                    try:
-                        result = await self._execute_whole(runner, plan)
-                    except (KeyError, ValueError) as e:
-                        # The plan contradicts the worker's state: the scheduler must resync.
-                        runner.drop_all()
-                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"plan rejected: {e}")
-                yield step_result_to_proto(result)
+                    outcomes = await self._run_whole(lambda plan=plan: pipeline.push(plan))
+                for outcome in outcomes:
+                    yield await self._result_or_abort(outcome, runner, context)
         finally:
             stop.cancel()
+            if read is not None:
+                read.cancel()
+            # A launched step still writes its KV: wait for it (even when cancelled: this is the end).
+            if pipeline.has_pending:
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    async with self._lock:
+                        await self._run_whole(pipeline.flush)
             if epoch == self._stream_epoch:
                 self._stream_closed_at = time.monotonic()
                 self._replaced = None
@@ -145,13 +172,25 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     runner.drop_all()
             log.info("step stream closed", extra={"epoch": epoch})
 
-    async def _execute_whole(self, runner: ModelRunner, plan: StepPlan) -> StepResult:
-        """Run one plan in a thread; if the stream is cancelled meanwhile, still wait for it to end."""
-        task = asyncio.ensure_future(asyncio.to_thread(runner.execute, plan))
+    async def _result_or_abort(self, outcome, runner: ModelRunner, context) -> worker_pb2.StepResult:
+        if isinstance(outcome, KeyError | ValueError):
+            # The plan contradicts the worker's state: the scheduler must resync.
+            runner.drop_all()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"plan rejected: {outcome}")
+        if isinstance(outcome, Exception):
+            raise outcome
+        return step_result_to_proto(outcome)
+
+    async def _run_whole(self, fn) -> list:
+        """Run pipeline work in a thread; if the stream is cancelled meanwhile, still wait for it to end."""
+        task = asyncio.ensure_future(asyncio.to_thread(fn))
 
         def executed(t: asyncio.Future) -> None:
-            if not t.cancelled() and t.exception() is None:
-                self._last_step_id = plan.step_id
+            if t.cancelled() or t.exception() is not None:
+                return
+            done = [o.step_id for o in t.result() if isinstance(o, StepResult)]
+            if done:
+                self._last_step_id = done[-1]
 
         task.add_done_callback(executed)
         try:
@@ -162,17 +201,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise
 
 
-async def _next_or_none(plans: AsyncIterator, stop: asyncio.Future):
+async def _arrives_now(read: asyncio.Future, stop: asyncio.Future) -> bool:
+    """Whether the next plan (or the stream's end) is already here, after one look at the socket."""
+    if not read.done() and not stop.done():
+        await asyncio.wait((read, stop), timeout=ARRIVAL_GRACE_S)
+    return read.done() or stop.done()
+
+
+async def _next_or_none(read: asyncio.Future, stop: asyncio.Future):
     """The next plan, or None at the end of the stream or once `stop` is done (the stream was replaced)."""
+    if not stop.done():
+        await asyncio.wait((read, stop), return_when=asyncio.FIRST_COMPLETED)
     if stop.done():
         return None
-    read = asyncio.ensure_future(anext(plans, None))
-    try:
-        await asyncio.wait((read, stop), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not read.done():
-            read.cancel()
-    return read.result() if read.done() and not read.cancelled() else None
+    return read.result() if not read.cancelled() else None
 
 
 class _Abort(Exception):
