@@ -122,7 +122,11 @@ def test_cuda_graphs_match_eager(model_dir: str, graph_outputs: list) -> None:
 
 
 def test_decode_step_syncs_only_for_sampled_ids(model_dir: str) -> None:
-    """A graph decode step performs exactly one synchronising CUDA call: the sampled ids' copy."""
+    """A graph decode step performs at most one synchronising CUDA call: waiting for the sampled ids.
+
+    The ids come back through a pinned buffer whose copy completes an event; waiting on an event
+    is not flagged by the sync debug mode, so a clean step shows none (an old `.cpu()` showed one).
+    """
     llm = LLM(model_dir, attention_backend="triton", **ENGINE)
     engine = llm.engine
     sp = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
@@ -140,7 +144,7 @@ def test_decode_step_syncs_only_for_sampled_ids(model_dir: str) -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
-    assert len(syncs) == 1, [str(w.message) for w in syncs]
+    assert len(syncs) <= 1, [str(w.message) for w in syncs]
     del llm, engine
     _free()
 
