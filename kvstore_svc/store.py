@@ -206,7 +206,7 @@ class TieredKVStore:
 
     # -- writes ------------------------------------------------------------------
 
-    def put(self, fingerprint: bytes, key: bytes, blob: bytes) -> bool:
+    def put(self, fingerprint: bytes, key: bytes, blob: bytes, *, verify_checksum: bool = True) -> bool:
         """Validate and store one entry blob; False when no tier could keep it.
 
         Raises CorruptEntry (the entry is not stored) for a blob that fails
@@ -215,7 +215,8 @@ class TieredKVStore:
         """
         check_keys(fingerprint, [key])
         try:
-            header, _ = decode_entry(blob)
+            # verify_checksum=False only for a blob this process just encoded (an in-process store).
+            header, _ = decode_entry(blob, verify_checksum=verify_checksum)
             if header.fingerprint != fingerprint:
                 raise CorruptEntry(
                     f"header fingerprint {header.fingerprint.hex()[:16]}... differs from the request's"

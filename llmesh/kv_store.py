@@ -28,8 +28,11 @@ class InProcessKVStore:
         return self.store.lookup(fingerprint, keys)
 
     def put(self, fingerprint: bytes, entries: list) -> int:
-        put = self.store.put
-        return sum(put(fingerprint, key, encode_entry(header, data)) for key, header, data in entries)
+        # The worker made each header from its payload moments ago: hashing it twice more buys nothing.
+        return sum(
+            self.store.put(fingerprint, key, encode_entry(header, data, verify=False), verify_checksum=False)
+            for key, header, data in entries
+        )
 
     def get(self, fingerprint: bytes, keys: list[bytes]) -> list:
         out = []

@@ -104,8 +104,10 @@ class WorkerKVTiers:
     def _gather(self, block_ids: list[int]) -> torch.Tensor:
         """[n, layers, 2, block_size, heads, head_dim] copy of blocks, on the cache's device."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        stacked = torch.stack([c.index_select(1, idx) for c in self.kv_caches], dim=1)  # [2, L, n, ...]
-        return stacked.transpose(0, 2).contiguous()
+        out = torch.empty((len(block_ids), *self.block_shape), dtype=self.spec.dtype, device=self.device)
+        for layer, cache in enumerate(self.kv_caches):  # one gather per layer, straight into place
+            out[:, layer].copy_(cache.index_select(1, idx).transpose(0, 1))
+        return out
 
     def _scatter(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Write [n, layers, 2, ...] into blocks `block_ids` (data on any device)."""
