@@ -20,6 +20,9 @@ from gateway.protocol import ChatCompletionRequest, CompletionRequest, Detokeniz
 from gateway.serving_chat import create_chat_completion
 from gateway.serving_completion import create_completion
 from gateway.state import GatewayState
+from gateway.streaming import RAW_SEND
+
+READY_WAIT_S = 120.0  # how long a process of a multi-process gateway waits to be ready before listening
 
 
 def _version() -> str:
@@ -29,6 +32,12 @@ def _version() -> str:
         return "0.0.0+unknown"
 
 
+class _App(FastAPI):
+    async def __call__(self, scope, receive, send) -> None:
+        scope[RAW_SEND] = send  # before any middleware wraps it: SSE bodies go straight to the server
+        await super().__call__(scope, receive, send)
+
+
 def create_app(config: GatewayConfig, state: GatewayState | None = None) -> FastAPI:
     state = state or GatewayState(config)
 
@@ -36,6 +45,17 @@ def create_app(config: GatewayConfig, state: GatewayState | None = None) -> Fast
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await state.client.start()
         connecting = asyncio.ensure_future(state.connect())
+        if config.reuse_port:
+            # One of several processes on the port: uvicorn listens once this returns, so wait
+            # (a while) until ready; the kernel then never hands a client to a process that
+            # would answer 503 while the others serve. Past the wait, listen and answer 503.
+            # A SIGTERM meanwhile (uvicorn's should_exit; gateway/service.py) ends the wait.
+            server = getattr(app.state, "uvicorn", None)
+            deadline = asyncio.get_running_loop().time() + READY_WAIT_S
+            while not connecting.done() and asyncio.get_running_loop().time() < deadline:
+                if server is not None and server.should_exit:
+                    break
+                await asyncio.wait({connecting}, timeout=0.25)
         try:
             yield
         finally:
@@ -45,7 +65,7 @@ def create_app(config: GatewayConfig, state: GatewayState | None = None) -> Fast
             await state.client.close()
             state.close()
 
-    app = FastAPI(
+    app = _App(
         title="llmesh gateway",
         description="OpenAI-compatible API over an llmesh mesh",
         version=_version(),

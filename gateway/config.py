@@ -20,6 +20,22 @@ class GatewayConfig(RequestLimits):
 
     host: str = option("127.0.0.1", help="address to bind; a wildcard address exposes it beyond this machine")
     port: int = option(8000, help="HTTP port; 0 = any free port")
+    api_server_count: int = option(
+        1,
+        help="gateway processes serving the port (SO_REUSEPORT), each with its own channel to the "
+        "scheduler; a parent process supervises them, forwards SIGTERM and exits 0 once they drained",
+    )
+    reuse_port: bool = option(
+        False,
+        help="bind with SO_REUSEPORT and take connections only once ready (set by --api-server-count "
+        "for each of its processes)",
+    )
+    http_keep_alive_s: float = option(
+        75.0,
+        help="seconds an idle HTTP keep-alive connection stays open; longer than clients' pools keep "
+        "them (httpx 5 s) so that a client never sends on a connection the gateway is closing",
+    )
+    http_backlog: int = option(4096, help="connections the listening socket queues before accept()")
     scheduler: str = option("127.0.0.1:50051", help="scheduler host:port (llmesh.v1.Scheduler)")
     keepalive_s: float = option(
         DEFAULT_KEEPALIVE_S, help="idle seconds between HTTP/2 pings to the scheduler (>= 1)"
@@ -51,6 +67,8 @@ class GatewayConfig(RequestLimits):
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         for name in (
+            "api_server_count",
+            "http_backlog",
             "max_prompts",
             "max_seqs_per_request",
             "max_concurrent_prompts",
@@ -59,6 +77,8 @@ class GatewayConfig(RequestLimits):
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.http_keep_alive_s <= 0:
+            raise ValueError(f"http_keep_alive_s must be > 0, got {self.http_keep_alive_s}")
         if self.request_timeout_s <= 0 or self.health_timeout_s <= 0:
             raise ValueError("request_timeout_s and health_timeout_s must be > 0")
         if self.log_format not in ("json", "text"):

@@ -1,17 +1,20 @@
 """One request's generation on the scheduler: n choices, detokenized, stop strings matched.
 
-Each choice is its own `Generate` call (n = 1, seed + i as the scheduler would
-use), so that a stop string ends just its choice: cancelling the call aborts
-that request upstream and frees its KV blocks, while the other choices go on.
-The gateway detokenizes incrementally (multi-byte characters and merges come
-out whole) and holds back text that may still become a stop string.
+Each choice is its own `Generate` call (n = 1, the seed `services/choices.py` gives choice i,
+as the scheduler's own fan-out would), so that a stop string ends just its choice: cancelling
+the call aborts that request upstream and frees its KV blocks, while the other choices go on.
+The per-choice work (incremental detokenization, stop strings, held-back text, finish and stop
+reasons) is the shared `ChoiceState`; this module adapts it to the scheduler's responses.
+
+Responses pile up in one queue while the client reads slower than tokens arrive; each turn
+takes everything pending and hands out one merged delta per choice (one SSE event, not a
+backlog of one-token events that would only slow the reader further).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,21 +22,21 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from gateway.errors import APIError, from_grpc
+from gateway.errors import APIError, bad_request, from_grpc
 from gateway.scheduler_client import SchedulerClient
 from gateway.tokenizer import Tokenizer
 from llmesh.v1 import generation_pb2
+from services.choices import ABORT, LENGTH, STOP, ChoiceState, FanOut
 from services.convert import logprobs_from_proto, sampling_params_to_proto
-from services.detokenizer import IncrementalDetokenizer, find_stop, held_back
-from services.sampling_params import SamplingParams
+from services.sampling_params import SamplingParams, SamplingParamsError
 
 _FINISH = {
-    generation_pb2.FINISH_REASON_STOP: "stop",
-    generation_pb2.FINISH_REASON_LENGTH: "length",
-    generation_pb2.FINISH_REASON_ABORT: "abort",
+    generation_pb2.FINISH_REASON_STOP: STOP,
+    generation_pb2.FINISH_REASON_LENGTH: LENGTH,
+    generation_pb2.FINISH_REASON_ABORT: ABORT,
 }
+_UNSPECIFIED = generation_pb2.FINISH_REASON_UNSPECIFIED
 _END = object()  # a call's stream ended
-_SEED_SPAN = 2**64
 
 
 @dataclass
@@ -45,7 +48,7 @@ class TokenLogprob:
 
 @dataclass
 class ChoiceDelta:
-    """What one upstream response added to a choice."""
+    """What upstream responses added to a choice."""
 
     index: int
     text: str = ""
@@ -54,73 +57,70 @@ class ChoiceDelta:
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
+    def extend(self, later: ChoiceDelta) -> None:
+        """Append a later delta of the same choice (coalescing)."""
+        self.text += later.text
+        self.token_ids.extend(later.token_ids)
+        self.logprobs.extend(later.logprobs)
+        if later.finish_reason is not None:
+            self.finish_reason, self.stop_reason = later.finish_reason, later.stop_reason
 
-class ChoiceState:
-    """Detokenizes one choice and matches its stop strings."""
+
+class ChoiceStream:
+    """One choice: the scheduler's responses in, ChoiceDeltas out (via the shared ChoiceState)."""
 
     def __init__(
-        self, index: int, tokenizer: Tokenizer, stops: list[str], skip_special: bool, include_stop: bool
+        self,
+        index: int,
+        tokenizer: Tokenizer,
+        stops: list[str],
+        skip_special: bool,
+        include_stop: bool,
+        stop_token_ids: list[int] | None = None,
     ) -> None:
         self.index = index
-        self.stops = stops
-        self.include_stop = include_stop
-        self.detok = IncrementalDetokenizer(tokenizer.hf, skip_special)
-        self.sent = 0  # characters of detok.text already handed out
-        self.num_tokens = 0
-        self.finished = False
-        self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
+        self.state = ChoiceState(
+            tokenizer.hf,
+            stop=stops,
+            stop_token_ids=stop_token_ids or (),
+            skip_special_tokens=skip_special,
+            include_stop_str_in_output=include_stop,
+        )
         self.cached_tokens = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.state.num_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.state.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.state.finish_reason
 
     def absorb(self, resp: generation_pb2.GenerateResponse) -> tuple[ChoiceDelta, bool]:
         """Take one response; return its delta and whether the upstream call must be cancelled."""
-        delta = ChoiceDelta(self.index)
         ids = list(resp.token_ids)
-        lps = logprobs_from_proto(resp.logprobs, ids) if resp.HasField("logprobs") else []
-        upstream_done = resp.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED
-        cancel = False
-        for j, tok in enumerate(ids):
-            self.num_tokens += 1
-            delta.token_ids.append(tok)
-            if lps and lps[j] is not None:
-                e = lps[j]
-                delta.logprobs.append(
-                    TokenLogprob(tok, e.logprob, list(zip(e.top_token_ids, e.top_logprobs, strict=True)))
-                )
-            new = self.detok.push([tok])
-            if new and self._match_stop(len(new)):
-                cancel = not upstream_done or j < len(ids) - 1
-                break
-        if upstream_done and not self.finished:
-            rest = self.detok.flush()
-            if not (rest and self._match_stop(len(rest))):
-                self.finished = True
-                self.finish_reason = _FINISH.get(resp.finish_reason, "abort")
-                if resp.WhichOneof("stop_reason") == "stop_token_id":
-                    self.stop_reason = resp.stop_token_id
+        finish = None
+        if resp.finish_reason != _UNSPECIFIED:
+            finish = _FINISH.get(resp.finish_reason, ABORT)
+        stop_id = resp.stop_token_id if resp.WhichOneof("stop_reason") == "stop_token_id" else None
+        up = self.state.absorb(ids, finish, stop_id)
+        delta = ChoiceDelta(self.index, up.text, ids if up.num_tokens == len(ids) else ids[: up.num_tokens])
+        if resp.HasField("logprobs"):
+            lps = logprobs_from_proto(resp.logprobs, ids)
+            for tok, e in zip(delta.token_ids, lps, strict=False):
+                if e is not None:
+                    top = list(zip(e.top_token_ids, e.top_logprobs, strict=True))
+                    delta.logprobs.append(TokenLogprob(tok, e.logprob, top))
         if resp.HasField("usage"):
             self.cached_tokens = resp.usage.cached_prompt_tokens
-        end = len(self.detok.text)
-        if not self.finished and self.stops:
-            end -= held_back(self.detok.text, self.stops)
-        if end > self.sent:
-            delta.text = self.detok.text[self.sent : end]
-            self.sent = end
-        delta.finish_reason = self.finish_reason
-        delta.stop_reason = self.stop_reason
-        return delta, cancel
-
-    def _match_stop(self, new_len: int) -> bool:
-        text = self.detok.text
-        idx = find_stop(text, new_len, self.stops)
-        if idx == -1:
-            return False
-        stop = next(s for s in self.stops if text.startswith(s, idx))
-        self.detok.text = text[: idx + len(stop)] if self.include_stop else text[:idx]
-        self.finished = True
-        self.finish_reason = "stop"
-        self.stop_reason = stop
-        return True
+        if self.state.finished:
+            delta.finish_reason = self.state.finish_reason
+            delta.stop_reason = self.state.stop_reason
+        return delta, up.cancel
 
 
 @dataclass
@@ -133,15 +133,8 @@ class Timings:
     token_gaps: list[float] = field(default_factory=list)  # between a choice's successive outputs
 
 
-def _child_seed(seed: int | None, i: int) -> int | None:
-    if seed is None:
-        return None
-    # Wrap inside int64 like the scheduler's seed + i would have to.
-    return (seed + i + 2**63) % _SEED_SPAN - 2**63
-
-
 class Generation:
-    """The n choices of one prompt, merged into one stream of ChoiceDeltas."""
+    """The n choices of one prompt, merged into one stream of ChoiceDelta batches."""
 
     def __init__(
         self,
@@ -165,9 +158,19 @@ class Generation:
         self.priority = priority
         self.request_id = uuid.uuid4().hex
         self.timings = Timings()
+        try:
+            # Stop strings stay here: the gateway matches them on its own detokenized text.
+            self.fanout = FanOut.plan(self.request_id, params, keep_stop=False)
+        except SamplingParamsError as e:
+            raise bad_request(e.param, str(e).split(": ", 1)[-1]) from e
         self.states = [
-            ChoiceState(
-                first_index + i, tokenizer, params.stop, skip_special_tokens, include_stop_str_in_output
+            ChoiceStream(
+                first_index + i,
+                tokenizer,
+                params.stop,
+                skip_special_tokens,
+                include_stop_str_in_output,
+                params.stop_token_ids,
             )
             for i in range(params.n)
         ]
@@ -182,58 +185,80 @@ class Generation:
     def cached_tokens(self) -> int:
         return max((s.cached_tokens for s in self.states), default=0)
 
-    def _request(self, i: int) -> generation_pb2.GenerateRequest:
-        # Stop strings stay here: the gateway matches them on its own detokenized text.
-        child = dataclasses.replace(self.params, n=1, seed=_child_seed(self.params.seed, i), stop=[])
+    def _request(self, child_id: str, params: SamplingParams) -> generation_pb2.GenerateRequest:
         return generation_pb2.GenerateRequest(
-            request_id=f"{self.request_id}-{i}",
+            request_id=child_id,
             model=self.model,
             prompt_token_ids=generation_pb2.TokenIds(ids=self.prompt_ids),
-            sampling_params=sampling_params_to_proto(child),
+            sampling_params=sampling_params_to_proto(params),
             priority=self.priority,
         )
 
     async def _pump(self, i: int, call: grpc.aio.UnaryStreamCall, queue: asyncio.Queue) -> None:
+        put = queue.put_nowait
         try:
             async for resp in call:
-                queue.put_nowait((i, resp))
-            queue.put_nowait((i, _END))
+                put((i, resp))
+            put((i, _END))
         except grpc.RpcError as e:
-            queue.put_nowait((i, e))
+            put((i, e))
 
-    async def stream(self) -> AsyncIterator[ChoiceDelta]:
-        """Yield deltas as they arrive; raise APIError on a scheduler failure. Cancels on exit."""
+    def _open(self, queue: asyncio.Queue) -> None:
+        """One Generate call per choice; a failure to open one cancels those already open."""
+
+        def submit(child_id: str, params: SamplingParams) -> None:
+            i = len(self._calls)
+            call = self.client.generate(self._request(child_id, params), self.timeout)
+            self._calls.append(call)
+            self._tasks.append(asyncio.ensure_future(self._pump(i, call, queue)))
+
+        def abort(child_id: str) -> None:
+            self._calls[self.fanout.ids.index(child_id)].cancel()
+
+        self.fanout.submit(submit, abort)
+
+    async def stream(self) -> AsyncIterator[list[ChoiceDelta]]:
+        """Yield batches of deltas (at most one per choice) as responses arrive; raise APIError on
+        a scheduler failure. Cancels every call on exit."""
         queue: asyncio.Queue = asyncio.Queue()
         try:
-            for i in range(len(self.states)):
-                call = self.client.generate(self._request(i), self.timeout)
-                self._calls.append(call)
-                self._tasks.append(asyncio.ensure_future(self._pump(i, call, queue)))
+            self._open(queue)
             open_choices = len(self.states)
             last_output: list[float | None] = [None] * len(self.states)
             while open_choices:
-                i, item = await queue.get()
-                state = self.states[i]
-                if state.finished:
-                    continue  # e.g. the CANCELLED error of a call a stop string ended
-                if isinstance(item, grpc.RpcError):
-                    raise from_grpc(item, self.client.address)
-                if item is _END:
-                    raise APIError(502, "The scheduler ended a stream before its choice finished.")
-                delta, cancel = state.absorb(item)
+                items = [await queue.get()]
+                while not queue.empty():  # the reader fell behind: everything pending, one batch
+                    items.append(queue.get_nowait())
+                merged: dict[int, ChoiceDelta] = {}
+                for i, item in items:
+                    state = self.states[i]
+                    if state.finished:
+                        continue  # e.g. the CANCELLED error of a call a stop string ended
+                    if isinstance(item, grpc.RpcError):
+                        raise from_grpc(item, self.client.address)
+                    if item is _END:
+                        raise APIError(502, "The scheduler ended a stream before its choice finished.")
+                    delta, cancel = state.absorb(item)
+                    if cancel:
+                        self._calls[i].cancel()  # aborts the request upstream, freeing its blocks
+                    if state.finished:
+                        open_choices -= 1
+                    prev = merged.get(i)
+                    if prev is None:
+                        merged[i] = delta
+                    else:
+                        prev.extend(delta)
                 now = time.monotonic()
-                if delta.token_ids:
-                    if self.timings.first_token is None:
-                        self.timings.first_token = now
-                    prev = last_output[i]
-                    if prev is not None:  # a choice's first output is its TTFT, not a gap
-                        self.timings.token_gaps.append(now - prev)
-                    last_output[i] = now
-                if cancel:
-                    self._calls[i].cancel()  # aborts the request upstream, freeing its blocks
-                if state.finished:
-                    open_choices -= 1
-                yield delta
+                for i, delta in merged.items():
+                    if delta.token_ids:
+                        if self.timings.first_token is None:
+                            self.timings.first_token = now
+                        prev_t = last_output[i]
+                        if prev_t is not None:  # a choice's first output is its TTFT, not a gap
+                            self.timings.token_gaps.append(now - prev_t)
+                        last_output[i] = now
+                if merged:
+                    yield list(merged.values())
             self.timings.finished = time.monotonic()
         finally:
             await self.aclose()
@@ -251,8 +276,8 @@ class Generation:
 
 async def merge(
     generations: list[Generation], max_concurrent: int | None = None
-) -> AsyncIterator[ChoiceDelta]:
-    """Interleave several generations (a batch of prompts) in arrival order.
+) -> AsyncIterator[list[ChoiceDelta]]:
+    """Interleave several generations (a batch of prompts) in arrival order, as delta batches.
 
     At most `max_concurrent` of them are in flight to the scheduler at once; the
     next starts as one ends. One request of 64 prompts x n = 16 would otherwise
@@ -260,15 +285,15 @@ async def merge(
     client's. Choices keep their indices, so the order of the results is unchanged.
     """
     if len(generations) == 1:
-        async for delta in generations[0].stream():
-            yield delta
+        async for batch in generations[0].stream():
+            yield batch
         return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(gen: Generation) -> None:
         try:
-            async for delta in gen.stream():
-                queue.put_nowait(delta)
+            async for batch in gen.stream():
+                queue.put_nowait(batch)
             queue.put_nowait(_END)
         except Exception as e:
             queue.put_nowait(e)
@@ -284,14 +309,25 @@ async def merge(
             start_next()
         remaining = len(generations)
         while remaining:
-            item = await queue.get()
-            if item is _END:
-                remaining -= 1
-                start_next()
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield item
+            items = [await queue.get()]
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            out: dict[int, ChoiceDelta] = {}
+            for item in items:
+                if item is _END:
+                    remaining -= 1
+                    start_next()
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    for delta in item:
+                        prev = out.get(delta.index)
+                        if prev is None:
+                            out[delta.index] = delta
+                        else:
+                            prev.extend(delta)
+            if out:
+                yield list(out.values())
     finally:
         for t in tasks:
             t.cancel()

@@ -4,10 +4,16 @@ Request-level metrics (latencies, token counts, outcomes) are measured here;
 the load of the mesh (running / waiting requests, KV usage, free blocks,
 prefix-cache hits) is read from the scheduler's Registry.GetStats at scrape
 time. One CollectorRegistry per app: no process-global metric state.
+
+With several gateway processes on one port (`--api-server-count N`), prometheus_client's
+multiprocess mode is on (PROMETHEUS_MULTIPROC_DIR, set by the supervisor before any of them
+starts): each process's samples go to files in that directory and a scrape, whichever process
+answers it, renders their sum, plus the scheduler's gauges once.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -76,9 +82,15 @@ class SchedulerStatsCollector(Collector):
         yield failovers
 
 
+def multiprocess_dir() -> str | None:
+    """Where prometheus_client's multiprocess mode keeps samples (it reads this at import)."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir")
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self.multiprocess = multiprocess_dir() is not None
         r = self.registry
         self.http_requests = Counter(
             "llmesh:http_requests",
@@ -87,7 +99,10 @@ class GatewayMetrics:
             registry=r,
         )
         self.requests_active = Gauge(
-            "llmesh:gateway_requests_active", "Generation requests in flight in the gateway", registry=r
+            "llmesh:gateway_requests_active",
+            "Generation requests in flight in the gateway",
+            registry=r,
+            multiprocess_mode="livesum",  # summed over the gateway's live processes
         )
         self.request_success = Counter(
             "llmesh:request_success",
@@ -157,4 +172,11 @@ class GatewayMetrics:
             self.request_success.labels(model, s.finish_reason or "abort").inc()
 
     def render(self) -> bytes:
+        if self.multiprocess:
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)  # every process's samples, this one's included
+            registry.register(self.scheduler)
+            return generate_latest(registry)
         return generate_latest(self.registry)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from gateway.errors import APIError, bad_request
 from gateway.protocol import SamplingRequest
+from services.choices import ContextLengthError, fit_max_tokens
 from services.limits import RequestLimits
 from services.sampling_params import SamplingParams, SamplingParamsError
 
@@ -76,29 +77,30 @@ def check_token_ids(param: str, ids: list[int], vocab_size: int) -> None:
 
 def check_prompt_ids(param: str, ids: list[int], limits: Limits) -> None:
     """A token-id prompt: its length first (cheap), then its vocabulary."""
-    if len(ids) >= limits.max_model_len:
-        raise context_exceeded(param, len(ids), limits)
+    resolve_max_tokens(len(ids), None, limits, "max_tokens", param)
     check_token_ids(param, ids, limits.vocab_size)
 
 
 def resolve_max_tokens(
     prompt_len: int, requested: int | None, limits: Limits, param: str, prompt_param: str
 ) -> int:
-    """The tokens to generate: `requested`, or all the context leaves; 400 when they do not fit."""
-    room = limits.max_model_len - prompt_len
-    if room <= 0:
-        raise context_exceeded(prompt_param, prompt_len, limits)
-    if requested is None:
-        return room
-    if requested > room:
+    """The tokens to generate: `requested`, or all the context leaves; 400 when they do not fit.
+
+    The check is the scheduler's and the offline API's (`services.choices.fit_max_tokens`); only
+    the wording is OpenAI's, naming the request's own parameters.
+    """
+    try:
+        return fit_max_tokens(prompt_len, requested, limits.max_model_len)
+    except ContextLengthError as e:
+        if e.param == "prompt":
+            raise context_exceeded(prompt_param, prompt_len, limits) from None
         raise bad_request(
             param,
             f"this model's maximum context length is {limits.max_model_len} tokens, but you requested "
             f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} in {param}); "
             f"reduce the prompt or {param}",
             code="context_length_exceeded",
-        )
-    return requested
+        ) from None
 
 
 def sampling_params(

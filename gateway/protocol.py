@@ -15,6 +15,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Logprobs are clamped to this in responses (as vLLM does): -inf has no JSON spelling.
+LOGPROB_FLOOR = -9999.0
 
 
 def _valid_unicode(text: str) -> str:

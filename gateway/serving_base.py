@@ -9,12 +9,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from gateway.errors import APIError
 from gateway.generation import ChoiceDelta, Generation, TokenLogprob, merge
 from gateway.state import GatewayState
-from gateway.streaming import DONE, ClientDisconnected, SSEResponse, sse, unless_disconnected
+from gateway.streaming import (
+    DONE,
+    ClientDisconnected,
+    FastJSONResponse,
+    SSEResponse,
+    sse,
+    unless_disconnected,
+)
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +69,10 @@ class Run:
         self._closed = False
         state.metrics.requests_active.inc()
 
-    def deltas(self) -> AsyncIterator[ChoiceDelta]:
+    def deltas(self) -> AsyncIterator[list[ChoiceDelta]]:
+        """Batches of deltas, at most one per choice: what arrived since the last batch was taken."""
+        if len(self.gens) == 1:
+            return self.gens[0].stream()
         return merge(self.gens, self.max_concurrent)
 
     def close(self) -> None:
@@ -78,8 +88,9 @@ class Run:
         results = [ChoiceResult(i) for i in range(num_choices)]
 
         async def run() -> None:
-            async for d in self.deltas():
-                results[d.index].add(d)
+            async for batch in self.deltas():
+                for d in batch:
+                    results[d.index].add(d)
 
         try:
             await unless_disconnected(request, run())
@@ -92,7 +103,7 @@ class Run:
             results = await self.collect(request, n)
         except ClientDisconnected:
             return Response(status_code=499)  # nobody reads it; it marks the request in the metrics
-        return JSONResponse(build(results))
+        return FastJSONResponse(build(results))
 
     async def stream(
         self,
@@ -105,7 +116,9 @@ class Run:
 
         Waits for the first delta before answering, so that a request the
         scheduler refuses (or a scheduler that is down) gets a real HTTP error
-        status instead of a 200 with an error event.
+        status instead of a 200 with an error event. The events of one batch of
+        deltas (everything that arrived while the client was being written to)
+        go out in one write.
         """
         events = self.deltas()
         try:
@@ -123,20 +136,29 @@ class Run:
                 await events.aclose()
             self.close()
 
+        def frames(batch: list[ChoiceDelta]) -> list[bytes]:
+            out = []
+            for d in batch:
+                event = chunk(d)
+                if event is not None:
+                    out.append(event)
+            return out
+
         async def body() -> AsyncIterator[bytes]:
             try:
-                for event in head:
-                    yield event
+                pending = list(head)
                 if first is not None:
-                    out = chunk(first)
-                    if out is not None:
-                        yield out
-                    async for d in events:
-                        out = chunk(d)
-                        if out is not None:
-                            yield out
-                for event in tail():
-                    yield event
+                    pending += frames(first)
+                    if pending:
+                        yield b"".join(pending)
+                    pending = []
+                    async for batch in events:
+                        out = frames(batch)
+                        if out:
+                            yield out[0] if len(out) == 1 else b"".join(out)
+                pending += tail()
+                if pending:
+                    yield b"".join(pending)
             except APIError as e:  # after the 200 went out: the error travels as an event
                 yield sse(e.body())
             finally:

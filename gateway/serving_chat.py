@@ -12,10 +12,10 @@ from starlette.responses import Response
 from gateway.errors import bad_request
 from gateway.generation import ChoiceDelta, Generation, TokenLogprob
 from gateway.params import check_batch, check_prompt_chars, fit_to_prompt, sampling_params
-from gateway.protocol import ChatCompletionRequest
+from gateway.protocol import LOGPROB_FLOOR, ChatCompletionRequest
 from gateway.serving_base import ChoiceResult, Run, usage
 from gateway.state import GatewayState
-from gateway.streaming import sse
+from gateway.streaming import dumps, sse
 from gateway.tokenizer import Tokenizer, chat_chars
 
 
@@ -39,7 +39,11 @@ def _check_unsupported(req: ChatCompletionRequest) -> None:
 def _logprobs(tok: Tokenizer, entries: list[TokenLogprob]) -> dict[str, Any]:
     def item(token_id: int, logprob: float) -> dict[str, Any]:
         raw = tok.token_bytes(token_id)
-        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+        return {
+            "token": raw.decode("utf-8", errors="replace"),
+            "logprob": max(logprob, LOGPROB_FLOOR),
+            "bytes": list(raw),
+        }
 
     return {
         "content": [
@@ -129,11 +133,21 @@ async def _stream(
 
     # OpenAI opens every choice with its role, before any content.
     head = [event(i, {"role": "assistant", "content": ""}) for i in range(req.n)]
+    # The usual event (content only) from prebuilt bytes: only its index and text are serialized.
+    prefix = b'data: {"id":%b,"object":"chat.completion.chunk","created":%d,"model":%b,' % (
+        dumps(rid),
+        created,
+        dumps(name),
+    )
+    prefix += b'"choices":[{"index":'
+    plain_tail = b'},"logprobs":null,"finish_reason":null}]}\n\n'
 
     def chunk(d: ChoiceDelta) -> bytes | None:
         lp = _logprobs(tok, d.logprobs) if req.logprobs and d.logprobs else None
-        if not d.text and lp is None and d.finish_reason is None:
-            return None
+        if lp is None and d.finish_reason is None:
+            if not d.text:
+                return None
+            return b'%b%d,"delta":{"content":%b%b' % (prefix, d.index, dumps(d.text), plain_tail)
         delta = {"content": d.text} if d.text or lp is not None else {}
         return event(d.index, delta, lp, d.finish_reason, d.stop_reason)
 

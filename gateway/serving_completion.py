@@ -19,10 +19,10 @@ from gateway.params import (
     fit_to_prompt,
     sampling_params,
 )
-from gateway.protocol import CompletionRequest
+from gateway.protocol import LOGPROB_FLOOR, CompletionRequest
 from gateway.serving_base import ChoiceResult, Run, usage
 from gateway.state import GatewayState, ServedModel
-from gateway.streaming import sse
+from gateway.streaming import dumps, sse
 from gateway.tokenizer import Tokenizer
 
 
@@ -70,9 +70,9 @@ def _logprobs(tok: Tokenizer, entries: list[TokenLogprob], offset: int) -> tuple
     for e in entries:
         text = tok.token_text(e.token_id)
         tokens.append(text)
-        lps.append(e.logprob)
-        top = {tok.token_text(t): lp for t, lp in e.top}
-        top.setdefault(text, e.logprob)  # vLLM's shape: the sampled token is always listed
+        lps.append(max(e.logprob, LOGPROB_FLOOR))
+        top = {tok.token_text(t): max(lp, LOGPROB_FLOOR) for t, lp in e.top}
+        top.setdefault(text, lps[-1])  # vLLM's shape: the sampled token is always listed
         tops.append(top)
         offsets.append(offset)
         offset += len(text)
@@ -119,7 +119,7 @@ async def create_completion(state: GatewayState, req: CompletionRequest, request
             )
         )
     echo = [
-        (text if text is not None else model.tokenizer.decode(ids)) if req.echo else ""
+        (text if text is not None else await model.tokenizer.decode_async(ids)) if req.echo else ""
         for ids, text in prompts
     ]
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -167,6 +167,13 @@ async def _stream(
     base = {"id": rid, "object": "text_completion", "created": created, "model": name}
     offsets = {i: len(echo[i // req.n]) for i in range(len(echo) * req.n)}
     echoed: set[int] = set()
+    # The usual event (text only) from prebuilt bytes: only its index and text are serialized.
+    head = b'data: {"id":%b,"object":"text_completion","created":%d,"model":%b,"choices":[{"index":' % (
+        dumps(rid),
+        created,
+        dumps(name),
+    )
+    plain_tail = b',"logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
 
     def chunk(d: ChoiceDelta) -> bytes | None:
         text = d.text
@@ -176,8 +183,10 @@ async def _stream(
         lp = None
         if req.logprobs is not None and d.logprobs:
             lp, offsets[d.index] = _logprobs(tok, d.logprobs, offsets[d.index])
-        if not text and lp is None and d.finish_reason is None:
-            return None
+        if lp is None and d.finish_reason is None:
+            if not text:
+                return None
+            return b'%b%d,"text":%b%b' % (head, d.index, dumps(text), plain_tail)
         choice = {
             "index": d.index,
             "text": text,

@@ -14,16 +14,42 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 T = TypeVar("T")
 
 DONE = b"data: [DONE]\n\n"
+RAW_SEND = "llmesh.raw_send"  # scope key: the server's own `send`, set by the app (gateway/app.py)
+
+try:  # orjson: a response serialized in C, several times faster than json.dumps
+    import orjson
+
+    def dumps(obj: Any) -> bytes:
+        """Compact UTF-8 JSON (non-finite floats become null, as JSON has no other spelling)."""
+        try:
+            return orjson.dumps(obj)
+        except TypeError:  # e.g. an int beyond 64 bits: the standard library takes anything JSON
+            return json.dumps(obj, separators=(",", ":")).encode()
+
+except ImportError:  # pragma: no cover - orjson is a dependency; this keeps a bare install working
+
+    def dumps(obj: Any) -> bytes:
+        try:
+            return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+        except UnicodeEncodeError:
+            return json.dumps(obj, separators=(",", ":")).encode()
 
 
 def sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + dumps(payload) + b"\n\n"
+
+
+class FastJSONResponse(JSONResponse):
+    """application/json through `dumps` (orjson) instead of json.dumps."""
+
+    def render(self, content: Any) -> bytes:
+        return dumps(content)
 
 
 async def _wait_disconnect(receive: Receive) -> None:
@@ -61,13 +87,18 @@ class SSEResponse(Response):
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # The start goes through every middleware (metrics count the status); the body, event by
+        # event, straight to the server (RAW_SEND): no layer above transforms a body, and each
+        # wrapper would cost a coroutine per event.
+        body_send = scope.get(RAW_SEND, send)
+
         async def write() -> None:
             await send(
                 {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
             )
             async for chunk in self.events:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                await body_send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await body_send({"type": "http.response.body", "body": b"", "more_body": False})
 
         writer = asyncio.ensure_future(write())
         watcher = asyncio.ensure_future(_wait_disconnect(receive))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -12,8 +11,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from llmesh.engine import EngineConfig, LLMEngine
-from scheduler_svc.request import FinishReason, RequestDelta
-from services.detokenizer import IncrementalDetokenizer, find_stop
+from scheduler_svc.request import RequestDelta
+from services.choices import ChoiceState, FanOut, fit_max_tokens
 from services.sampling_params import SamplingParams
 from services.step import TokenLogprobs
 from worker_svc.loader import load_tokenizer
@@ -53,9 +52,15 @@ class _Child:
 
     parent: RequestOutput
     output: CompletionOutput
-    params: SamplingParams
-    detok: IncrementalDetokenizer | None
-    text_at_end: bool = False  # decode the whole output once when it finishes
+    state: ChoiceState  # text, stop strings, finish and stop reasons (services/choices.py)
+
+
+@dataclass
+class _Submission:
+    fanout: FanOut  # the request's n children, planned and valid before anything is submitted
+    prompt_token_ids: list[int]
+    priority: int
+    group: str
 
 
 class LLM:
@@ -78,28 +83,31 @@ class LLM:
         params = self._params_for(batch, sampling_params)
         children: dict[str, _Child] = {}
         outputs: list[RequestOutput] = []
-        submissions: list[tuple[str, list[int], SamplingParams, int, str]] = []
+        submissions: list[_Submission] = []
+        # Every prompt and every child is checked before anything is submitted.
         for i, (prompt, sp) in enumerate(zip(batch, params, strict=True)):
             text, token_ids = self._tokenize(prompt)
             self.engine.check_prompt(token_ids)
+            # A prompt that fills the context is refused; max_tokens beyond it ends with "length".
+            fit_max_tokens(len(token_ids), sp.max_tokens, self.engine.max_model_len, cap=True)
             out = RequestOutput(request_id=str(next(self._ids)), prompt=text, prompt_token_ids=token_ids)
             outputs.append(out)
-            for j in range(sp.n):
-                # Children of a seeded request get distinct, reproducible seeds (vLLM convention).
-                child_sp = (
-                    sp
-                    if sp.n == 1
-                    else dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + j)
+            # Children of a seeded request get distinct, reproducible seeds (vLLM convention).
+            fanout = FanOut.plan(out.request_id, sp)
+            submissions.append(_Submission(fanout, token_ids, priority[i] if priority else 0, out.request_id))
+            for j, cid in enumerate(fanout.ids):
+                # Nothing streams here: text is decoded once, after the run, unless stop strings
+                # must be matched as tokens arrive (incrementally, on the engine's loop).
+                state = ChoiceState(
+                    self.tokenizer if sp.detokenize else None,
+                    stop=sp.stop,
+                    stop_token_ids=sp.stop_token_ids,
+                    stream_text=False,
+                    keep_token_ids=True,
                 )
-                cid = f"{out.request_id}-{j}"
-                submissions.append((cid, token_ids, child_sp, priority[i] if priority else 0, out.request_id))
-                # Nothing streams here: text is decoded once at the end, unless stop strings must
-                # be matched as tokens arrive (two decodes per token, on the engine's loop).
-                detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer and sp.stop else None
-                text_at_end = self.tokenizer is not None and sp.detokenize and not sp.stop
-                comp = CompletionOutput(j, "", [], None, [] if sp.logprobs is not None else None)
+                comp = CompletionOutput(j, "", state.token_ids, None, [] if sp.logprobs is not None else None)
                 out.outputs.append(comp)
-                children[cid] = _Child(out, comp, child_sp, detok, text_at_end)
+                children[cid] = _Child(out, comp, state)
         future = asyncio.run_coroutine_threadsafe(
             self._run(children, submissions, len(outputs), use_tqdm), self.engine.loop
         )
@@ -108,6 +116,8 @@ class LLM:
         except BaseException:
             future.cancel()  # the coroutine's cleanup aborts every child still running
             raise
+        for child in children.values():  # here, not on the engine's loop: the run is over
+            child.output.text = child.state.text
         return outputs
 
     def chat(
@@ -134,14 +144,14 @@ class LLM:
     async def _run(
         self,
         children: dict[str, _Child],
-        submissions: list[tuple[str, list[int], SamplingParams, int, str]],
+        submissions: list[_Submission],
         num_requests: int,
         use_tqdm: bool,
     ) -> None:
         """On the engine's loop: submit every child, fold the deltas in as steps produce them.
 
-        Runs while the model runner steps on its own thread, so detokenization and
-        stop strings overlap the next step instead of sitting between two.
+        Runs while the model runner steps on its own thread, so that folding tokens in (and
+        matching stop strings) overlaps the next step instead of sitting between two.
         """
         bar = tqdm(total=num_requests, desc="Generating", unit="req", disable=not use_tqdm)
         open_children = {id(c.parent): 0 for c in children.values()}
@@ -150,9 +160,13 @@ class LLM:
         queue: asyncio.Queue = asyncio.Queue()
         running: set[str] = set()
         try:
-            for cid, token_ids, sp, prio, group in submissions:
-                self.engine.submit(cid, token_ids, sp, queue, prio, group)
-                running.add(cid)
+            for sub in submissions:
+
+                def submit(cid: str, sp: SamplingParams, sub: _Submission = sub) -> None:
+                    self.engine.submit(cid, sub.prompt_token_ids, sp, queue, sub.priority, sub.group)
+                    running.add(cid)
+
+                sub.fanout.submit(submit, self.engine.mesh.abort)
             with bar:
                 while running:
                     delta = await queue.get()
@@ -174,33 +188,17 @@ class LLM:
     def _absorb(self, child: _Child, delta: RequestDelta) -> bool:
         """Fold a delta into the child's output; True when the child finished."""
         out = child.output
+        state = child.state
         child.parent.num_cached_tokens = max(child.parent.num_cached_tokens, delta.num_cached_tokens)
-        out.token_ids.extend(delta.new_token_ids)
+        up = state.absorb(delta.new_token_ids, delta.finish_reason)
         if out.logprobs is not None:
-            out.logprobs.extend(delta.new_logprobs)
-        finish = delta.finish_reason
-        if child.detok is not None:
-            new_text = child.detok.push(delta.new_token_ids)
-            if finish is not None:
-                new_text += child.detok.flush()
-            if child.params.stop and new_text:
-                idx = find_stop(child.detok.text, len(new_text), child.params.stop)
-                if idx != -1:
-                    stop = next(s for s in child.params.stop if child.detok.text.startswith(s, idx))
-                    child.detok.text = child.detok.text[:idx]
-                    out.stop_reason = stop
-                    if finish is None:
-                        self.engine.mesh.abort(delta.request_id)  # on the loop: ends it upstream
-                    finish = FinishReason.STOP
-            out.text = child.detok.text
-        if finish is None:
+            out.logprobs.extend(delta.new_logprobs[: up.num_tokens])
+        if up.cancel:
+            self.engine.mesh.abort(delta.request_id)  # a stop string ended it (on the loop: upstream too)
+        if not state.finished:
             return False
-        if child.text_at_end:
-            out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-        out.finish_reason = finish.value
-        if finish is FinishReason.STOP and out.stop_reason is None and out.token_ids:
-            stop_id = out.token_ids[-1]
-            out.stop_reason = stop_id if stop_id in child.params.stop_token_ids else None
+        out.finish_reason = str(state.finish_reason)
+        out.stop_reason = state.stop_reason
         return True
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:

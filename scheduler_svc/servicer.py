@@ -8,7 +8,6 @@ deadline passes) aborts its request, which frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import uuid
@@ -20,20 +19,20 @@ import grpc
 from llmesh.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from scheduler_svc.mesh import Connected, LinkBroken, Mesh, NoWorkerAvailable
 from scheduler_svc.planner import RequestRejected
-from scheduler_svc.request import FinishReason, RequestDelta, coalesce
+from scheduler_svc.request import RequestDelta, coalesce
 from scheduler_svc.worker_link import GrpcWorkerLink
+from services.choices import ABORT, LENGTH, STOP, ChoiceState, FanOut, fit_max_tokens
 from services.convert import logprobs_to_proto, sampling_params_from_proto
-from services.detokenizer import IncrementalDetokenizer, find_stop, held_back
 from services.grpc_server import DEFAULT_KEEPALIVE_S
 from services.limits import INLINE_TOKENIZE_CHARS, RequestLimits, prompt_char_limit
 from services.sampling_params import SamplingParams, SamplingParamsError
 
 log = logging.getLogger(__name__)
 
-_FINISH = {
-    FinishReason.STOP: generation_pb2.FINISH_REASON_STOP,
-    FinishReason.LENGTH: generation_pb2.FINISH_REASON_LENGTH,
-    FinishReason.ABORT: generation_pb2.FINISH_REASON_ABORT,
+_FINISH = {  # services/choices.py's finish reasons (FinishReason's values) on the wire
+    STOP: generation_pb2.FINISH_REASON_STOP,
+    LENGTH: generation_pb2.FINISH_REASON_LENGTH,
+    ABORT: generation_pb2.FINISH_REASON_ABORT,
 }
 
 
@@ -42,13 +41,9 @@ class _Choice:
     """One of a request's n choices while it streams."""
 
     index: int
-    request_id: str
-    params: SamplingParams
-    detok: IncrementalDetokenizer | None
-    sent_text: int = 0  # characters of detok.text already streamed
-    num_tokens: int = 0
-    finished: bool = False
-    stop_string: str | None = None
+    request_id: str  # its id in the mesh
+    state: ChoiceState  # text, stop strings, finish and stop reasons (services/choices.py)
+    logprobs: bool  # the caller asked for logprobs
     cached_tokens: int = 0
 
 
@@ -92,7 +87,8 @@ class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served here")
         prompt = await self._prompt_of(request, context)
         params = await self._params_of(request, context, len(prompt), info.max_model_len)
-        needs_text = (request.return_text and params.detokenize) or bool(params.stop)
+        stream_text = request.return_text and params.detokenize
+        needs_text = stream_text or bool(params.stop)
         if needs_text and self.tokenizer is None:
             await context.abort(
                 grpc.StatusCode.UNIMPLEMENTED, "return_text and stop strings need a tokenizer"
@@ -101,28 +97,37 @@ class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
         if rid in self._live:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already running")
         skip_special = not request.HasField("skip_special_tokens") or request.skip_special_tokens
-        queue: asyncio.Queue = asyncio.Queue()
-        choices: dict[str, _Choice] = {}
+        # Every choice is planned (ids, seeds, parameters) before any is submitted, then they are
+        # submitted all or nothing: one that fails aborts those before it.
         group = uuid.uuid4().hex
         try:
-            for i in range(params.n):
-                child = (
-                    params
-                    if params.n == 1
-                    else dataclasses.replace(
-                        params, n=1, seed=None if params.seed is None else params.seed + i
-                    )
-                )
-                cid = f"{group}/{i}"
-                detok = IncrementalDetokenizer(self.tokenizer, skip_special) if needs_text else None
-                choices[cid] = _Choice(i, cid, child, detok)
-                self.mesh.submit(cid, prompt, child, request.priority, queue, group=group)
+            fanout = FanOut.plan(group, params)
+        except SamplingParamsError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        choices: dict[str, _Choice] = {}
+        for i, (cid, child) in enumerate(zip(fanout.ids, fanout.params, strict=True)):
+            state = ChoiceState(
+                self.tokenizer if needs_text else None,
+                stop=child.stop,
+                stop_token_ids=child.stop_token_ids,
+                skip_special_tokens=skip_special,
+                stream_text=stream_text,
+            )
+            choices[cid] = _Choice(i, cid, state, child.logprobs is not None)
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def submit(cid: str, child: SamplingParams) -> None:
+            self.mesh.submit(cid, prompt, child, request.priority, queue, group=group)
+
+        try:
+            fanout.submit(submit, self.mesh.abort)
         except RequestRejected as e:
-            self._abort_all(choices)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except NoWorkerAvailable as e:
-            self._abort_all(choices)
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except Exception as e:  # a bug: every choice is aborted already; answer, do not leak
+            log.exception("submitting a request failed", extra={"request_id": rid})
+            await context.abort(grpc.StatusCode.INTERNAL, f"submitting the request failed: {e!r}")
         self._live[rid] = list(choices)
         try:
             first = True
@@ -135,10 +140,10 @@ class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
                     if isinstance(item, Exception):
                         await context.abort(grpc.StatusCode.UNAVAILABLE, str(item))
                     choice = choices.get(item.request_id)
-                    if choice is None or choice.finished:
+                    if choice is None or choice.state.finished:
                         continue
-                    resp = self._response(rid, choice, item, request.return_text)
-                    if choice.finished:
+                    resp = self._response(rid, choice, item, stream_text)
+                    if choice.state.finished:
                         open_choices -= 1
                     if first and request.WhichOneof("prompt") == "prompt_text":
                         resp.prompt_token_ids.extend(prompt)
@@ -153,48 +158,31 @@ class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
     def _response(
         self, rid: str, choice: _Choice, delta: RequestDelta, return_text: bool
     ) -> generation_pb2.GenerateResponse:
-        resp = generation_pb2.GenerateResponse(request_id=rid, index=choice.index)
-        resp.token_ids.extend(delta.new_token_ids)
-        choice.num_tokens = delta.num_output_tokens
+        state = choice.state
+        up = state.absorb(delta.new_token_ids, delta.finish_reason)
+        if up.cancel:
+            self.mesh.abort(choice.request_id)  # a stop string ended it: the upstream request ends here
+        ids = delta.new_token_ids
+        if up.num_tokens < len(ids):  # tokens after the one that completed a stop string
+            ids = ids[: up.num_tokens]
+        resp = generation_pb2.GenerateResponse(request_id=rid, index=choice.index, token_ids=ids)
         choice.cached_tokens = delta.num_cached_tokens
-        if choice.params.logprobs is not None and delta.new_logprobs:
-            resp.logprobs.CopyFrom(logprobs_to_proto(delta.new_logprobs, delta.new_token_ids))
-        finish = delta.finish_reason
-        if choice.detok is not None:
-            new_text = choice.detok.push(delta.new_token_ids)
-            if finish is not None:
-                new_text += choice.detok.flush()
-            stops = choice.params.stop
-            if stops and new_text:
-                idx = find_stop(choice.detok.text, len(new_text), stops)
-                if idx != -1:
-                    choice.stop_string = next(s for s in stops if choice.detok.text.startswith(s, idx))
-                    choice.detok.text = choice.detok.text[:idx]
-                    if finish is None:
-                        self.mesh.abort(choice.request_id)  # the upstream request ends here
-                    finish = FinishReason.STOP
-            # While a stop string may still be completing, hold its possible prefix back.
-            end = len(choice.detok.text)
-            if finish is None and stops:
-                end -= held_back(choice.detok.text, stops)
-            if return_text and end > choice.sent_text:
-                resp.text = choice.detok.text[choice.sent_text : end]
-                choice.sent_text = end
-        if finish is not None:
-            choice.finished = True
-            resp.finish_reason = _FINISH[finish]
-            if choice.stop_string is not None:
-                resp.stop_string = choice.stop_string
-            elif finish is FinishReason.STOP and delta.new_token_ids:
-                last = delta.new_token_ids[-1]
-                if last in choice.params.stop_token_ids:
-                    resp.stop_token_id = last
+        if choice.logprobs and delta.new_logprobs:
+            resp.logprobs.CopyFrom(logprobs_to_proto(delta.new_logprobs[: len(ids)], ids))
+        if return_text and up.text:
+            resp.text = up.text
+        if state.finished:
+            resp.finish_reason = _FINISH[state.finish_reason]
+            if isinstance(state.stop_reason, str):
+                resp.stop_string = state.stop_reason
+            elif state.stop_reason is not None:
+                resp.stop_token_id = state.stop_reason
         return resp
 
     def _usage(self, prompt: list[int], choices: dict[str, _Choice]) -> generation_pb2.Usage:
         return generation_pb2.Usage(
             prompt_tokens=len(prompt),
-            completion_tokens=sum(c.num_tokens for c in choices.values()),
+            completion_tokens=sum(c.state.num_tokens for c in choices.values()),
             cached_prompt_tokens=max((c.cached_tokens for c in choices.values()), default=0),
         )
 
@@ -239,21 +227,11 @@ class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
         try:
             params = sampling_params_from_proto(request.sampling_params)
             self.limits.check(params, self.mesh.model_info.vocab_size)
+            fit_max_tokens(prompt_len, params.max_tokens, max_model_len)
         except SamplingParamsError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling_params: {e}")
-        if prompt_len >= max_model_len:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"prompt: {prompt_len} tokens leave no room in the context length {max_model_len}",
-            )
-        if params.max_tokens is not None and prompt_len + params.max_tokens > max_model_len:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"max_tokens: prompt ({prompt_len}) + max_tokens ({params.max_tokens}) exceeds the "
-                f"context length {max_model_len}",
-            )
         return params
 
     # ----- the rest of the public API -----

@@ -11,10 +11,14 @@ import sys
 import threading
 import time
 
+import grpc
 import httpx
 import pytest
 
+from llmesh.v1 import generation_pb2 as g
+from llmesh.v1 import generation_pb2_grpc as gg
 from services.launcher import free_port
+from tests.integration.test_mesh import stats, wait_blocks_free
 
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
@@ -196,6 +200,46 @@ def test_routes_and_methods(gateway_http):
     assert_error(gateway_http.get("/v1/nothing-here"), 404)
     assert_error(gateway_http.get(CHAT), 405)
     assert_error(gateway_http.post("/tokenize", json={}), 400)
+
+
+# ---------------------------------------------------------------------------- the n fan-out
+
+INT64_MAX = 2**63 - 1
+
+
+def _scheduler_generate(address: str, **sampling) -> list[g.GenerateResponse]:
+    req = g.GenerateRequest(
+        prompt_token_ids=g.TokenIds(ids=[504, 3458, 282, 4649, 314]),
+        sampling_params=g.SamplingParams(**sampling),
+    )
+    with grpc.insecure_channel(address) as channel:
+        return list(gg.SchedulerStub(channel).Generate(req, timeout=120))
+
+
+def test_fanout_with_the_largest_seed_runs_every_choice(gateway_mesh, gateway_http):
+    """The verified bug: a gRPC Generate with n=2, seed=2**63-1 failed with UNKNOWN after choice 0
+    was submitted, and choice 0 ran on unaborted. Seeds wrap into int64 at every front door."""
+    addr = gateway_mesh.scheduler.address
+    sampling = dict(n=2, seed=INT64_MAX, temperature=1.0, max_tokens=4, ignore_eos=True)
+    resps = _scheduler_generate(addr, **sampling)
+    per_choice = {i: sum(len(r.token_ids) for r in resps if r.index == i) for i in (0, 1)}
+    assert per_choice == {0: 4, 1: 4}
+    assert resps[-1].usage.completion_tokens == 8
+    r = gateway_http.post(COMP, json={"prompt": [504, 3458, 282], **sampling})
+    assert r.status_code == 200, r.text
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1]
+    assert r.json()["usage"]["completion_tokens"] == 8
+    wait_blocks_free(addr)
+
+
+def test_invalid_fanout_is_refused_before_anything_runs(gateway_mesh):
+    addr = gateway_mesh.scheduler.address
+    for sampling in (dict(n=17), dict(n=2, max_tokens=10**6)):
+        with pytest.raises(grpc.RpcError) as e:
+            _scheduler_generate(addr, **sampling)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        s = stats(addr)
+        assert all(w.running == 0 and w.waiting == 0 for w in s.workers) and s.active_requests == 0
 
 
 # ---------------------------------------------------------------------------- API key and scheduler loss

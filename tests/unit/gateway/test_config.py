@@ -42,3 +42,29 @@ def test_shares_the_request_limits():
             load_config(GatewayConfig, [flag, "0"], {}, service="gateway")
     with pytest.raises(SystemExit):
         load_config(GatewayConfig, ["--max-logprobs", "-1"], {}, service="gateway")
+
+
+def test_processes_and_http_flags():
+    import socket
+
+    from gateway.processes import claim_port
+
+    cfg = load_config(
+        GatewayConfig,
+        ["--api-server-count", "4", "--http-keep-alive-s", "30", "--http-backlog", "512"],
+        {},
+        service="gateway",
+    )
+    assert (cfg.api_server_count, cfg.reuse_port) == (4, False)
+    assert (cfg.http_keep_alive_s, cfg.http_backlog) == (30, 512)
+    assert GatewayConfig().http_keep_alive_s > 5  # longer than clients' pools keep idle connections
+    for flag in ("--api-server-count", "--http-keep-alive-s", "--http-backlog"):
+        with pytest.raises(SystemExit):
+            load_config(GatewayConfig, [flag, "0"], {}, service="gateway")
+    # The supervisor claims the port without SO_REUSEPORT: a taken one is refused, not shared.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(OSError):
+            claim_port("127.0.0.1", taken.getsockname()[1])
+    assert claim_port("127.0.0.1", 0) > 0

@@ -1,11 +1,13 @@
-"""ChoiceState: incremental detokenization and stop strings on the real SmolLM2 tokenizer."""
+"""ChoiceStream (the shared ChoiceState over the scheduler's responses): incremental
+detokenization and stop strings on the real SmolLM2 tokenizer."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway.generation import ChoiceState, _child_seed
+from gateway.generation import ChoiceStream
 from llmesh.v1 import generation_pb2 as g
+from services.choices import child_seed
 
 TRICKY = "Ça coûte 5€ — 日本語のテキスト 😀👍🏽 naïve café"
 
@@ -20,7 +22,7 @@ def responses(ids: list[int], per: int = 1, finish=g.FINISH_REASON_LENGTH) -> li
     return out
 
 
-def run(state: ChoiceState, resps: list[g.GenerateResponse]):
+def run(state: ChoiceStream, resps: list[g.GenerateResponse]):
     deltas, cancels = [], []
     for r in resps:
         d, cancel = state.absorb(r)
@@ -36,7 +38,7 @@ def test_multibyte_text_streams_whole(tokenizer, per):
     ids = tokenizer.encode(TRICKY, add_special_tokens=False)
     # Several tokens are pieces of one character: decoding them one by one would give U+FFFD.
     assert any("\ufffd" in tokenizer.decode([t]) for t in ids)
-    state = ChoiceState(0, tokenizer, [], skip_special=True, include_stop=False)
+    state = ChoiceStream(0, tokenizer, [], skip_special=True, include_stop=False)
     deltas, _ = run(state, responses(ids, per))
     assert not any("\ufffd" in d.text for d in deltas)
     assert "".join(d.text for d in deltas) == TRICKY
@@ -47,7 +49,7 @@ def test_multibyte_text_streams_whole(tokenizer, per):
 def test_stop_string_is_cut_held_back_and_cancels(tokenizer):
     text = " The answer is forty-two, my friend. And more text follows here."
     ids = tokenizer.encode(text, add_special_tokens=False)
-    state = ChoiceState(0, tokenizer, ["my friend"], skip_special=True, include_stop=False)
+    state = ChoiceStream(0, tokenizer, ["my friend"], skip_special=True, include_stop=False)
     deltas, cancels = run(state, responses(ids))
     out = "".join(d.text for d in deltas)
     assert out == " The answer is forty-two, "
@@ -62,14 +64,14 @@ def test_stop_string_is_cut_held_back_and_cancels(tokenizer):
 
 def test_stop_string_kept_when_asked(tokenizer):
     ids = tokenizer.encode(" one two three four", add_special_tokens=False)
-    state = ChoiceState(0, tokenizer, ["three"], skip_special=True, include_stop=True)
+    state = ChoiceStream(0, tokenizer, ["three"], skip_special=True, include_stop=True)
     deltas, _ = run(state, responses(ids))
     assert "".join(d.text for d in deltas) == " one two three"
 
 
 def test_stop_inside_one_response_drops_the_rest(tokenizer):
     ids = tokenizer.encode(" alpha beta gamma delta", add_special_tokens=False)
-    state = ChoiceState(0, tokenizer, ["beta"], skip_special=True, include_stop=False)
+    state = ChoiceStream(0, tokenizer, ["beta"], skip_special=True, include_stop=False)
     delta, cancel = state.absorb(responses(ids, per=len(ids))[0])  # all tokens, and upstream finished
     assert delta.text == " alpha " and delta.finish_reason == "stop"
     assert cancel is True  # tokens after the stop arrived in the same response
@@ -77,7 +79,7 @@ def test_stop_inside_one_response_drops_the_rest(tokenizer):
 
 def test_held_back_prefix_is_released_when_it_does_not_stop(tokenizer):
     ids = tokenizer.encode(" a b c d", add_special_tokens=False)
-    state = ChoiceState(0, tokenizer, [" c x"], skip_special=True, include_stop=False)
+    state = ChoiceStream(0, tokenizer, [" c x"], skip_special=True, include_stop=False)
     deltas, _ = run(state, responses(ids))
     assert "".join(d.text for d in deltas) == " a b c d"
     assert deltas[-1].finish_reason == "length"
@@ -92,7 +94,7 @@ def test_eos_stop_token_and_logprobs(tokenizer):
             top_token_ids=[ids[0], 5, 9], top_logprobs=[-0.1, -2.0, -0.05],
         )
     )  # fmt: skip
-    state = ChoiceState(3, tokenizer, [], skip_special=True, include_stop=False)
+    state = ChoiceStream(3, tokenizer, [], skip_special=True, include_stop=False)
     delta, cancel = state.absorb(resp)
     assert delta.index == 3 and delta.text == " Hi" and not cancel
     assert delta.finish_reason == "stop" and delta.stop_reason == 2
@@ -111,6 +113,6 @@ def test_token_bytes_and_text(tokenizer):
 
 
 def test_child_seeds_wrap_in_int64():
-    assert _child_seed(None, 3) is None
-    assert _child_seed(10, 2) == 12
-    assert _child_seed(2**63 - 1, 1) == -(2**63)
+    assert child_seed(None, 3) is None
+    assert child_seed(10, 2) == 12
+    assert child_seed(2**63 - 1, 1) == -(2**63)

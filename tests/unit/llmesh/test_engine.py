@@ -216,3 +216,19 @@ def test_detokenize_false_gives_the_same_tokens_and_no_text():
     assert [o.outputs[0].token_ids for o in ids_only] == [o.outputs[0].token_ids for o in with_text]
     assert all(o.outputs[0].text == "" for o in ids_only) and all(o.outputs[0].text for o in with_text)
     llm.engine.close()
+
+
+def test_n_with_the_largest_seed_fans_out_like_separate_requests(tiny_models):
+    """Seeds of the n choices are seed + i wrapped into int64 (services/choices.py), as at the
+    scheduler and the gateway: n=2 from 2**63-1 is seeds 2**63-1 and -2**63, never an error."""
+    llm = LLM(tiny_models["llama"])
+    prompt = list(range(10, 30))
+    kw = dict(temperature=1.0, max_tokens=6, ignore_eos=True)
+    fanned = llm.generate([prompt], SamplingParams(n=2, seed=2**63 - 1, **kw), use_tqdm=False)[0]
+    apart = llm.generate(
+        [prompt, prompt],
+        [SamplingParams(seed=2**63 - 1, **kw), SamplingParams(seed=-(2**63), **kw)],
+        use_tqdm=False,
+    )
+    assert [c.token_ids for c in fanned.outputs] == [o.outputs[0].token_ids for o in apart]
+    assert_no_leak(llm)
