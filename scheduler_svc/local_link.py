@@ -60,6 +60,8 @@ class SerialStepper:
 
 
 _STOP = object()
+# How often an idle step thread checks whether the program is exiting.
+IDLE_CHECK_S = 0.5
 
 
 class _StepThread:
@@ -72,7 +74,9 @@ class _StepThread:
         self.unresolved: deque[asyncio.Future] = deque()  # resolved in order by the thread
         self.loop: asyncio.AbstractEventLoop | None = None
         self.last_step_id = 0
-        threading.Thread(target=self._work, name="llmesh-step", daemon=True).start()
+        # Not a daemon: a daemon thread may still be inside torch while the interpreter tears
+        # torch down, which aborts the process. It leaves when the main thread has ended.
+        threading.Thread(target=self._work, name="llmesh-step").start()
 
     def _work(self) -> None:
         stepper = self.stepper
@@ -84,9 +88,13 @@ class _StepThread:
                     self._deliver(self._guard(stepper.flush))
                     continue
             else:
-                item = self.queue.get()
+                try:
+                    item = self.queue.get(timeout=IDLE_CHECK_S)
+                except queue.Empty:
+                    if not threading.main_thread().is_alive():
+                        return  # the program is exiting
+                    continue
             if item is _STOP:
-                self.stepper = None  # type: ignore[assignment]
                 return
             if isinstance(item, StepPlan):
                 self._deliver(self._guard(lambda plan=item: stepper.push(plan)))

@@ -162,6 +162,12 @@ def _add_up_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--request-timeout-s", type=_positive(float), default=None, help="deadline of one generation, seconds"
     )
+    g.add_argument(
+        "--api-server-count",
+        type=_positive(int),
+        default=None,
+        help="gateway processes sharing the HTTP port (SO_REUSEPORT), each with its own scheduler channel",
+    )
 
     k = p.add_argument_group("kvstore", "the KV store (memory tier by default; `llmesh kvstore --help`)")
     k.add_argument("--no-kvstore", action="store_true", help="do not start the KV store")
@@ -214,6 +220,8 @@ def up_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         gateway += ["--max-body-bytes", str(args.max_body_bytes)]
     if args.request_timeout_s is not None:
         gateway += ["--request-timeout-s", str(args.request_timeout_s)]
+    if args.api_server_count is not None:
+        gateway += ["--api-server-count", str(args.api_server_count)]
     env = {"LLMESH_GATEWAY_API_KEY": args.api_key} if args.api_key else {}
     if args.redis_url:  # service-scoped and in the environment: a password stays out of `ps` output
         env["LLMESH_KVSTORE_REDIS_URL"] = args.redis_url

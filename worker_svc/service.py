@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import ipaddress
 import logging
 import os
@@ -115,6 +116,10 @@ async def run(config: WorkerServiceConfig) -> None:
         # Health stays NOT_SERVING until the model is loaded and the KV cache allocated.
         kv_store = KVStoreClient(config.kvstore_address) if config.kvstore_address else None
         servicer.runner = await asyncio.to_thread(ModelRunner, config, kv_store)
+        # The model's imports leave many long-lived objects; frozen, a full collection (which
+        # stops the Step stream's loop) skips them.
+        gc.collect()
+        gc.freeze()
         address = config.advertise or host_port(_reachable_host(config.host), server.port)
         log.info("worker ready", extra={"address": address, "worker_id": worker_id})
         print(f"llmesh worker {worker_id} listening on {address}", flush=True)
