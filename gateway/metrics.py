@@ -60,6 +60,21 @@ class SchedulerStatsCollector(Collector):
             "prefix_queries": ("llmesh:prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
             "prefix_hits": ("llmesh:prefix_cache_hits", "Prompt tokens found in the prefix cache"),
             "preemptions": ("llmesh:num_preemptions", "Requests preempted on the worker"),
+            # KV tiers below the GPU cache (vLLM names the KV connector's hits "external").
+            "host_hit_tokens": (
+                "llmesh:kv_offload_hit_tokens",
+                "Prompt tokens loaded from the worker's CPU tier instead of computed",
+            ),
+            "store_hit_tokens": (
+                "llmesh:external_prefix_cache_hits",
+                "Prompt tokens loaded from the shared KV store instead of computed",
+            ),
+            "saved_blocks": ("llmesh:kv_offload_saved_blocks", "KV blocks saved to the worker's CPU tier"),
+            "stored_chunks": ("llmesh:kv_store_put_chunks", "KV chunks put to the shared KV store"),
+            "failed_loads": (
+                "llmesh:kv_store_failed_loads",
+                "Requests whose KV store loads failed and were computed instead",
+            ),
         }
         for attr, (name, doc) in gauges.items():
             fam = GaugeMetricFamily(name, doc, labels=["worker"])

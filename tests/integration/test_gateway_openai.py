@@ -289,6 +289,9 @@ def test_metrics_count_requests_and_tokens(gateway_http, openai_client):
         "llmesh:num_requests_running",
         "llmesh:num_requests_waiting",
         "llmesh:kv_cache_usage_perc",
+        "llmesh:kv_offload_hit_tokens_total",
+        "llmesh:external_prefix_cache_hits_total",
+        "llmesh:kv_store_failed_loads_total",
     ):
         metric(after, m)
 
