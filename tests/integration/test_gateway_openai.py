@@ -272,9 +272,25 @@ def test_tokenize_detokenize_roundtrip(gateway_http):
 def test_metrics_count_requests_and_tokens(gateway_http, openai_client):
     before = gateway_http.get("/metrics").text
     openai_client.completions.create(model=None, prompt=PROMPT, max_tokens=3, temperature=0)
-    after = gateway_http.get("/metrics").text
     name = "llmesh:generation_tokens_total"
-    assert metric(after, name) - metric(before, name) >= 1
+    # Before any request, a process's counters may not be exported yet (multiprocess mode), and
+    # a request's counters are written as its response ends: read until they show.
+    try:
+        start = metric(before, name)
+    except AssertionError:  # declared, no sample yet
+        start = 0.0
+    deadline = time.monotonic() + 10
+    while True:
+        after = gateway_http.get("/metrics").text
+        try:
+            if metric(after, name) - start >= 1:
+                break
+        except AssertionError:
+            pass
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert metric(after, name) - start >= 1
     ok = 'route="/v1/completions",status="200"'
     assert (
         metric(after, "llmesh:http_requests_total", ok)
