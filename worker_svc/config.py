@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.config import ByteSize
+
 
 @dataclass
 class WorkerConfig:
@@ -23,7 +25,7 @@ class WorkerConfig:
     max_num_seqs: int = 64  # largest decode batch (CUDA graph capture sizes go up to it)
     enforce_eager: bool = False  # no CUDA graphs
     # The worker's host (CPU) KV tier: bytes of blocks kept after they leave the GPU cache (0 = off).
-    kv_offload_bytes: int = 0
+    kv_offload_bytes: ByteSize = ByteSize(0)
     # The shared KV store (host:port; None = none) and its unit: tokens per chunk, a whole
     # number of blocks (LMCache's 256: few entries and round trips per prompt).
     kvstore_address: str | None = None
