@@ -169,12 +169,6 @@ class BlockManager:
         chunked, self._newly_chunked = self._newly_chunked, []
         return chunked
 
-    def keys_of(self, seq_id: str, token_ids: list[int]) -> list[bytes]:
-        """Content keys of every full block of `token_ids` (cached on the sequence's table if any)."""
-        table = self.tables.get(seq_id)
-        keys = list(table.keys) if table is not None else []
-        return extend_block_keys(keys, token_ids, self.block_size, self.fingerprint)
-
     def forget_keys(self, keyed: list[tuple[int, bytes]]) -> None:
         """Unregister blocks whose content was never written (their plan was lost)."""
         for block_id, key in keyed:

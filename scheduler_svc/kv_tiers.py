@@ -40,6 +40,7 @@ class KVTierStats:
 class TierHit:
     """Where a waiting request's blocks past its GPU hit come from (block indices in its chain)."""
 
+    keys: list[bytes] = field(default_factory=list)  # the request's chain: every full block's key
     host_slots: list[int] = field(default_factory=list)  # blocks n .. n+len-1 from host slots
     store_start: int = 0  # first block index loaded from the store
     store_end: int = 0  # one past the last
@@ -68,14 +69,16 @@ class KVTierPlanner:
         return self.host.num_slots > 0 or self.chunk_blocks > 0
 
     # ----- admission -----
-    def find(self, req: Request, token_ids: list[int], num_gpu_blocks: int, max_blocks: int) -> TierHit:
-        """Blocks past the GPU hit that the tiers hold, at most up to block `max_blocks`."""
-        hit = TierHit()
+    def find(self, req: Request, keys: list[bytes], num_gpu_blocks: int, max_blocks: int) -> TierHit:
+        """Blocks past the GPU hit that the tiers hold, at most up to block `max_blocks`.
+
+        `keys`: the content keys of the request's full blocks.
+        """
+        hit = TierHit(keys)
         if num_gpu_blocks >= max_blocks:
             return hit
-        keys = self.blocks.keys_of(req.request_id, token_ids)[:max_blocks]
         if self.host.num_slots:
-            hit.host_slots = self.host.leading_run(keys[num_gpu_blocks:])
+            hit.host_slots = self.host.leading_run(keys[num_gpu_blocks:max_blocks])
         have = num_gpu_blocks + len(hit.host_slots)
         store_end = min(req.store_hit_blocks, max_blocks)
         if store_end > have:
@@ -95,7 +98,7 @@ class KVTierPlanner:
         if hit.store_end > hit.store_start:
             c = self.chunk_blocks
             first, last = hit.store_start // c, -(-hit.store_end // c)
-            keys = self.blocks.keys_of(req.request_id, req.all_token_ids)
+            keys = hit.keys
             start, end = hit.store_start, hit.store_end
             targets = [block_ids[i] if start <= i < end else -1 for i in range(first * c, last * c)]
             kv.store_loads.append(

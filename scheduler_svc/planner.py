@@ -203,14 +203,16 @@ class Planner:
                     break
             req = self.waiting[w]
             tokens = req.all_token_ids
-            hits = self.blocks.longest_cached_prefix(tokens)
-            # Always compute at least the last token: its logits give the next token.
             bs = self.blocks.block_size
+            # One key chain serves the GPU cache and the tiers below it.
+            keys = extend_block_keys([], tokens, bs, self.blocks.fingerprint) if tiers is not None else None
+            hits = self.blocks.longest_cached_prefix(tokens, keys)
+            # Always compute at least the last token: its logits give the next token.
             max_blocks = (len(tokens) - 1) // bs
             num_gpu = min(len(hits), max_blocks)
             # Past the GPU hit, the worker's host tier and then the KV store may hold more blocks:
             # they are loaded into fresh blocks by this plan instead of being computed.
-            tier_hit = tiers.find(req, tokens, num_gpu, max_blocks) if tiers is not None else None
+            tier_hit = tiers.find(req, keys, num_gpu, max_blocks) if tiers is not None else None  # type: ignore[arg-type]
             num_computed = (num_gpu + (tier_hit.num_blocks(num_gpu) if tier_hit else 0)) * bs
             num_new = min(len(tokens) - num_computed, budget, chunk)
             if not cfg.enable_chunked_prefill and num_new < len(tokens) - num_computed:

@@ -3,12 +3,17 @@
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.kv_tiers import KVTierPlanner
 from scheduler_svc.planner import Planner, PlannerConfig
+from scheduler_svc.prefix_hash import extend_block_keys
 from scheduler_svc.request import Request
 from scheduler_svc.router import route
 from services.sampling_params import SamplingParams
 from services.step import StepPlan, StepResult
 
 BS = 4
+
+
+def chain(tokens: list[int]) -> list[bytes]:
+    return extend_block_keys([], tokens, BS, b"fp")
 
 
 def make_planner(num_blocks: int = 16, host_slots: int = 32, chunk_blocks: int = 2) -> Planner:
@@ -46,7 +51,7 @@ def test_blocks_are_saved_by_the_next_plan_and_loaded_back_past_the_gpu_hit() ->
     assert not plans[0].kv.save_block_ids  # computed by the first plan, saved by the second
     saved = plans[1].kv
     assert len(saved.save_block_ids) == 4 and len(set(saved.save_host_slots)) == 4
-    assert [p.key for p in saved.store_puts] == [planner.blocks.keys_of("x", prompt)[i] for i in (1, 3)]
+    assert [p.key for p in saved.store_puts] == [chain(prompt)[i] for i in (1, 3)]
 
     planner.add_request(request("flood", list(range(100, 129))))  # takes every block: evicts "a"
     run(planner)
@@ -71,7 +76,7 @@ def test_store_hits_become_chunk_loads_with_skips_and_are_not_put_back() -> None
     planner.add_request(req)
     plan = planner.schedule()
     load = plan.kv.store_loads[0]
-    keys = planner.blocks.keys_of("b", prompt)
+    keys = chain(prompt)
     assert load.keys == [keys[1], keys[3]]
     new = plan.new_seqs[0]
     assert load.block_ids == [-1, *new.block_ids[1:4]]  # block 0 was a GPU hit
