@@ -125,9 +125,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 if read is None:
                     read = asyncio.ensure_future(anext(plans, None))
                 if pipeline.has_pending and not await _arrives_now(read, stop):
-                    async with self._lock:  # no plan waiting: read the step in flight now
-                        outcomes = await self._run_whole(pipeline.flush)
-                    for outcome in outcomes:
+                    # No plan waiting: read the step in flight now.
+                    for outcome in await self._locked(pipeline.flush):
                         yield await self._result_or_abort(outcome, runner, context)
                     continue
                 msg = await _next_or_none(read, stop)
@@ -146,15 +145,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                             grpc.StatusCode.INVALID_ARGUMENT, "a sync plan (step_id 0) must be empty"
                         )
                     if pipeline.has_pending:  # results go back in plan order
-                        async with self._lock:
-                            outcomes = await self._run_whole(pipeline.flush)
-                        for outcome in outcomes:
+                        for outcome in await self._locked(pipeline.flush):
                             yield await self._result_or_abort(outcome, runner, context)
                     yield step_result_to_proto(StepResult(step_id=0))
                     continue
-                async with self._lock:
-                    outcomes = await self._run_whole(lambda plan=plan: pipeline.push(plan))
-                for outcome in outcomes:
+                for outcome in await self._locked(lambda plan=plan: pipeline.push(plan)):
                     yield await self._result_or_abort(outcome, runner, context)
         finally:
             stop.cancel()
@@ -163,8 +158,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             # A launched step still writes its KV: wait for it (even when cancelled: this is the end).
             if pipeline.has_pending:
                 with contextlib.suppress(Exception, asyncio.CancelledError):
-                    async with self._lock:
-                        await self._run_whole(pipeline.flush)
+                    await self._locked(pipeline.flush)
             if epoch == self._stream_epoch:
                 self._stream_closed_at = time.monotonic()
                 self._replaced = None
@@ -180,6 +174,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if isinstance(outcome, Exception):
             raise outcome
         return step_result_to_proto(outcome)
+
+    async def _locked(self, fn) -> list:
+        """`_run_whole(fn)` under the step lock (a new stream waits for it before dropping state)."""
+        async with self._lock:
+            return await self._run_whole(fn)
 
     async def _run_whole(self, fn) -> list:
         """Run pipeline work in a thread; if the stream is cancelled meanwhile, still wait for it to end."""
