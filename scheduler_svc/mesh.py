@@ -35,6 +35,7 @@ from scheduler_svc.planner import Planner, PlannerConfig, RequestRejected
 from scheduler_svc.prefix_hash import extend_block_keys
 from scheduler_svc.request import Request, RequestDelta
 from scheduler_svc.router import route
+from scheduler_svc.spec_decode import SpecDecodePolicy
 from services.sampling_params import SamplingParams
 from services.step import StepPlan, StepResult, WorkerInfo, store_fingerprint
 
@@ -166,7 +167,8 @@ class Mesh:
             info.num_kv_blocks, info.block_size, info.fingerprint, self.config.enable_prefix_caching
         )
         tiers = KVTierPlanner(blocks, info.num_host_blocks, info.kv_chunk_blocks)
-        slot = WorkerSlot(worker_id, info, link, Planner(planner_cfg, blocks, tiers))
+        spec = SpecDecodePolicy(info.num_speculative_tokens)
+        slot = WorkerSlot(worker_id, info, link, Planner(planner_cfg, blocks, tiers, spec))
         self.workers[worker_id] = slot
         slot.task = asyncio.get_running_loop().create_task(self._run(slot), name=f"worker-loop-{worker_id}")
         self.ready.set()

@@ -17,6 +17,11 @@ a step late. A sequence that turns out to have finished (EOS, a stop token)
 was scheduled one step too many: that token is dropped and never reaches a
 caller. Sequences at max_tokens or the context length, counting pending
 tokens, are not scheduled again.
+
+Speculative decoding (`scheduler_svc.spec_decode`): a plan may ask the worker to
+propose draft tokens after a sequence's sample, and the next plan then schedules
+them as extra tokens to verify. Such a sequence waits for each result before it
+is planned again; `update()` sets its computed length from the tokens it gained.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.kv_tiers import KVTierPlanner
 from scheduler_svc.prefix_hash import extend_block_keys
 from scheduler_svc.request import FinishReason, Request, RequestDelta, RequestStatus
+from scheduler_svc.spec_decode import SpecDecodePolicy
 from services.step import NewSequence, ScheduledSequence, StepPlan, StepResult
 
 
@@ -60,10 +66,16 @@ class RequestRejected(ValueError):
 
 class Planner:
     def __init__(
-        self, config: PlannerConfig, blocks: BlockManager, tiers: KVTierPlanner | None = None
+        self,
+        config: PlannerConfig,
+        blocks: BlockManager,
+        tiers: KVTierPlanner | None = None,
+        spec: SpecDecodePolicy | None = None,
     ) -> None:
         self.config = config
         self.blocks = blocks
+        # Speculative decoding with the worker's num_speculative_tokens (0: off).
+        self.spec = spec if spec is not None else SpecDecodePolicy(0)
         # The worker's host tier and the KV store below its GPU cache (disabled: no slots, no store).
         self.tiers = tiers if tiers is not None else KVTierPlanner(blocks, 0, 0)
         self.requests: dict[str, Request] = {}
@@ -78,6 +90,8 @@ class Planner:
         # Sequences each plan in flight samples for, with their incarnation (a preempted request's
         # old plans must not touch its new life).
         self._sampling_by_step: dict[int, dict[str, int]] = {}
+        # Per plan in flight: sequences that verify drafts or propose them, with (drafts, proposals).
+        self._spec_by_step: dict[int, dict[str, tuple[int, int]]] = {}
         # Running sequences per group (a caller's request with its n choices), for fair admission.
         self._group_running: Counter[str] = Counter()
         self._groups: Counter[str] = Counter()  # unfinished sequences per group
@@ -151,15 +165,22 @@ class Planner:
         plan = StepPlan(step_id=self._step_id)
         self._step_id += 1
         self._sampling = self._sampling_by_step[plan.step_id] = {}
+        self._spec = self._spec_by_step[plan.step_id] = {}
         preempted = False
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if self._needs_no_more(req):
-                i += 1  # its last token is in flight: it finishes when that result is applied
+            if req.awaiting_result or self._needs_no_more(req):
+                # Its next position depends on a result in flight (drafts), or its last token
+                # is in flight: it finishes when that result is applied.
+                i += 1
                 continue
             num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget, chunk)
+            drafts = 0
+            if req.num_drafts and num_new == 1 and not req.num_pending:
+                drafts = self.spec.drafts_to_verify(req, budget, cfg.max_model_len)
+                num_new += drafts
             new_blocks = self.blocks.allocate(
                 req.request_id, tokens_of(req), req.num_computed_tokens, num_new, req.num_tokens
             )
@@ -174,7 +195,7 @@ class Planner:
                 )
             if new_blocks is None:
                 continue  # req itself was preempted; running[i] is now the next one
-            self._add_to_plan(plan, req, num_new, new_blocks)
+            self._add_to_plan(plan, req, num_new, new_blocks, drafts)
             budget -= num_new
             i += 1
 
@@ -239,6 +260,8 @@ class Planner:
         plan.preempted_ids, self._to_preempt = self._to_preempt, []
         if not self._sampling:
             del self._sampling_by_step[plan.step_id]
+        if not self._spec:
+            del self._spec_by_step[plan.step_id]
         keyed = self.blocks.take_newly_keyed()
         if keyed:
             self._keyed_by_step[plan.step_id] = keyed
@@ -251,6 +274,7 @@ class Planner:
         self._keyed_by_step.pop(plan.step_id, None)  # its KV is written: the keys are real
         self.tiers.executed(plan.step_id, result.failed_load_seq_ids)
         sampled = self._sampling_by_step.pop(plan.step_id, {})
+        speculating = self._spec_by_step.pop(plan.step_id, {})
         for seq_id, incarnation in sampled.items():
             req = self.requests.get(seq_id)
             if req is not None and req.incarnation == incarnation:
@@ -270,11 +294,36 @@ class Planner:
             reason = self._stop_reason(req, token_id)
             if reason is not None:
                 self._finish(req, reason)
+        if speculating:
+            self._apply_speculation(speculating, sampled, result, new_tokens)
         deltas = []
         for seq_id, req in touched.items():
             n = len(new_tokens[seq_id])
             deltas.append(self.delta(req, n))
         return deltas
+
+    def _apply_speculation(
+        self,
+        speculating: dict[str, tuple[int, int]],
+        sampled: dict[str, int],
+        result: StepResult,
+        new_tokens: dict[str, list[int]],
+    ) -> None:
+        """Drafts verified and proposed by a plan: computed lengths, the worker's drafts, the policy."""
+        proposed = dict(zip(result.draft_seq_ids, result.num_draft_tokens, strict=True))
+        for seq_id, (drafts, propose) in speculating.items():
+            req = self.requests.get(seq_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # finished or aborted meanwhile
+            if sampled.get(seq_id) != req.incarnation:
+                continue  # restarted (preempted) since this plan was made
+            req.awaiting_result = False
+            # The KV of every token but the newest is written (rejected drafts' slots lie past it).
+            req.num_computed_tokens = req.num_tokens - 1
+            if drafts:
+                self.spec.verified(req, drafts, len(new_tokens.get(seq_id, ())) - 1)
+            if propose:
+                self.spec.proposed(req, proposed.get(seq_id, 0))
 
     def delta(self, req: Request, num_new: int) -> RequestDelta:
         return RequestDelta(
@@ -308,6 +357,7 @@ class Planner:
                 self.blocks.forget_keys(keyed)
         self._keyed_by_step.clear()
         self._sampling_by_step.clear()
+        self._spec_by_step.clear()
         self.tiers.resync(last_executed_step_id)
         if last_executed_step_id is None:
             self.blocks.reset_prefix_cache()
@@ -325,6 +375,7 @@ class Planner:
         self.requests.clear()
         self.waiting.clear()
         self._sampling_by_step.clear()
+        self._spec_by_step.clear()
         self._keyed_by_step.clear()
         self._groups.clear()
         self._group_running.clear()
@@ -343,15 +394,23 @@ class Planner:
             return True
         return req.num_tokens + req.num_pending >= self.config.max_model_len
 
-    def _add_to_plan(self, plan: StepPlan, req: Request, num_new: int, new_blocks: list[int]) -> None:
+    def _add_to_plan(
+        self, plan: StepPlan, req: Request, num_new: int, new_blocks: list[int], drafts: int = 0
+    ) -> None:
         # Counted as computed now, so that the next plan can follow before this result is back.
         start = req.num_computed_tokens
         req.num_computed_tokens += num_new
-        if req.num_computed_tokens == req.num_tokens + req.num_pending:
+        req.num_drafts = 0  # the worker's drafts are used now or never (it samples a new token)
+        propose = 0
+        if req.num_computed_tokens >= req.num_tokens + req.num_pending:  # drafts go past the end
             req.num_pending += 1  # the worker samples the next token and keeps it
             self._sampling[req.request_id] = req.incarnation
+            propose = self.spec.drafts_to_propose(req, self.config.max_model_len) if self.spec.enabled else 0
+            if drafts or propose:
+                req.awaiting_result = True
+                self._spec[req.request_id] = (drafts, propose)
         if req.request_id in self._on_worker:
-            plan.scheduled.append(ScheduledSequence(req.request_id, num_new, new_blocks))
+            plan.scheduled.append(ScheduledSequence(req.request_id, num_new, new_blocks, propose))
             return
         self._on_worker.add(req.request_id)
         plan.new_seqs.append(
@@ -363,6 +422,7 @@ class Planner:
                 num_computed_tokens=start,
                 num_new_tokens=num_new,
                 sampling_params=req.sampling_params,
+                max_draft_tokens=propose,
             )
         )
 

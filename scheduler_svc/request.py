@@ -51,6 +51,13 @@ class Request:
     # request waits while `kv_lookup_pending`.
     store_hit_blocks: int = 0
     kv_lookup_pending: bool = False
+    # Speculative decoding (scheduler_svc/spec_decode.py): drafts the worker holds for this
+    # sequence; whether a plan in flight verifies or proposes drafts for it (it is not planned
+    # again before that result); the adaptive back-off.
+    num_drafts: int = 0
+    awaiting_result: bool = False
+    spec_skip: int = 0
+    spec_failures: int = 0
 
     def __post_init__(self) -> None:
         if not self.group:
@@ -60,6 +67,8 @@ class Request:
         """Forget the worker-side progress: recomputed from prompt + output tokens so far."""
         self.num_computed_tokens = 0
         self.num_pending = 0
+        self.num_drafts = 0
+        self.awaiting_result = False
         self.incarnation += 1
 
     @property

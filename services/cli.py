@@ -142,6 +142,13 @@ def _add_up_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address every service binds (loopback by default)")
     p.add_argument("--port", type=int, default=int(os.environ.get("LLMESH_PORT", 8000)), help="gateway port")
     p.add_argument("--scheduler-port", type=int, default=50051, help="scheduler gRPC port")
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help="speculative decoding on every worker, as vLLM's JSON: "
+        '\'{"method": "ngram", "num_speculative_tokens": 4}\'',
+    )
 
     g = p.add_argument_group("gateway", "the flags of `llmesh gateway` that matter most (default: its own)")
     g.add_argument(
@@ -223,6 +230,7 @@ def up_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if args.api_server_count is not None:
         gateway += ["--api-server-count", str(args.api_server_count)]
     env = {"LLMESH_GATEWAY_API_KEY": args.api_key} if args.api_key else {}
+    spec = ["--speculative-config", args.speculative_config] if args.speculative_config else []
     if args.redis_url:  # service-scoped and in the environment: a password stays out of `ps` output
         env["LLMESH_KVSTORE_REDIS_URL"] = args.redis_url
     return {
@@ -231,7 +239,7 @@ def up_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "host": args.host,
         "port": args.port,
         "scheduler_port": args.scheduler_port,
-        "worker_args": [*common, *args.worker_arg, *_flatten(args.worker_args)],
+        "worker_args": [*common, *spec, *args.worker_arg, *_flatten(args.worker_args)],
         "scheduler_args": [*scheduler, *_flatten(args.scheduler_args)],
         "gateway_args": [*gateway, *_flatten(args.gateway_args)],
         "kvstore": not args.no_kvstore,

@@ -190,6 +190,7 @@ def new_sequence_to_proto(seq: NewSequence) -> worker_pb2.NewSequence:
         num_computed_tokens=seq.num_computed_tokens,
         num_new_tokens=seq.num_new_tokens,
         sampling_params=sampling_params_to_proto(seq.sampling_params),
+        max_draft_tokens=seq.max_draft_tokens,
     )
 
 
@@ -202,6 +203,7 @@ def new_sequence_from_proto(msg: worker_pb2.NewSequence) -> NewSequence:
         num_computed_tokens=msg.num_computed_tokens,
         num_new_tokens=msg.num_new_tokens,
         sampling_params=sampling_params_from_proto(msg.sampling_params),
+        max_draft_tokens=msg.max_draft_tokens,
     )
 
 
@@ -218,6 +220,8 @@ def step_plan_to_proto(plan: StepPlan) -> worker_pb2.StepPlan:
     sched.num_new_tokens.extend([s.num_new_tokens for s in plan.scheduled])
     sched.num_new_block_ids.extend([len(s.new_block_ids) for s in plan.scheduled])
     sched.new_block_ids.extend([b for s in plan.scheduled for b in s.new_block_ids])
+    if any(s.max_draft_tokens for s in plan.scheduled):
+        sched.max_draft_tokens.extend([s.max_draft_tokens for s in plan.scheduled])
     if plan.kv:
         kv = plan.kv
         msg.kv.CopyFrom(
@@ -260,9 +264,10 @@ def step_plan_from_proto(msg: worker_pb2.StepPlan) -> StepPlan:
         list(sched.num_new_block_ids),
     )
     blocks = list(sched.new_block_ids)
-    if not (len(num_new) == len(num_blocks) == len(seq_ids)):
+    drafts = list(sched.max_draft_tokens) or [0] * len(seq_ids)
+    if not (len(num_new) == len(num_blocks) == len(seq_ids) == len(drafts)):
         raise ValueError(
-            "ScheduledSequences columns seq_ids/num_new_tokens/num_new_block_ids differ in length"
+            "ScheduledSequences columns seq_ids/num_new_tokens/num_new_block_ids/max_draft_tokens differ in length"
         )
     if sum(num_blocks) != len(blocks):
         raise ValueError(
@@ -270,9 +275,11 @@ def step_plan_from_proto(msg: worker_pb2.StepPlan) -> StepPlan:
         )
     scheduled: list[ScheduledSequence] = []
     pos = 0
-    for seq_id, n, k in zip(seq_ids, num_new, num_blocks, strict=True):
+    for seq_id, n, k, d in zip(seq_ids, num_new, num_blocks, drafts, strict=True):
         scheduled.append(
-            ScheduledSequence(seq_id=seq_id, num_new_tokens=n, new_block_ids=blocks[pos : pos + k])
+            ScheduledSequence(
+                seq_id=seq_id, num_new_tokens=n, new_block_ids=blocks[pos : pos + k], max_draft_tokens=d
+            )
         )
         pos += k
     return StepPlan(
@@ -296,7 +303,11 @@ def step_result_to_proto(result: StepResult) -> worker_pb2.StepResult:
         seq_ids=result.seq_ids,
         token_ids=result.token_ids,
         failed_load_seq_ids=result.failed_load_seq_ids,
+        draft_seq_ids=result.draft_seq_ids,
+        num_draft_tokens=result.num_draft_tokens,
     )
+    if len(result.draft_seq_ids) != len(result.num_draft_tokens):
+        raise ValueError("StepResult: draft_seq_ids and num_draft_tokens differ in length")
     if any(e is not None for e in result.logprobs):
         msg.logprobs.CopyFrom(logprobs_to_proto(result.logprobs, result.token_ids))
     elif result.logprobs and len(result.logprobs) != len(result.token_ids):
@@ -310,12 +321,16 @@ def step_result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
     seq_ids, token_ids = list(msg.seq_ids), list(msg.token_ids)
     if len(seq_ids) != len(token_ids):
         raise ValueError(f"StepResult: {len(seq_ids)} seq_ids, {len(token_ids)} token_ids")
+    if len(msg.draft_seq_ids) != len(msg.num_draft_tokens):
+        raise ValueError("StepResult: draft_seq_ids and num_draft_tokens differ in length")
     return StepResult(
         step_id=msg.step_id,
         seq_ids=seq_ids,
         token_ids=token_ids,
         logprobs=logprobs_from_proto(msg.logprobs, token_ids),
         failed_load_seq_ids=list(msg.failed_load_seq_ids),
+        draft_seq_ids=list(msg.draft_seq_ids),
+        num_draft_tokens=list(msg.num_draft_tokens),
     )
 
 

@@ -29,15 +29,23 @@ class NewSequence:
     num_computed_tokens: int  # leading tokens whose KV is already in the cache (prefix hit)
     num_new_tokens: int  # tokens to compute this step, from num_computed_tokens on
     sampling_params: SamplingParams
+    # If this step samples the sequence's next token, propose up to this many draft tokens after
+    # it (speculative decoding); the result says how many were proposed.
+    max_draft_tokens: int = 0
 
 
 @dataclass
 class ScheduledSequence:
-    """A sequence the worker already holds, scheduled again."""
+    """A sequence the worker already holds, scheduled again.
+
+    Tokens past the sequence's known ones are the draft tokens the worker proposed after its
+    last sampled token (speculative decoding): they are verified in this forward.
+    """
 
     seq_id: str
     num_new_tokens: int
     new_block_ids: list[int] = field(default_factory=list)
+    max_draft_tokens: int = 0  # as NewSequence.max_draft_tokens
 
 
 @dataclass
@@ -120,7 +128,9 @@ class TokenLogprobs:
 class StepResult:
     """Sampled tokens for the sequences of a plan that reached the end of their known tokens.
 
-    A sequence mid-way through a chunked prefill samples nothing this step.
+    A sequence mid-way through a chunked prefill samples nothing this step. A sequence that
+    verified draft tokens has one entry per token it gained, consecutive and in order: the
+    accepted drafts, then the token sampled after them.
     """
 
     step_id: int
@@ -130,6 +140,10 @@ class StepResult:
     # Sequences whose store loads failed (a miss, a corrupt chunk, the store unreachable): the
     # worker computed the missing blocks in the same forward instead (informational).
     failed_load_seq_ids: list[str] = field(default_factory=list)
+    # Draft tokens proposed after this step's samples (speculative decoding): the next plan may
+    # verify up to num_draft_tokens[i] tokens for draft_seq_ids[i]. Absent: none proposed.
+    draft_seq_ids: list[str] = field(default_factory=list)
+    num_draft_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -151,6 +165,8 @@ class WorkerInfo:
     num_host_blocks: int = 0
     # Blocks per KV store chunk (the store's unit); 0 = the worker has no KV store.
     kv_chunk_blocks: int = 0
+    # Most draft tokens the worker proposes per sequence and step; 0 = no speculative decoding.
+    num_speculative_tokens: int = 0
 
 
 def store_fingerprint(fingerprint: bytes, chunk_blocks: int) -> bytes:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.config import ByteSize
+from services.config import ByteSize, option
 
 
 @dataclass
@@ -30,6 +30,12 @@ class WorkerConfig:
     # number of blocks (LMCache's 256: few entries and round trips per prompt).
     kvstore_address: str | None = None
     kv_chunk_tokens: int = 256
+    speculative_config: str | None = option(
+        None,
+        help='speculative decoding, as vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' or \'{"method": "draft_model", '
+        '"num_speculative_tokens": 3, "num_layers": 8}\' (none = off)',
+    )
     seed: int = 0
 
     def torch_device(self) -> torch.device:

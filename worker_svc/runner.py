@@ -16,13 +16,13 @@ import hashlib
 import logging
 import sys
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from services.sampling_params import SamplingParams
-from services.step import NewSequence, StepPlan, StepResult, WorkerInfo
+from services.step import NewSequence, StepPlan, StepResult, TokenLogprobs, WorkerInfo
 from worker_svc.attention.base import AttentionMetadata
 from worker_svc.config import WorkerConfig
 from worker_svc.kv_cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
@@ -30,6 +30,8 @@ from worker_svc.kv_tiers import KVStoreLink, WorkerKVTiers
 from worker_svc.loader import load_model, model_fingerprint
 from worker_svc.model_files import resolve_model
 from worker_svc.sampler import SampledIds, Sampler, SamplingRow
+from worker_svc.spec_decode.config import SpeculativeConfig
+from worker_svc.spec_decode.ngram import NgramProposer
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,10 @@ class SequenceState:
     # (row `inflight_row` of that step's sampled ids), not yet in token_ids.
     inflight: LaunchedStep | None = None
     inflight_row: int = -1
+    # Speculative decoding: tokens proposed after the last sampled one (the next plan may verify
+    # some), and how many the current plan asks for after its sample.
+    drafts: list[int] = field(default_factory=list)
+    max_draft_tokens: int = 0
 
 
 @dataclass
@@ -69,6 +75,10 @@ class LaunchedStep:
     result: StepResult
     sampling: list[SequenceState]
     sampled: SampledIds | None = None
+    # Speculative decoding, per sampling sequence: the drafts this step verifies (None: no
+    # sequence verifies any) and how many tokens to propose once its id is known.
+    verified: list[list[int]] | None = None
+    propose: list[int] = field(default_factory=list)
 
 
 class _TokenSpan(Sequence[int]):
@@ -219,6 +229,8 @@ class ModelRunner:
             chunk_blocks=config.kv_chunk_tokens // bs,
         )
         self.sampler = Sampler(mc.vocab_size, self.device, seed=config.seed)
+        self.spec = SpeculativeConfig.parse(config.speculative_config)
+        self.proposer = self._make_proposer(self.spec)
         self.seqs: dict[str, SequenceState] = {}
         # Block-table widths are kept multiples of 16: Triton specialises integer arguments (the
         # table's row stride among them) on divisibility by 16, so varying widths would compile
@@ -255,7 +267,16 @@ class ModelRunner:
             max_num_seqs=self.config.max_num_seqs,
             num_host_blocks=self.kv_tiers.num_host_blocks,
             kv_chunk_blocks=self.kv_tiers.chunk_blocks,
+            num_speculative_tokens=self.spec.num_speculative_tokens if self.spec else 0,
         )
+
+    @staticmethod
+    def _make_proposer(spec: SpeculativeConfig | None) -> NgramProposer | None:
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        raise ValueError(f"speculative method {spec.method!r} is not available yet")
 
     # ----- state -----
     def _apply(self, plan: StepPlan) -> list[tuple[SequenceState, int]]:
@@ -266,6 +287,7 @@ class ModelRunner:
             self._drop(new.seq_id)
             st = self._state_of(new)
             st.row = self._tables.alloc(st.block_ids)
+            st.max_draft_tokens = new.max_draft_tokens
             self.seqs[new.seq_id] = st
             order.append((st, new.num_new_tokens))
         for s in plan.scheduled:
@@ -275,6 +297,7 @@ class ModelRunner:
             if s.new_block_ids:
                 st.block_ids.extend(s.new_block_ids)
                 self._tables.append(st.row, s.new_block_ids)
+            st.max_draft_tokens = s.max_draft_tokens
             order.append((st, s.num_new_tokens))
         return order
 
@@ -300,6 +323,8 @@ class ModelRunner:
         st = self.seqs.pop(seq_id, None)
         if st is not None and st.row >= 0:
             self._tables.release(st.row)
+        if self.proposer is not None:
+            self.proposer.forget(seq_id)
 
     @staticmethod
     def _state_of(new: NewSequence) -> SequenceState:
@@ -315,6 +340,8 @@ class ModelRunner:
     def drop_all(self) -> None:
         self.seqs.clear()
         self._tables.clear()
+        if self.proposer is not None:
+            self.proposer.forget_all()
 
     # ----- host -> device -----
     def upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
@@ -341,6 +368,8 @@ class ModelRunner:
         for s in plan.scheduled:
             st = self.seqs.get(s.seq_id)
             if st is not None and st.inflight is not None:
+                if s.num_new_tokens > 1:
+                    return False  # drafts are verified only once the token before them is known
                 p = st.params
                 if _uses_penalties(p) or p.seed is not None or p.min_tokens > 0:
                     return False
@@ -364,6 +393,8 @@ class ModelRunner:
         input_ids: list[int] = []
         sample_rows: list[int] = []  # index in the batch of the sequences that sample
         sampling: list[SequenceState] = []
+        verified: list[list[int]] = []  # per sampling sequence: the drafts it verifies
+        propose: list[int] = []
         # (index in input_ids, row of the previous step's sampled ids) for tokens still in flight.
         from_device: list[tuple[int, int]] = []
         prev: SampledIds | None = None
@@ -372,8 +403,12 @@ class ModelRunner:
             start = st.num_computed_tokens
             end = start + num_new
             known = len(st.token_ids)
-            total = known + (st.inflight is not None)
-            if end > total or end > len(st.block_ids) * bs:
+            drafts: list[int] = []
+            if st.inflight is None and end > known:  # past its tokens: verify its drafts
+                drafts = st.drafts[: end - known]
+            st.drafts = []
+            total = known + (st.inflight is not None) + len(drafts)
+            if end > total or end > len(st.block_ids) * bs or (drafts and start >= known):
                 raise ValueError(f"sequence {st.seq_id!r}: {end} tokens exceed its tokens or blocks")
             starts[i] = start
             query_lens[i] = num_new
@@ -381,7 +416,9 @@ class ModelRunner:
             if num_new != 1:
                 pure_decode = False
             input_ids.extend(st.token_ids[start:min(end, known)])
-            if end > known:  # its last input is the token the unfinished step samples
+            if drafts:
+                input_ids.extend(drafts)
+            elif end > known:  # its last input is the token the unfinished step samples
                 assert st.inflight is not None and st.inflight.sampled is not None
                 prev = st.inflight.sampled
                 from_device.append((len(input_ids), st.inflight_row))
@@ -390,7 +427,14 @@ class ModelRunner:
                 st.inflight, st.inflight_row = launched, len(sampling)
                 sample_rows.append(i)
                 sampling.append(st)
+                verified.append(drafts)
+                propose.append(min(st.max_draft_tokens, self.spec.num_speculative_tokens) if self.spec else 0)
         launched.sampling = sampling
+        launched.propose = propose
+        num_verified = sum(len(d) for d in verified)
+        if num_verified:
+            launched.verified = verified
+            pure_decode = False
         seq_lens = starts + query_lens
         max_seq_len = int(seq_lens.max())
         table = self._tables.table
@@ -423,6 +467,11 @@ class ModelRunner:
             if pure_decode:
                 qsl = np.arange(n + 1, dtype=np.int64)
             last = qsl[1:][sample_rows] - 1 if sample_rows else np.zeros(0, dtype=np.int64)
+            if num_verified:  # a verifying sequence samples at each draft's position too
+                per_seq = np.asarray([len(d) + 1 for d in verified], dtype=np.int64)
+                first = np.cumsum(per_seq) - per_seq
+                offsets = np.arange(int(per_seq.sum()), dtype=np.int64) - np.repeat(first, per_seq)
+                last = np.repeat(last + 1 - per_seq, per_seq) + offsets
             all_sample = pure_decode and len(sample_rows) == n
             d_ids, d_pos, d_slots, d_last, d_qsl, d_lens, d_tables = self.upload(
                 [ids, positions, slots, last, qsl.astype(np.int32), seq_lens.astype(np.int32), tables]
@@ -447,7 +496,11 @@ class ModelRunner:
             return launched
         picked = hidden if sample_index is None else hidden[sample_index]
         logits = self.model.compute_logits(picked)
-        launched.sampled = self.sampler.sample_async(logits, [self._sampling_row(st) for st in sampling])
+        if num_verified:
+            rows = [r for st, d in zip(sampling, verified, strict=True) for r in self._verify_rows(st, d)]
+            launched.sampled = self.sampler.verify_async(logits, rows, verified)
+        else:
+            launched.sampled = self.sampler.sample_async(logits, [self._sampling_row(st) for st in sampling])
         return launched
 
     def finish(self, launched: LaunchedStep) -> StepResult:
@@ -460,9 +513,62 @@ class ModelRunner:
             st.token_ids.append(token_id)
             if st.inflight is launched:
                 st.inflight = None
-        result.seq_ids = [st.seq_id for st in launched.sampling]
-        result.token_ids, result.logprobs = token_ids, logprobs
+        if launched.verified is None:
+            result.seq_ids = [st.seq_id for st in launched.sampling]
+            result.token_ids, result.logprobs = token_ids, logprobs
+        else:
+            self._accept_drafts(launched, token_ids, logprobs)
+        if any(launched.propose):
+            self._propose(launched)
         return result
+
+    def _accept_drafts(
+        self, launched: LaunchedStep, token_ids: list[int], logprobs: list[TokenLogprobs | None]
+    ) -> None:
+        """A verifying step's result: each sequence gains its accepted drafts, then its sampled id."""
+        assert launched.sampled is not None and launched.verified is not None
+        accepted = launched.sampled.num_accepted
+        assert accepted is not None
+        result = launched.result
+        for st, drafts, a, token_id, lp in zip(
+            launched.sampling, launched.verified, accepted, token_ids, logprobs, strict=True
+        ):
+            if drafts:
+                # The sampled id is already appended: slot the accepted drafts in before it. KV
+                # written for rejected drafts lies past the new length and is overwritten later.
+                st.token_ids[-1:-1] = drafts[:a]
+                st.num_computed_tokens = len(st.token_ids) - 1
+                result.seq_ids.extend([st.seq_id] * (a + 1))
+                result.token_ids.extend([*drafts[:a], token_id])
+                result.logprobs.extend([None] * (a + 1))
+            else:
+                result.seq_ids.append(st.seq_id)
+                result.token_ids.append(token_id)
+                result.logprobs.append(lp)
+
+    def _propose(self, launched: LaunchedStep) -> None:
+        """Draft tokens for the sequences that asked, now that their last token is known."""
+        assert self.proposer is not None
+        result = launched.result
+        for st, k in zip(launched.sampling, launched.propose, strict=True):
+            if k <= 0 or st.inflight is not None or self.seqs.get(st.seq_id) is not st:
+                continue  # a later step already samples it, or it was dropped meanwhile
+            st.drafts = self.proposer.propose(st.seq_id, st.token_ids, k)
+            if st.drafts:
+                result.draft_seq_ids.append(st.seq_id)
+                result.num_draft_tokens.append(len(st.drafts))
+
+    def _verify_rows(self, st: SequenceState, drafts: list[int]) -> list[SamplingRow]:
+        """Sampling rows of a sequence at its last token and at each draft: the output so far there."""
+        if not drafts:
+            return [self._sampling_row(st)]
+        num_out = len(st.token_ids) - st.num_prompt_tokens
+        if _uses_penalties(st.params):
+            prompt, out = st.token_ids[: st.num_prompt_tokens], st.token_ids[st.num_prompt_tokens :]
+            outputs: list = [out + drafts[:j] for j in range(len(drafts) + 1)]
+        else:  # only the count of output tokens matters (min_tokens, a seed's per-position draw)
+            prompt, outputs = [], [range(num_out + j) for j in range(len(drafts) + 1)]
+        return [SamplingRow(st.params, prompt, o, self._eos) for o in outputs]
 
     def _sampling_row(self, st: SequenceState) -> SamplingRow:
         if st.sampling_row is not None:

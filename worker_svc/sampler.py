@@ -73,11 +73,18 @@ class SampledIds:
     _logprobs: list[int | None]  # each row's requested number of top logprobs
     _lp_rows: list[int]
     _k_max: int
+    # Verification only (`Sampler.verify_async`): draft tokens each row accepted before its id.
+    _num_accepted: list[int] | None = None
 
     @classmethod
     def empty(cls, device: torch.device) -> SampledIds:
         none = torch.empty(0, dtype=torch.int32)
         return cls(none.to(device), none, None, [], [], 0)
+
+    @property
+    def num_accepted(self) -> list[int] | None:
+        """After `wait()`, for a verification: how many of its drafts each row accepted."""
+        return self._num_accepted
 
     def wait(self) -> tuple[list[int], list[TokenLogprobs | None]]:
         if self._done is not None:
@@ -85,6 +92,8 @@ class SampledIds:
         host = self._host
         num_rows = len(self._logprobs)
         ids = host[:num_rows].tolist()
+        if self._num_accepted is not None:  # packed last: [ids | logprobs ... | accepted]
+            self._num_accepted = host[len(host) - num_rows :].tolist()
         out: list[TokenLogprobs | None] = [None] * num_rows
         n_lp, k_max = len(self._lp_rows), self._k_max
         if not n_lp:
@@ -210,6 +219,89 @@ class Sampler:
 
         return self._gather_results(sampled, raw_logprobs, rows, lp_rows)
 
+    def verify_async(
+        self, logits: torch.Tensor, rows: list[SamplingRow], drafts: list[list[int]]
+    ) -> SampledIds:
+        """Speculative decoding: accept or reject each sequence's draft tokens; queue the results.
+
+        Sequence i owns `len(drafts[i]) + 1` consecutive logits rows (and `rows` entries, each
+        with the output so far up to that position, so penalties, min_tokens and seeds see
+        exactly what one-token-at-a-time decoding would). Its result row is the token that
+        follows its accepted drafts, and `num_accepted` counts them.
+
+        Drafts are deterministic proposals (n-gram lookup, a greedy draft model), i.e. a
+        one-hot draft distribution q, so the standard rule (accept d with min(1, p(d)/q(d)),
+        else sample from max(p - q, 0) renormalised) becomes: accept d with probability p(d),
+        else sample from p without d; after every draft is accepted, sample from p once more.
+        Each output token is then distributed exactly as the target model samples it; greedy
+        rows accept d iff it is the argmax. Still one device->host copy.
+        """
+        num_seqs = len(drafts)
+        counts = [len(d) for d in drafts]
+        num_rows = sum(counts) + num_seqs
+        if logits.dim() != 2 or logits.shape[0] != num_rows or len(rows) != num_rows:
+            raise ValueError(
+                f"logits {tuple(logits.shape)} do not match {num_rows} rows of {num_seqs} sequences"
+            )
+        ends = np.cumsum(np.asarray(counts, dtype=np.int64) + 1)
+        starts = ends - np.asarray(counts, dtype=np.int64) - 1
+        last_rows = [rows[int(e) - 1] for e in ends]  # a sequence's params, and its logprobs request
+        lp_seqs = [i for i, r in enumerate(last_rows) if r.params.logprobs is not None]
+        if any(counts[i] for i in lp_seqs):
+            raise ValueError("a sequence that asks for logprobs cannot verify drafts")
+        logits = self._private_copy(logits)
+        raw_logprobs = None
+        if lp_seqs:
+            _, lp_logits = self._rows(logits, [int(ends[i]) - 1 for i in lp_seqs])
+            raw_logprobs = torch.log_softmax(lp_logits, dim=-1)
+        logits = self._process(logits, rows)
+
+        # Per row: the draft it checks (-1 on a sequence's last row) and the candidate token
+        # (the argmax / a sample from p without the draft / on the last row, a sample from p).
+        draft_of_row = np.full(num_rows, -1, dtype=np.int64)
+        for i, d in enumerate(drafts):
+            draft_of_row[starts[i] : starts[i] + len(d)] = d
+        d_draft = self._upload(torch.from_numpy(draft_of_row))
+        cand = torch.empty(num_rows, dtype=torch.int64, device=self.device)
+        accept = torch.zeros(num_rows, dtype=torch.bool, device=self.device)
+        greedy = [j for j, r in enumerate(rows) if r.params.greedy]
+        random = [j for j, r in enumerate(rows) if not r.params.greedy]
+        if greedy:
+            g_idx, g_logits = self._rows(logits, greedy)
+            top = g_logits.argmax(dim=-1)
+            ok = top == (d_draft if g_idx is None else d_draft[g_idx])
+            if g_idx is None:
+                cand, accept = top, ok
+            else:
+                cand[g_idx], accept[g_idx] = top, ok
+        if random:
+            r_idx, r_logits = self._rows(logits, random)
+            r_rows = [rows[j] for j in random]
+            probs = self.filtered_probs(r_logits, r_rows)
+            r_draft = d_draft if r_idx is None else d_draft[r_idx]
+            has_draft = r_draft >= 0
+            safe = r_draft.clamp_min(0)[:, None]
+            p_draft = probs.gather(1, safe)[:, 0]
+            ok = has_draft & (self._uniform(r_rows) < p_draft)
+            # Without the draft (no renormalising needed: the exponential race is scale-free).
+            probs = probs.scatter(1, safe, torch.where(has_draft[:, None], 0.0, p_draft[:, None]))
+            pick = (probs / self._exponential_noise(r_rows)).argmax(dim=-1)
+            if r_idx is None:
+                cand, accept = pick, ok
+            else:
+                cand[r_idx], accept[r_idx] = pick, ok
+
+        # Accepted drafts per sequence: the leading run of accepts, read through a padded
+        # [seqs, longest + 1] view of the rows (padding points at the sequence's last row,
+        # which never accepts).
+        width = max(counts) + 1
+        grid = np.minimum(starts[:, None] + np.arange(width)[None, :], (ends - 1)[:, None])
+        d_grid = self._upload(torch.from_numpy(grid))
+        num_accepted = accept[d_grid].to(torch.int32).cumprod(dim=1).sum(dim=1)
+        d_starts = self._upload(torch.from_numpy(starts))
+        sampled = cand[d_starts + num_accepted]
+        return self._gather_results(sampled, raw_logprobs, last_rows, lp_seqs, num_accepted)
+
     # -- logit processors (all rows, greedy included) -------------------------
 
     def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -289,6 +381,11 @@ class Sampler:
     # -- random sampling (non-greedy rows only) -------------------------------
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        probs = self.filtered_probs(logits, rows)
+        return (probs / self._exponential_noise(rows)).argmax(dim=-1)
+
+    def filtered_probs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """[R, V] the distribution each random row samples from: temperature, top_k, top_p, min_p."""
         vocab = self.vocab_size
         temps = [r.params.temperature for r in rows]
         if any(t != 1.0 for t in temps):
@@ -334,9 +431,7 @@ class Sampler:
             threshold = logits.amax(dim=-1, keepdim=True) + log_min_p[:, None]
             logits = logits.masked_fill(logits < threshold, _NEG_INF)
 
-        probs = logits.softmax(dim=-1)
-        noise = self._exponential_noise(rows)
-        return (probs / noise).argmax(dim=-1)
+        return logits.softmax(dim=-1)
 
     def _exponential_noise(self, rows: list[SamplingRow]) -> torch.Tensor:
         """[R, V] Exp(1) noise: unseeded rows in one draw, seeded rows each from their own seed."""
@@ -359,6 +454,17 @@ class Sampler:
         # Exp(1) noise of exactly 0 would turn a zero probability into 0/0 = nan.
         return noise.clamp_min_(torch.finfo(torch.float32).tiny)
 
+    def _uniform(self, rows: list[SamplingRow]) -> torch.Tensor:
+        """[R] U(0, 1) draws for accepting drafts: unseeded rows in one draw, seeded rows by position."""
+        u = torch.empty(len(rows), dtype=torch.float32, device=self.device).uniform_(generator=self._gen)
+        for i, r in enumerate(rows):
+            if r.params.seed is not None:
+                self._seeded_gen.manual_seed(seeded_draw_seed(~r.params.seed, len(r.output_token_ids)))
+                u[i] = torch.empty(1, dtype=torch.float32, device=self.device).uniform_(
+                    generator=self._seeded_gen
+                )[0]
+        return u
+
     # -- results ------------------------------------------------------------
 
     def _gather_results(
@@ -367,6 +473,7 @@ class Sampler:
         raw_logprobs: torch.Tensor | None,  # [L, V], rows of lp_rows
         rows: list[SamplingRow],
         lp_rows: list[int],
+        num_accepted: torch.Tensor | None = None,  # [rows], a verification's accepted drafts
     ) -> SampledIds:
         """Start the one device->host copy of the results; `SampledIds.wait()` reads them."""
         sampled = sampled.to(torch.int32)
@@ -388,6 +495,8 @@ class Sampler:
                 top_lp, top_ids = lp.topk(k_max, dim=-1)
                 parts += [top_ids.to(torch.int32).reshape(-1), top_lp.reshape(-1).view(torch.int32)]
             packed = torch.cat(parts)
+        if num_accepted is not None:
+            packed = torch.cat([packed, num_accepted.to(torch.int32)])
         done = None
         if packed.is_cuda:
             host = torch.empty(packed.shape, dtype=torch.int32, pin_memory=True)
@@ -396,7 +505,8 @@ class Sampler:
             done.record()
         else:
             host = packed
-        return SampledIds(sampled, host, done, [r.params.logprobs for r in rows], lp_rows, k_max)
+        accepted = [] if num_accepted is not None else None
+        return SampledIds(sampled, host, done, [r.params.logprobs for r in rows], lp_rows, k_max, accepted)
 
     def sample(
         self, logits: torch.Tensor, rows: list[SamplingRow]

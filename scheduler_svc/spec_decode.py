@@ -1,0 +1,98 @@
+"""Speculative decoding, the scheduler's half: when to ask a worker for drafts, and what they gave.
+
+The worker proposes draft tokens after it samples (`max_draft_tokens` on the plan); the next
+plan schedules them as extra tokens of the sequence and the worker verifies them in one
+forward. A sequence that verifies or proposes cannot be planned again before that result is
+back (its next position depends on how many drafts are accepted), so speculating costs it the
+overlap of asynchronous scheduling: it pays only where drafts are accepted.
+
+Adaptive, per sequence: a verification that accepts nothing, or a proposal that found nothing,
+doubles how many steps the sequence then decodes without speculating (1, 2, 4 ... up to
+`MAX_BACKOFF_STEPS`); an accepted draft resets it. Random text thus runs almost entirely as
+plain, overlapped decoding; text that copies its prompt speculates nearly every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler_svc.request import Request
+
+MAX_BACKOFF_STEPS = 64
+
+
+@dataclass
+class SpecDecodeStats:
+    """vLLM's spec-decode counters: verifications with drafts, drafts, accepted drafts (per position)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens gained per verification (the accepted drafts plus the sampled one), as vLLM."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+class SpecDecodePolicy:
+    def __init__(self, num_speculative_tokens: int) -> None:
+        self.k = num_speculative_tokens
+        self.stats = SpecDecodeStats(accepted_per_pos=[0] * num_speculative_tokens)
+
+    @property
+    def enabled(self) -> bool:
+        return self.k > 0
+
+    def drafts_to_propose(self, req: Request, max_model_len: int) -> int:
+        """How many drafts to ask for after the token this plan samples for `req` (0 = none).
+
+        Called once the plan counts that token as pending. Drafts past max_tokens or the
+        context could never be used: the token sampled after them needs room too.
+        """
+        if not self.k or req.sampling_params.logprobs is not None:
+            return 0  # logprobs are per sampled position; drafts would skip positions
+        if req.spec_skip > 0:
+            req.spec_skip -= 1
+            return 0
+        produced = len(req.output_token_ids) + req.num_pending
+        room = max_model_len - (req.num_tokens + req.num_pending)
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - produced)
+        return max(0, min(self.k, room - 1))
+
+    def drafts_to_verify(self, req: Request, budget: int, max_model_len: int) -> int:
+        """How many of the drafts the worker holds for `req` the next plan verifies."""
+        n = min(req.num_drafts, budget - 1)
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None:
+            n = min(n, max_tokens - len(req.output_token_ids) - 1)
+        return max(0, min(n, max_model_len - req.num_tokens - 1))
+
+    def proposed(self, req: Request, num_drafts: int) -> None:
+        req.num_drafts = num_drafts
+        if not num_drafts:
+            self._back_off(req)
+
+    def verified(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        s = self.stats
+        s.num_drafts += 1
+        s.num_draft_tokens += num_drafts
+        s.num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            s.accepted_per_pos[pos] += 1
+        if num_accepted:
+            req.spec_failures = 0
+        else:
+            self._back_off(req)
+
+    @staticmethod
+    def _back_off(req: Request) -> None:
+        req.spec_skip = min(1 << req.spec_failures, MAX_BACKOFF_STEPS)
+        req.spec_failures += 1
