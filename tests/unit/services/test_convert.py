@@ -137,13 +137,14 @@ def _plan() -> StepPlan:
                 num_computed_tokens=32,
                 num_new_tokens=8,
                 sampling_params=SamplingParams(temperature=0.0),
+                max_draft_tokens=4,
             ),
         ],
         scheduled=[
             ScheduledSequence("a", 1),
-            ScheduledSequence("b", 1, [9]),
+            ScheduledSequence("b", 1, [9], max_draft_tokens=3),
             ScheduledSequence("c", 512, [10, 11, 12]),
-            ScheduledSequence("d", 1, []),
+            ScheduledSequence("d", 5, []),  # a decode verifying 4 drafts
         ],
         finished_ids=["x", "y"],
         preempted_ids=["z"],
@@ -179,6 +180,9 @@ def test_scheduled_sequences_travel_as_packed_columns() -> None:
     assert list(msg.scheduled.seq_ids) == ["a", "b", "c", "d"]
     assert list(msg.scheduled.num_new_block_ids) == [0, 1, 3, 0]
     assert list(msg.scheduled.new_block_ids) == [9, 10, 11, 12]
+    assert list(msg.scheduled.max_draft_tokens) == [0, 3, 0, 0]
+    plain = StepPlan(step_id=1, scheduled=[ScheduledSequence("a", 1), ScheduledSequence("b", 1)])
+    assert not convert.step_plan_to_proto(plain).scheduled.max_draft_tokens  # no column without drafts
 
 
 def test_malformed_scheduled_columns_are_rejected() -> None:
@@ -221,8 +225,16 @@ def _result() -> StepResult:
         StepResult(step_id=0),
         StepResult(step_id=1, seq_ids=["a", "b"], token_ids=[5, 6], logprobs=[None, None]),
         _result(),
+        StepResult(
+            step_id=3,
+            seq_ids=["a", "a", "a", "b"],  # "a" accepted two drafts, then sampled its third token
+            token_ids=[5, 6, 7, 8],
+            logprobs=[None] * 4,
+            draft_seq_ids=["a", "b"],
+            num_draft_tokens=[4, 1],
+        ),
     ],
-    ids=["empty", "no-logprobs", "mixed-logprobs"],
+    ids=["empty", "no-logprobs", "mixed-logprobs", "speculative"],
 )
 def test_step_result_round_trip(result: StepResult) -> None:
     assert convert.step_result_from_proto(wire(convert.step_result_to_proto(result))) == result

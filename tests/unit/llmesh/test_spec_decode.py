@@ -1,0 +1,89 @@
+"""Speculative decoding in the engine, on the real SmolLM2: it never changes what the model says.
+
+Greedy tokens with n-gram drafts equal those without, with async scheduling on and off, in a
+batch mixing drafting and plain sequences, through preemption, stop tokens and max_tokens;
+random sampling with seeds and penalties runs; no KV block leaks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from llmesh import LLM, SamplingParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+TEXT = (
+    "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
+    "How vexingly quick daft zebras jump! Sphinx of black quartz, judge my vow."
+)
+PROMPTS = [
+    f"Repeat this text exactly: {TEXT}\nRepeated: {TEXT[:30]}",
+    "Count from one to twenty: one, two, three, four,",
+    "Write a sentence about the ocean.",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def token_ids(llm: LLM, prompts: list[str], params: SamplingParams = GREEDY) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def spec_stats(llm: LLM):
+    return llm.engine.mesh.workers["local"].planner.spec.stats
+
+
+def assert_no_leaks(llm: LLM) -> None:
+    blocks = llm.engine.blocks
+    blocks.check_invariants()
+    assert blocks.num_free_blocks == blocks.num_blocks
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2) -> list[list[int]]:
+    return token_ids(LLM(smollm2, kv_cache_memory=64 << 20), PROMPTS)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_greedy_tokens_are_identical_with_ngram_drafts(smollm2, reference, async_scheduling: bool) -> None:
+    llm = LLM(smollm2, kv_cache_memory=64 << 20, speculative_config=NGRAM, async_scheduling=async_scheduling)
+    assert token_ids(llm, PROMPTS) == reference
+    stats = spec_stats(llm)
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0  # the copying prompt's drafts pay
+    assert sum(stats.accepted_per_pos) == stats.num_accepted_tokens
+    assert_no_leaks(llm)
+
+
+def test_preemption_stop_tokens_and_max_tokens_with_drafts(smollm2, reference) -> None:
+    # 8 blocks of 16 tokens hold the longest sequence (~100 tokens), not all three at once.
+    llm = LLM(smollm2, num_kv_blocks=8, speculative_config=NGRAM, max_num_seqs=3)
+    assert token_ids(llm, PROMPTS) == reference
+    assert llm.engine.mesh.workers["local"].planner.num_preemptions > 0
+    assert_no_leaks(llm)
+
+    # A stop token that drafts would run past: the output ends right there.
+    first = reference[0]
+    stop = first[10]
+    want = first[: first.index(stop) + 1]
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop]))
+    assert out[0].outputs[0].token_ids == want and out[0].outputs[0].finish_reason == "stop"
+    for n in (1, 2, 7):  # max_tokens is exact even when a verification could gain 5 tokens
+        out = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        assert out[0].outputs[0].token_ids == first[:n]
+    assert_no_leaks(llm)
+
+
+def test_sampling_with_seeds_penalties_and_logprobs_alongside_drafts(smollm2) -> None:
+    llm = LLM(smollm2, kv_cache_memory=64 << 20, speculative_config=NGRAM)
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_k=20, repetition_penalty=1.2, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.0, logprobs=2, max_tokens=20, ignore_eos=True),  # never drafts
+        SamplingParams(temperature=0.7, min_tokens=5, presence_penalty=0.5, max_tokens=20, ignore_eos=True),
+    ]
+    prompts = [PROMPTS[0]] * len(params)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [20] * 4
+    assert all(lp is not None for lp in outs[2].outputs[0].logprobs)
+    again = llm.generate(prompts[:1], params[:1], use_tqdm=False)
+    assert again[0].outputs[0].token_ids == outs[0].outputs[0].token_ids  # a seed is a seed
+    assert_no_leaks(llm)
