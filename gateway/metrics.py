@@ -75,6 +75,10 @@ class SchedulerStatsCollector(Collector):
                 "llmesh:kv_store_failed_loads",
                 "Requests whose KV store loads failed and were computed instead",
             ),
+            # Speculative decoding, as vLLM's spec_decode counters.
+            "spec_num_drafts": ("llmesh:spec_decode_num_drafts", "Verifications that carried draft tokens"),
+            "spec_num_draft_tokens": ("llmesh:spec_decode_num_draft_tokens", "Draft tokens verified"),
+            "spec_num_accepted_tokens": ("llmesh:spec_decode_num_accepted_tokens", "Draft tokens accepted"),
         }
         for attr, (name, doc) in gauges.items():
             fam = GaugeMetricFamily(name, doc, labels=["worker"])
@@ -86,6 +90,15 @@ class SchedulerStatsCollector(Collector):
             for w in stats.workers:
                 fam.add_metric([w.worker_id], float(getattr(w, attr)))
             yield fam
+        per_pos = CounterMetricFamily(
+            "llmesh:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft (0 = first)",
+            labels=["worker", "position"],
+        )
+        for w in stats.workers:
+            for pos, n in enumerate(w.spec_accepted_per_pos):
+                per_pos.add_metric([w.worker_id, str(pos)], float(n))
+        yield per_pos
         workers = GaugeMetricFamily("llmesh:num_workers", "Workers registered with the scheduler")
         workers.add_metric([], float(len(stats.workers)))
         yield workers

@@ -298,6 +298,10 @@ class Mesh:
                 "connected": s.connected,
                 "reconnects": s.num_reconnects,
                 **dataclasses.asdict(s.planner.tiers.stats),
+                "spec_num_drafts": s.planner.spec.stats.num_drafts,
+                "spec_num_draft_tokens": s.planner.spec.stats.num_draft_tokens,
+                "spec_num_accepted_tokens": s.planner.spec.stats.num_accepted_tokens,
+                "spec_accepted_per_pos": list(s.planner.spec.stats.accepted_per_pos),
             }
         return {"workers": workers, "failovers": self.num_failovers, "streams": len(self.streams)}
 
