@@ -267,7 +267,8 @@ def step_plan_from_proto(msg: worker_pb2.StepPlan) -> StepPlan:
     drafts = list(sched.max_draft_tokens) or [0] * len(seq_ids)
     if not (len(num_new) == len(num_blocks) == len(seq_ids) == len(drafts)):
         raise ValueError(
-            "ScheduledSequences columns seq_ids/num_new_tokens/num_new_block_ids/max_draft_tokens differ in length"
+            "ScheduledSequences columns seq_ids/num_new_tokens/num_new_block_ids/max_draft_tokens "
+            "differ in length"
         )
     if sum(num_blocks) != len(blocks):
         raise ValueError(

@@ -88,7 +88,11 @@ class DecodeGraphs:
 
     def _forward(self, b: int) -> torch.Tensor:
         r = self.runner
-        return r.model(self.i64[0, :b], self.i64[1, :b], r.kv_caches, self._meta(b))
+        meta = self._meta(b)
+        hidden = r.model(self.i64[0, :b], self.i64[1, :b], r.kv_caches, meta)
+        if r.draft is not None:  # a draft model's KV follows the target's in the same graph
+            r.draft.forward_alongside(self.i64[0, :b], self.i64[1, :b], meta)
+        return hidden
 
     @torch.inference_mode()
     def capture(self) -> None:

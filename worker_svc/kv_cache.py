@@ -27,10 +27,6 @@ class KVCacheSpec:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
 
-def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int) -> int:
-    return max(budget_bytes // spec.bytes_per_block, 0)
-
-
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device | str) -> list[torch.Tensor]:
     """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer.
 

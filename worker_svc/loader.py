@@ -7,10 +7,12 @@ checkpoint tensor is streamed into place: no full random init and no second copy
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
 import os
+import re
 import struct
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -35,14 +37,20 @@ def load_model(
     backend: AttentionBackend | None = None,
     load_format: LoadFormat = "auto",
     cache_dir: str | None = None,
+    num_layers: int = 0,
 ) -> tuple[nn.Module, ModelConfig]:
     """(model in eval mode on `device`, its config) for a folder, a .gguf file, or None (default).
 
     load_format="dummy" fills random weights of the right shapes directly on the device
-    (for benchmarks): then `path` only needs a config.json.
+    (for benchmarks): then `path` only needs a config.json. num_layers > 0 keeps only the
+    first decoder layers (with the model's own final norm and head: an early-exit draft model).
     """
     folder = resolve_model(path, cache_dir)
     config = ModelConfig.from_pretrained(folder)
+    if num_layers:
+        if num_layers > config.num_layers:
+            raise ValueError(f"num_layers {num_layers} exceeds the model's {config.num_layers} layers")
+        config = dataclasses.replace(config, num_layers=num_layers)
     if config.sliding_window and config.sliding_window < config.max_position_embeddings:
         logger.warning(
             "%s has a %d-token sliding window that llmesh does not apply: outputs match the reference "
@@ -62,7 +70,10 @@ def load_model(
     if load_format == "dummy":
         _init_dummy(model)
     elif load_format in ("auto", "safetensors"):
-        model.load_weights(iter_safetensors(folder, device))
+        weights = iter_safetensors(folder, device)
+        if num_layers:
+            weights = ((n, t) for n, t in weights if _layer_of(n) < num_layers)
+        model.load_weights(weights)
     else:
         raise ValueError(f"unknown load_format {load_format!r} (auto, safetensors, dummy)")
     model.eval().requires_grad_(False)
@@ -82,6 +93,15 @@ def safetensors_files(folder: str) -> list[str]:
         hint = " (pickle checkpoints such as pytorch_model.bin are refused; convert them)" if pickled else ""
         raise FileNotFoundError(f"no .safetensors weights in {folder!r}{hint}")
     return [os.path.join(folder, name) for name in files]
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _layer_of(name: str) -> int:
+    """The decoder layer a checkpoint tensor belongs to (-1: none, e.g. the embedding)."""
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else -1
 
 
 def iter_safetensors(folder: str, device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:

@@ -25,12 +25,13 @@ from services.sampling_params import SamplingParams
 from services.step import NewSequence, StepPlan, StepResult, TokenLogprobs, WorkerInfo
 from worker_svc.attention.base import AttentionMetadata
 from worker_svc.config import WorkerConfig
-from worker_svc.kv_cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
+from worker_svc.kv_cache import KVCacheSpec, allocate_kv_cache
 from worker_svc.kv_tiers import KVStoreLink, WorkerKVTiers
 from worker_svc.loader import load_model, model_fingerprint
 from worker_svc.model_files import resolve_model
 from worker_svc.sampler import SampledIds, Sampler, SamplingRow
 from worker_svc.spec_decode.config import SpeculativeConfig
+from worker_svc.spec_decode.draft_model import DraftModel
 from worker_svc.spec_decode.ngram import NgramProposer
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class SequenceState:
     # some), and how many the current plan asks for after its sample.
     drafts: list[int] = field(default_factory=list)
     max_draft_tokens: int = 0
+    promised_drafts: int = 0  # a draft model's drafts, reported but made when verified
 
 
 @dataclass
@@ -211,10 +213,16 @@ class ModelRunner:
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         bs = config.block_size
         spec = KVCacheSpec.of(mc, bs, self.dtype)
-        self.num_kv_blocks = config.num_kv_blocks or num_blocks_for_budget(spec, self._kv_budget(spec))
+        self.spec = SpeculativeConfig.parse(config.speculative_config)
+        self.draft = DraftModel(self.spec, self) if self.spec and self.spec.method == "draft_model" else None
+        # A draft model's KV cache has a block for each of the target's: they share the budget.
+        per_block = spec.bytes_per_block + (self.draft.kv_spec.bytes_per_block if self.draft else 0)
+        self.num_kv_blocks = config.num_kv_blocks or max(self._kv_budget(spec) // per_block, 0)
         if self.num_kv_blocks < 1:
             raise ValueError("the KV cache budget holds no block; raise kv_cache_memory")
         self.kv_caches = allocate_kv_cache(spec, self.num_kv_blocks, self.device)
+        if self.draft is not None:
+            self.draft.allocate(self.num_kv_blocks, self.device)
         # Blocks are only interchangeable between workers with the same weights and cache layout.
         layout = f"{config.block_size}:{self.dtype}:{mc.num_layers}:{mc.num_kv_heads}:{mc.head_dim}"
         self.fingerprint = hashlib.sha256(model_fingerprint(self.model_path) + layout.encode()).digest()
@@ -229,7 +237,6 @@ class ModelRunner:
             chunk_blocks=config.kv_chunk_tokens // bs,
         )
         self.sampler = Sampler(mc.vocab_size, self.device, seed=config.seed)
-        self.spec = SpeculativeConfig.parse(config.speculative_config)
         self.proposer = self._make_proposer(self.spec)
         self.seqs: dict[str, SequenceState] = {}
         # Block-table widths are kept multiples of 16: Triton specialises integer arguments (the
@@ -272,11 +279,14 @@ class ModelRunner:
 
     @staticmethod
     def _make_proposer(spec: SpeculativeConfig | None) -> NgramProposer | None:
-        if spec is None:
-            return None
-        if spec.method == "ngram":
-            return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        raise ValueError(f"speculative method {spec.method!r} is not available yet")
+        if spec is None or spec.method != "ngram":
+            return None  # none, or a draft model (self.draft)
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+    @property
+    def block_table(self) -> np.ndarray:
+        """The host block table: row `SequenceState.row` holds that sequence's block ids."""
+        return self._tables.table
 
     # ----- state -----
     def _apply(self, plan: StepPlan) -> list[tuple[SequenceState, int]]:
@@ -385,6 +395,8 @@ class ModelRunner:
         launched = LaunchedStep(result, [])
         if not order:
             return launched
+        if self.draft is not None:
+            self._draft_now(order)
         bs = self.config.block_size
         n = len(order)
         starts = np.empty(n, dtype=np.int64)
@@ -489,6 +501,8 @@ class ModelRunner:
                 seq_lens_cpu=seq_lens.tolist(),
             )
             hidden = self.model(d_ids, d_pos, self.kv_caches, meta)
+            if self.draft is not None:
+                self.draft.forward_alongside(d_ids, d_pos, meta)
             sample_index = None if all_sample else d_last
         for st, num_new in order:
             st.num_computed_tokens += num_new
@@ -548,15 +562,32 @@ class ModelRunner:
 
     def _propose(self, launched: LaunchedStep) -> None:
         """Draft tokens for the sequences that asked, now that their last token is known."""
-        assert self.proposer is not None
         result = launched.result
         for st, k in zip(launched.sampling, launched.propose, strict=True):
             if k <= 0 or st.inflight is not None or self.seqs.get(st.seq_id) is not st:
                 continue  # a later step already samples it, or it was dropped meanwhile
-            st.drafts = self.proposer.propose(st.seq_id, st.token_ids, k)
-            if st.drafts:
+            if self.draft is not None:
+                st.promised_drafts = k  # made by the plan that verifies them (`_draft_now`)
+            elif self.proposer is not None:
+                st.drafts = self.proposer.propose(st.seq_id, st.token_ids, k)
+            if st.drafts or st.promised_drafts:
                 result.draft_seq_ids.append(st.seq_id)
-                result.num_draft_tokens.append(len(st.drafts))
+                result.num_draft_tokens.append(len(st.drafts) or st.promised_drafts)
+
+    def _draft_now(self, order: list[tuple[SequenceState, int]]) -> None:
+        """A draft model's promised drafts, for the sequences this plan verifies them for."""
+        seqs, ks = [], []
+        for st, num_new in order:
+            if st.promised_drafts and st.inflight is None:
+                used = st.num_computed_tokens + num_new - len(st.token_ids)
+                if used > 0:
+                    seqs.append(st)
+                    ks.append(min(used, st.promised_drafts))
+            st.promised_drafts = 0
+        if seqs:
+            assert self.draft is not None
+            for st, drafts in zip(seqs, self.draft.propose(self, seqs, ks), strict=True):
+                st.drafts = drafts
 
     def _verify_rows(self, st: SequenceState, drafts: list[int]) -> list[SamplingRow]:
         """Sampling rows of a sequence at its last token and at each draft: the output so far there."""

@@ -87,3 +87,29 @@ def test_sampling_with_seeds_penalties_and_logprobs_alongside_drafts(smollm2) ->
     again = llm.generate(prompts[:1], params[:1], use_tqdm=False)
     assert again[0].outputs[0].token_ids == outs[0].outputs[0].token_ids  # a seed is a seed
     assert_no_leaks(llm)
+
+
+def test_draft_model_early_exit_keeps_greedy_tokens(smollm2, reference) -> None:
+    draft = {"method": "draft_model", "num_speculative_tokens": 3, "num_layers": 8}
+    llm = LLM(smollm2, kv_cache_memory=64 << 20, speculative_config=draft)
+    assert token_ids(llm, PROMPTS) == reference
+    assert spec_stats(llm).num_drafts > 0
+    assert_no_leaks(llm)
+
+
+def test_a_draft_identical_to_the_target_is_always_accepted(tiny_models) -> None:
+    """The draft's own paged KV cache follows the target's exactly (prefill, decode, verify)."""
+    path = tiny_models["llama"]
+    prompts = [[5, 6, 7, 8, 9] * 7, [11, 12, 13] * 3]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(path).generate(prompts, params, use_tqdm=False)]
+    everything = {"method": "draft_model", "num_speculative_tokens": 4, "num_layers": 2}
+    llm = LLM(path, speculative_config=everything)
+    assert llm.engine.runner.draft.model_config.num_layers == llm.engine.runner.model_config.num_layers
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    stats = spec_stats(llm)
+    assert stats.num_draft_tokens > 0 and stats.acceptance_rate == 1.0
+    assert_no_leaks(llm)
+    with pytest.raises(ValueError, match="exceeds"):
+        LLM(path, speculative_config={**everything, "num_layers": 99})
