@@ -18,8 +18,12 @@ class KVCacheSpec:
     dtype: torch.dtype
 
     @classmethod
-    def of(cls, model: ModelConfig, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
-        return cls(model.num_layers, model.num_kv_heads, model.head_dim, block_size, dtype)
+    def of(
+        cls, model: ModelConfig, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1
+    ) -> KVCacheSpec:
+        """One rank's cache: with tensor parallelism it holds its 1/N of the KV heads of every block."""
+        heads = model.num_kv_heads // tensor_parallel_size
+        return cls(model.num_layers, heads, model.head_dim, block_size, dtype)
 
     @property
     def bytes_per_block(self) -> int:
