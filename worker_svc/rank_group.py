@@ -18,6 +18,7 @@ Failure is loud, never a hang:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -103,12 +105,17 @@ class RankGroup:
         except BaseException:
             self._kill()
             raise
-        self._watcher = threading.Thread(target=self._watch, name="llmesh-tp-watch", daemon=True)
-        self._watcher.start()
+        # The watcher holds the group weakly, and a finalizer ends the ranks: a runner that is
+        # dropped without close() (an LLM going out of scope) takes its ranks with it.
+        ref = weakref.ref(self)
+        threading.Thread(target=_watch, args=(ref,), name="llmesh-tp-watch", daemon=True).start()
+        weakref.finalize(self, _end_processes, self.procs)
 
     # ----- start -----
     def _spawn(self, config: WorkerConfig, rank: int, port: int) -> subprocess.Popen:
-        cfg = json.dumps(dataclasses.asdict(rank_config(config, rank)))
+        # Only the runner's settings (a service's config adds ports, tokens...), as JSON.
+        own = rank_config(config, rank)
+        cfg = json.dumps({f.name: getattr(own, f.name) for f in dataclasses.fields(WorkerConfig)})
         cmd = [
             sys.executable, "-m", "worker_svc.rank_worker",
             "--rank", str(rank), "--size", str(self.size), "--store-port", str(port),
@@ -150,15 +157,6 @@ class RankGroup:
             self.tp.broadcast_from_first(patch[1])
 
     # ----- failure -----
-    def _watch(self) -> None:
-        while not self._closing:
-            for rank, proc in enumerate(self.procs, start=1):
-                code = proc.poll()
-                if code is not None and not self._closing:
-                    self._fail(f"rank {rank} exited with code {code}")
-                    return
-            time.sleep(POLL_S)
-
     def _fail(self, why: str) -> None:
         if self.failure is not None:
             return
@@ -180,24 +178,40 @@ class RankGroup:
         self._closing = True
         stop = encode(STOP, [])
         for proc in self.procs:
-            try:
+            with contextlib.suppress(OSError):
                 proc.stdin.write(stop)  # type: ignore[union-attr]
-                proc.stdin.close()  # type: ignore[union-attr]
-            except OSError:
-                pass
-        deadline = time.monotonic() + timeout_s
-        for proc in self.procs:
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        _end_processes(self.procs, timeout_s)
         self.tp.close()
 
     def _kill(self) -> None:
         self._closing = True
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-        for proc in self.procs:
+        _end_processes(self.procs, grace_s=0.0)
+
+
+def _watch(ref: weakref.ref[RankGroup]) -> None:
+    """Until the group closes or is dropped: report the first rank that exits."""
+    while True:
+        group = ref()
+        if group is None or group._closing:
+            return
+        for rank, proc in enumerate(group.procs, start=1):
+            code = proc.poll()
+            if code is not None and not group._closing:
+                group._fail(f"rank {rank} exited with code {code}")
+                return
+        del group
+        time.sleep(POLL_S)
+
+
+def _end_processes(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
+    """Close each rank's step pipe (it leaves at EOF), then kill what is still running after `grace_s`."""
+    for proc in procs:
+        with contextlib.suppress(OSError):
+            proc.stdin.close()  # type: ignore[union-attr]
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
             proc.wait()
