@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from worker_svc.models.config import ModelConfig
+if TYPE_CHECKING:  # the models import this module: only the type, no import loop
+    from worker_svc.models.config import ModelConfig
 
 
 @dataclass
