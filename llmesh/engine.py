@@ -198,6 +198,7 @@ class LLMEngine:
             self.wait(shutdown())
         finally:
             _stop_loop(self._loop, self._thread)
+            self.runner.close()  # the other tensor-parallel ranks, if any
 
 
 

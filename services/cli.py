@@ -139,6 +139,12 @@ def _positive(kind: type[int] | type[float]):
 def _add_up_flags(p: argparse.ArgumentParser) -> None:
     _add_model_flags(p)
     p.add_argument("--workers", type=int, default=1, help="number of worker processes")
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=_positive(int),
+        default=None,
+        help="ranks (GPUs) each worker splits the model over (`llmesh worker --tensor-parallel-size`)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address every service binds (loopback by default)")
     p.add_argument("--port", type=int, default=int(os.environ.get("LLMESH_PORT", 8000)), help="gateway port")
     p.add_argument("--scheduler-port", type=int, default=50051, help="scheduler gRPC port")
@@ -229,6 +235,9 @@ def up_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         gateway += ["--request-timeout-s", str(args.request_timeout_s)]
     if args.api_server_count is not None:
         gateway += ["--api-server-count", str(args.api_server_count)]
+    worker = list(common)
+    if args.tensor_parallel_size is not None:
+        worker += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     env = {"LLMESH_GATEWAY_API_KEY": args.api_key} if args.api_key else {}
     spec = ["--speculative-config", args.speculative_config] if args.speculative_config else []
     if args.redis_url:  # service-scoped and in the environment: a password stays out of `ps` output
@@ -239,7 +248,7 @@ def up_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "host": args.host,
         "port": args.port,
         "scheduler_port": args.scheduler_port,
-        "worker_args": [*common, *spec, *args.worker_arg, *_flatten(args.worker_args)],
+        "worker_args": [*worker, *spec, *args.worker_arg, *_flatten(args.worker_args)],
         "scheduler_args": [*scheduler, *_flatten(args.scheduler_args)],
         "gateway_args": [*gateway, *_flatten(args.gateway_args)],
         "kvstore": not args.no_kvstore,

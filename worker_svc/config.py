@@ -37,6 +37,10 @@ class WorkerConfig:
         '"num_speculative_tokens": 3, "num_layers": 8}\' (none = off)',
     )
     seed: int = 0
+    # Tensor parallelism: processes cuda:i, cuda:i+1, ... (gloo processes on CPU) that split the
+    # model's heads, MLP and vocabulary.
+    tensor_parallel_size: int = 1  # ranks splitting the model; must divide its query and KV heads
+    tp_timeout_s: float = 600.0  # longest wait on a tensor-parallel collective before a step fails
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -18,13 +18,21 @@ class KVCacheSpec:
     dtype: torch.dtype
 
     @classmethod
-    def of(cls, model: ModelConfig, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
-        return cls(model.num_layers, model.num_kv_heads, model.head_dim, block_size, dtype)
+    def of(
+        cls, model: ModelConfig, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1
+    ) -> KVCacheSpec:
+        """One rank's cache: with tensor parallelism it holds its 1/N of the KV heads of every block."""
+        heads = model.num_kv_heads // tensor_parallel_size
+        return cls(model.num_layers, heads, model.head_dim, block_size, dtype)
 
     @property
     def bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int) -> int:
+    return max(budget_bytes // spec.bytes_per_block, 0)
 
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device | str) -> list[torch.Tensor]:

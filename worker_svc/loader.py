@@ -24,6 +24,7 @@ from worker_svc.attention.base import AttentionBackend
 from worker_svc.model_files import resolve_model
 from worker_svc.models.config import ModelConfig
 from worker_svc.models.registry import get_model_class
+from worker_svc.parallel import TensorParallel, check_shardable
 
 logger = logging.getLogger(__name__)
 
@@ -38,19 +39,25 @@ def load_model(
     load_format: LoadFormat = "auto",
     cache_dir: str | None = None,
     num_layers: int = 0,
+    tp: TensorParallel | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """(model in eval mode on `device`, its config) for a folder, a .gguf file, or None (default).
 
     load_format="dummy" fills random weights of the right shapes directly on the device
     (for benchmarks): then `path` only needs a config.json. num_layers > 0 keeps only the
     first decoder layers (with the model's own final norm and head: an early-exit draft model).
+    With `tp` of size N this rank's shard is built and only its slices of the checkpoint are
+    read; dummy weights are the same at every size (each rank cuts its slice from the size-1
+    weights).
     """
+    tp = tp or TensorParallel()
     folder = resolve_model(path, cache_dir)
     config = ModelConfig.from_pretrained(folder)
     if num_layers:
         if num_layers > config.num_layers:
             raise ValueError(f"num_layers {num_layers} exceeds the model's {config.num_layers} layers")
         config = dataclasses.replace(config, num_layers=num_layers)
+    check_shardable(config, tp.size)
     if config.sliding_window and config.sliding_window < config.max_position_embeddings:
         logger.warning(
             "%s has a %d-token sliding window that llmesh does not apply: outputs match the reference "
@@ -64,13 +71,13 @@ def load_model(
         backend = TorchPagedBackend()
     device = torch.device(device)
     with torch.device("meta"):
-        model = get_model_class(config.architecture)(config, backend)
+        model = get_model_class(config.architecture)(config, backend, tp)
     # Converting dtype on meta is free; to_empty then allocates once, in that dtype.
     model = model.to(dtype).to_empty(device=device)
     if load_format == "dummy":
         _init_dummy(model)
     elif load_format in ("auto", "safetensors"):
-        weights = iter_safetensors(folder, device)
+        weights = iter_safetensors(folder, device, lazy=tp.size > 1)
         if num_layers:
             weights = ((n, t) for n, t in weights if _layer_of(n) < num_layers)
         model.load_weights(weights)
@@ -104,8 +111,14 @@ def _layer_of(name: str) -> int:
     return int(m.group(1)) if m else -1
 
 
-def iter_safetensors(folder: str, device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of the checkpoint, one at a time (bounded memory)."""
+def iter_safetensors(
+    folder: str, device: torch.device | str = "cpu", lazy: bool = False
+) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) for every tensor of the checkpoint, one at a time (bounded memory).
+
+    lazy=True yields safetensors slices instead (`get_shape()`, indexing reads only the
+    indexed rows): a tensor-parallel rank reads only its share of the bytes.
+    """
     from safetensors import safe_open
 
     device = torch.device(device)
@@ -114,12 +127,16 @@ def iter_safetensors(folder: str, device: torch.device | str = "cpu") -> Iterato
     for file in safetensors_files(folder):
         with safe_open(file, framework="pt", device=target) as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                yield name, f.get_tensor(name)
+                yield name, (f.get_slice(name) if lazy else f.get_tensor(name))
 
 
 def _init_dummy(model: nn.Module, seed: int = 0) -> None:
     """Random weights in place on the model's device: ones for norms, zeros for biases,
-    N(0, 0.02) for matrices (keeps activations bounded through many layers)."""
+    N(0, 0.02) for matrices (keeps activations bounded through many layers).
+
+    A tensor-parallel shard draws the full (size-1) matrix and keeps its slice, so that every
+    size runs the same model."""
+    modules = dict(model.named_modules())
     for name, param in model.named_parameters():
         gen = torch.Generator(device=param.device).manual_seed(seed + len(name))
         if name.endswith(".bias"):
@@ -127,7 +144,16 @@ def _init_dummy(model: nn.Module, seed: int = 0) -> None:
         elif param.dim() == 1:
             param.data.fill_(1.0)
         else:
-            param.data.normal_(0.0, 0.02, generator=gen)
+            owner, _, param_name = name.rpartition(".")
+            module = modules[owner]
+            tp = getattr(module, "tp", None)
+            if tp is None or tp.size == 1:
+                param.data.normal_(0.0, 0.02, generator=gen)
+                continue
+            full = torch.empty(module.full_shape(param_name), dtype=param.dtype, device=param.device)
+            full.normal_(0.0, 0.02, generator=gen)
+            param.data.copy_(module.shard_full(param_name, full))
+            del full
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

@@ -12,15 +12,17 @@ the sampler's copy of the sampled ids.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from services.config import ByteSize
 from services.sampling_params import SamplingParams
 from services.step import NewSequence, StepPlan, StepResult, TokenLogprobs, WorkerInfo
 from worker_svc.attention.base import AttentionMetadata
@@ -29,6 +31,9 @@ from worker_svc.kv_cache import KVCacheSpec, allocate_kv_cache
 from worker_svc.kv_tiers import KVStoreLink, WorkerKVTiers
 from worker_svc.loader import load_model, model_fingerprint
 from worker_svc.model_files import resolve_model
+from worker_svc.parallel import TensorParallel
+from worker_svc.rank_channel import ForwardInputs
+from worker_svc.rank_group import RankGroup, start_rank_group
 from worker_svc.sampler import SampledIds, Sampler, SamplingRow
 from worker_svc.spec_decode.config import SpeculativeConfig
 from worker_svc.spec_decode.draft_model import DraftModel
@@ -181,6 +186,11 @@ def pack_to_device(arrays: list[np.ndarray], device: torch.device | str) -> list
     ]
 
 
+def _patch_where(from_device: list[tuple[int, int]]) -> np.ndarray:
+    """The input positions whose token the previous step sampled on the device (for the other ranks)."""
+    return np.asarray([i for i, _ in from_device], dtype=np.int64)
+
+
 def make_backend(name: str, device: torch.device):
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
@@ -196,28 +206,47 @@ def make_backend(name: str, device: torch.device):
 
 
 class ModelRunner:
-    def __init__(self, config: WorkerConfig, kv_store: KVStoreLink | None = None) -> None:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        kv_store: KVStoreLink | None = None,
+        on_rank_failure: Callable[[str], None] | None = None,
+    ) -> None:
+        """`on_rank_failure(why)`: called (on a watcher thread) when a tensor-parallel rank dies."""
         self.config = config
         self.device = config.torch_device()
         self.dtype = config.torch_dtype()
         self.model_path = resolve_model(config.model, config.cache_dir)
         self.backend = make_backend(config.attention_backend, self.device)
+        # Tensor parallelism: this process is rank 0; the others start here (None at size 1).
+        self.ranks: RankGroup | None = start_rank_group(config, self.model_path, on_rank_failure)
+        self.tp = self.ranks.tp if self.ranks is not None else TensorParallel()
+        try:
+            self._build(config, kv_store)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: WorkerConfig, kv_store: KVStoreLink | None) -> None:
         self.model, self.model_config = load_model(
             self.model_path,
             dtype=self.dtype,
             device=self.device,
             backend=self.backend,
             load_format=config.load_format,
+            tp=self.tp,
         )
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         bs = config.block_size
-        spec = KVCacheSpec.of(mc, bs, self.dtype)
+        spec = KVCacheSpec.of(mc, bs, self.dtype, self.tp.size)
         self.spec = SpeculativeConfig.parse(config.speculative_config)
         self.draft = DraftModel(self.spec, self) if self.spec and self.spec.method == "draft_model" else None
         # A draft model's KV cache has a block for each of the target's: they share the budget.
         per_block = spec.bytes_per_block + (self.draft.kv_spec.bytes_per_block if self.draft else 0)
-        self.num_kv_blocks = config.num_kv_blocks or max(self._kv_budget(spec) // per_block, 0)
+        num_kv_blocks = config.num_kv_blocks or max(self._kv_budget(spec) // per_block, 0)
+        # Every rank holds its heads' share of every block: the count is the least any rank holds.
+        self.num_kv_blocks = self.tp.min_int(num_kv_blocks, self.device)
         if self.num_kv_blocks < 1:
             raise ValueError("the KV cache budget holds no block; raise kv_cache_memory")
         self.kv_caches = allocate_kv_cache(spec, self.num_kv_blocks, self.device)
@@ -225,6 +254,12 @@ class ModelRunner:
             self.draft.allocate(self.num_kv_blocks, self.device)
         # Blocks are only interchangeable between workers with the same weights and cache layout.
         layout = f"{config.block_size}:{self.dtype}:{mc.num_layers}:{mc.num_kv_heads}:{mc.head_dim}"
+        if self.tp.size > 1:
+            layout += f":tp{self.tp.size}"
+            if kv_store is not None or config.kv_offload_bytes:
+                # Each rank holds part of every block: a tier would need every rank's share.
+                log.warning("tensor parallelism: the host KV tier and the KV store are off for this worker")
+                kv_store, config = None, dataclasses.replace(config, kv_offload_bytes=ByteSize(0))
         self.fingerprint = hashlib.sha256(model_fingerprint(self.model_path) + layout.encode()).digest()
         if kv_store is not None and (config.kv_chunk_tokens < bs or config.kv_chunk_tokens % bs):
             raise ValueError(f"kv_chunk_tokens {config.kv_chunk_tokens} is not a multiple of block_size {bs}")
@@ -260,6 +295,11 @@ class ModelRunner:
         reserve = total * (1.0 - self.config.gpu_memory_utilization)
         # Leave room for activations of the largest batch (a generous fixed margin).
         return int(max(free - reserve - (1 << 30), 0))
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do at size 1)."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     @property
     def info(self) -> WorkerInfo:
@@ -471,9 +511,15 @@ class ModelRunner:
 
         graphs = self._graphs
         if pure_decode and graphs is not None and n <= graphs.max_size and width <= graphs.width:
-            hidden = graphs.run(ids, positions, slots, seq_lens.astype(np.int32), tables, patch)
             all_sample = len(sample_rows) == n
             last_rows = None if all_sample else np.asarray(sample_rows, dtype=np.int64)
+            if self.ranks is not None:  # the other ranks run the same forward on their shards
+                self.ranks.send(
+                    ForwardInputs(True, ids, positions, slots, seq_lens.astype(np.int32), tables,
+                                  len(sampling), last_rows, patch_where=_patch_where(from_device)),
+                    patch,
+                )  # fmt: skip
+            hidden = graphs.run(ids, positions, slots, seq_lens.astype(np.int32), tables, patch)
             sample_index = None if all_sample else self.upload([last_rows])[0]
         else:
             if pure_decode:
@@ -485,6 +531,13 @@ class ModelRunner:
                 offsets = np.arange(int(per_seq.sum()), dtype=np.int64) - np.repeat(first, per_seq)
                 last = np.repeat(last + 1 - per_seq, per_seq) + offsets
             all_sample = pure_decode and len(sample_rows) == n
+            if self.ranks is not None:  # the other ranks run the same forward on their shards
+                self.ranks.send(
+                    ForwardInputs(False, ids, positions, slots, seq_lens.astype(np.int32), tables,
+                                  len(sampling), None if all_sample else last, qsl.astype(np.int32),
+                                  query_lens, int(query_lens.max()), max_seq_len, _patch_where(from_device)),
+                    patch,
+                )  # fmt: skip
             d_ids, d_pos, d_slots, d_last, d_qsl, d_lens, d_tables = self.upload(
                 [ids, positions, slots, last, qsl.astype(np.int32), seq_lens.astype(np.int32), tables]
             )

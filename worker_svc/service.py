@@ -95,6 +95,20 @@ async def stay_registered(
             )
 
 
+# Exit status of a worker that lost one of its tensor-parallel ranks.
+EXIT_RANK_LOST = 75
+
+
+def exit_on_rank_failure(why: str) -> None:
+    """A worker that lost a tensor-parallel rank can never step again: it exits at once, loudly,
+    so that the scheduler moves its requests elsewhere and a supervisor starts it afresh (a step
+    blocked in a collective on the dead rank could not be stopped otherwise)."""
+    log.critical("tensor-parallel %s: the worker exits", why)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(EXIT_RANK_LOST)
+
+
 def _reachable_host(host: str) -> str:
     """A wildcard bind is no address to dial back: advertise the hostname (a container's DNS name)."""
     try:
@@ -115,7 +129,7 @@ async def run(config: WorkerServiceConfig) -> None:
     async def on_started(server: GrpcServer) -> None:
         # Health stays NOT_SERVING until the model is loaded and the KV cache allocated.
         kv_store = KVStoreClient(config.kvstore_address) if config.kvstore_address else None
-        servicer.runner = await asyncio.to_thread(ModelRunner, config, kv_store)
+        servicer.runner = await asyncio.to_thread(ModelRunner, config, kv_store, exit_on_rank_failure)
         # The model's imports leave many long-lived objects; frozen, a full collection (which
         # stops the Step stream's loop) skips them.
         gc.collect()
@@ -132,6 +146,8 @@ async def run(config: WorkerServiceConfig) -> None:
     finally:
         for task in background:
             task.cancel()
+        if servicer.runner is not None:
+            servicer.runner.close()  # the other tensor-parallel ranks, if any
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,11 @@ unmerged names and copies each into its slice.
 The norms and rotary follow the attention backend: with the Triton backend they run the
 Triton kernels (fused residual-add + RMSNorm, in-place rotary; on CPU tensors under Triton's
 interpreter), otherwise their plain-PyTorch twins from `kernels.reference`.
+
+Tensor parallelism (`tp`, `worker_svc.parallel`): each rank builds the layers of
+`worker_svc.models.parallel_layers`, holding 1/N of the query and KV heads, of the MLP and of
+the vocabulary; o_proj, down_proj and the embedding end in an all-reduce, the logits are
+gathered to rank 0. At size 1 (the default) they are plain layers and no collective runs.
 """
 
 from __future__ import annotations
@@ -33,6 +38,15 @@ from torch import nn
 from kernels import reference
 from worker_svc.attention.base import AttentionBackend, AttentionMetadata
 from worker_svc.models.config import ModelConfig
+from worker_svc.models.parallel_layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_logits,
+)
+from worker_svc.parallel import TensorParallel
 
 
 def compute_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -121,20 +135,23 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, backend: AttentionBackend, tp: TensorParallel
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        # This rank's heads (all of them at size 1).
+        self.num_heads = tp.shard(config.num_heads, "query heads")
+        self.num_kv_heads = tp.shard(config.num_kv_heads, "KV heads")
         self.head_dim = config.head_dim
-        self.q_size = config.q_size
-        self.kv_size = config.kv_size
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         self.backend = backend
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, config.q_size, config.kv_size, config.attention_bias, tp
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.o_proj = RowParallelLinear(config.q_size, config.hidden_size, config.o_proj_bias, tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
@@ -160,11 +177,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.intermediate_size = tp.shard(config.intermediate_size, "intermediate size")  # this rank's
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, config.intermediate_size, config.mlp_bias, tp
+        )
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, config.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -172,12 +191,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, backend: AttentionBackend, tp: TensorParallel
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_idx, backend)
+        self.self_attn = Attention(config, layer_idx, backend, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
 
     def forward(
         self,
@@ -198,19 +219,23 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama / Mistral / Qwen2 / Qwen3 causal LM over a paged KV cache."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel | None = None
+    ) -> None:
         super().__init__()
+        tp = tp or TensorParallel()
         self.config = config
         self.backend = backend
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_layers))
+        self.tp = tp
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, backend, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
         # Tied models reuse the embedding matrix; no separate parameter exists.
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         )
         self._select_kernels(backend)
 
@@ -250,10 +275,10 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [N, vocab] in fp32 for the rows of `hidden` the caller wants to sample."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits [N, vocab] in fp32 for the rows of `hidden` the caller wants to sample
+        (on tensor-parallel rank 0; the other ranks send their vocabulary's share and get None)."""
+        return vocab_parallel_logits(hidden, self.embed_tokens if self.lm_head is None else self.lm_head)
 
     # ---- weights -------------------------------------------------------------------------
 
@@ -262,17 +287,19 @@ class LlamaForCausalLM(nn.Module):
 
         Every parameter must be written exactly once; a missing or unknown name is an error,
         because a silently random weight produces plausible-looking garbage.
+        A tensor may be a lazy safetensors slice: a split layer then reads only its rank's rows.
         """
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         loaded: set[str] = set()
         cfg = self.config
-        # HF name suffix -> (our suffix, row offset, row count) inside a merged parameter.
+        # HF name suffix -> (our suffix, segment) inside a merged parameter.
         merged = {
-            "self_attn.q_proj": ("self_attn.qkv_proj", 0, cfg.q_size),
-            "self_attn.k_proj": ("self_attn.qkv_proj", cfg.q_size, cfg.kv_size),
-            "self_attn.v_proj": ("self_attn.qkv_proj", cfg.q_size + cfg.kv_size, cfg.kv_size),
-            "mlp.gate_proj": ("mlp.gate_up_proj", 0, cfg.intermediate_size),
-            "mlp.up_proj": ("mlp.gate_up_proj", cfg.intermediate_size, cfg.intermediate_size),
+            "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
+            "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
+            "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
+            "mlp.gate_proj": ("mlp.gate_up_proj", "gate"),
+            "mlp.up_proj": ("mlp.gate_up_proj", "up"),
         }
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
@@ -280,18 +307,26 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints still store the duplicate
             key = name.removeprefix("model.")
-            target, offset, size = key, 0, None
-            for hf, (ours, off, rows) in merged.items():
+            target, segment = key, None
+            for hf, (ours, seg) in merged.items():
                 if f".{hf}." in key:
-                    target, offset, size = key.replace(hf, ours), off, rows
+                    target, segment = key.replace(hf, ours), seg
                     break
-            param = params.get(target)
-            if param is None:
+            if target not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in {cfg.architecture}")
-            dest = param.data if size is None else param.data.narrow(0, offset, size)
-            if dest.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dest.shape)}")
-            dest.copy_(tensor)
+            owner, _, param_name = target.rpartition(".")
+            module = modules[owner]
+            try:
+                if hasattr(module, "load_segment"):  # a split (or merged) layer takes its own slice
+                    module.load_segment(param_name, segment, tensor)
+                else:
+                    src = tensor if isinstance(tensor, torch.Tensor) else tensor[:]
+                    dest = params[target].data
+                    if dest.shape != src.shape:
+                        raise ValueError(f"checkpoint shape {tuple(src.shape)} != {tuple(dest.shape)}")
+                    dest.copy_(src)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
             loaded.add(key)
         expected = {n.removeprefix("model.") for n in self.expected_weight_names()}
         missing = sorted(expected - loaded)

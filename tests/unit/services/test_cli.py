@@ -144,3 +144,9 @@ def test_llmesh_kvstore_runs_the_kvstore_service(monkeypatch):
     monkeypatch.setattr(kvstore_svc.service, "main", lambda argv: seen.append(argv) or 0)
     assert cli.main(["kvstore", "--memory-bytes", "1GiB"]) == 0
     assert seen == [["--memory-bytes", "1GiB"]]
+
+
+def test_tensor_parallel_size_reaches_every_worker():
+    assert up("--tensor-parallel-size", "2")["worker_args"] == ["--tensor-parallel-size", "2"]
+    with pytest.raises(SystemExit):
+        up("--tensor-parallel-size", "0")

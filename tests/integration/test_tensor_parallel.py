@@ -1,0 +1,133 @@
+"""Tensor parallelism at size 2 on the CPU (gloo, rank processes on loopback).
+
+Greedy tokens must equal size 1's token for token (fp32), through the offline engine and
+through a real worker service behind a scheduler; a lost rank must end the worker loudly, and
+the ranks must not outlive their worker.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from llmesh import LLM, SamplingParams
+from llmesh.v1 import generation_pb2 as g
+from llmesh.v1 import generation_pb2_grpc as gg
+from services.launcher import free_port, grpc_serving, start_mesh
+from tests.helpers.tiny_models import make_tiny_model
+from worker_svc.service import EXIT_RANK_LOST
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [100, 200, 300], list(range(20, 60))]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+ENGINE = dict(kv_cache_memory=1 << 22, max_num_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tp-models")
+    return {
+        "llama": make_tiny_model(root / "llama", "llama", seed=3),
+        # Biases on q/k/v, a tied embedding, and a vocabulary that 2 does not divide (padded).
+        "qwen2": make_tiny_model(root / "qwen2", "qwen2", seed=4, tie_word_embeddings=True, vocab_size=509),
+    }
+
+
+def greedy(path: str, size: int, prompts=PROMPTS) -> list[list[int]]:
+    llm = LLM(path, tensor_parallel_size=size, **ENGINE)
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    finally:
+        llm.engine.close()
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_size_2_greedy_equals_size_1(models, name):
+    assert greedy(models[name], 2) == greedy(models[name], 1)
+
+
+def test_a_size_that_does_not_divide_the_heads_is_refused(models):
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide the query heads"):
+        LLM(models["llama"], tensor_parallel_size=3, **ENGINE)
+
+
+def _children(pid: int) -> list[int]:
+    """Pids whose parent is `pid` (from /proc: no psutil needed)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            kids.append(int(entry))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait(check, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not after {timeout:.0f} s")
+        time.sleep(0.1)
+
+
+def _generate(address: str, prompt: list[int]) -> list[int]:
+    req = g.GenerateRequest(
+        prompt_token_ids=g.TokenIds(ids=prompt),
+        sampling_params=g.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+    )
+    with grpc.insecure_channel(address) as channel:
+        return [t for r in gg.SchedulerStub(channel).Generate(req, timeout=120) for t in r.token_ids]
+
+
+def test_worker_service_at_size_2_serves_and_exits_when_a_rank_dies(models, tmp_path):
+    path = models["llama"]
+    expected = greedy(path, 1)
+    worker_args = ["--tensor-parallel-size", "2", "--kv-cache-memory", str(1 << 22), "--max-num-seqs", "4"]
+    with start_mesh(
+        1, model=path, worker_args=worker_args, scheduler_args=["--no-tokenizer"], log_dir=str(tmp_path)
+    ) as mesh:
+        assert [_generate(mesh.scheduler.address, p) for p in PROMPTS] == expected
+        worker = mesh.workers[0].proc
+        ranks = _children(worker.pid)
+        assert len(ranks) == 1, ranks
+        os.kill(ranks[0], signal.SIGKILL)
+        # Loud: the worker exits with its own status (its scheduler and supervisor see a dead worker).
+        assert worker.wait(timeout=30) == EXIT_RANK_LOST
+
+
+def test_ranks_exit_with_their_worker(models, tmp_path):
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "worker_svc.service", "--model", models["llama"], "--port", str(port),
+        "--tensor-parallel-size", "2", "--kv-cache-memory", str(1 << 22),
+    ]  # fmt: skip
+    with open(tmp_path / "worker.log", "wb") as log:
+        worker = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _wait(lambda: grpc_serving(f"127.0.0.1:{port}"), "worker ready", timeout=120)
+        ranks = _children(worker.pid)
+        assert len(ranks) == 1, ranks
+        worker.send_signal(signal.SIGKILL)  # no cleanup of any kind runs in rank 0
+        worker.wait()
+        _wait(lambda: not any(_alive(r) for r in ranks), "rank 1 gone after rank 0 was killed", timeout=15)
+    finally:
+        if worker.poll() is None:
+            worker.kill()

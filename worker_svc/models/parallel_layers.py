@@ -1,0 +1,218 @@
+"""Linear and embedding layers split across tensor-parallel ranks (Megatron's scheme, as in vLLM).
+
+* column-parallel (`QKVParallelLinear`, `MergedColumnParallelLinear`): each rank holds a
+  slice of the output rows; no communication, the outputs stay split (by heads / by MLP
+  columns) into the next layer;
+* row-parallel (`RowParallelLinear`: o_proj, down_proj): each rank holds the matching slice
+  of the input columns; the partial products are summed by one all-reduce, then the bias
+  (once, not once per rank);
+* vocab-parallel (`VocabParallelEmbedding`, `ParallelLMHead`): each rank holds a run of the
+  vocabulary, padded to a multiple of the size; an embedding lookup is masked to the rank's
+  run and all-reduced; the logits are gathered to rank 0, which alone samples.
+
+Merged layers are made of segments along the split dim (q | k | v, gate | up): a rank's
+slice is its part of every segment, in order, so that the local output still splits into
+its local q, k and v (or gate and up). Each layer loads its own slice from a full
+checkpoint tensor (`load_segment`, reading only that slice from a lazy safetensors slice)
+and cuts its slice from a full-size parameter (`shard_full`, for dummy weights that must
+equal size 1's). At size 1 every layer is a plain linear / embedding with the same
+parameter names, so checkpoints, tests and CUDA graphs see no difference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker_svc.parallel import TensorParallel
+
+
+def _shape(src: Any) -> tuple[int, ...]:
+    """The shape of a tensor or of a lazy safetensors slice (`get_shape()`)."""
+    return tuple(src.shape) if isinstance(src, torch.Tensor) else tuple(src.get_shape())
+
+
+def _rows(src: Any, dim: int, start: int, length: int) -> torch.Tensor:
+    """`src[start:start+length]` along `dim` (0 or 1); a lazy slice reads only those bytes."""
+    if dim == 0:
+        return src[start : start + length]
+    return src[:, start : start + length]
+
+
+class ShardedLinear(nn.Module):
+    """A linear layer whose weight is split along `dim` (0: output rows, 1: input columns)
+    into segments of full sizes `segments`; this rank holds 1/size of each."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        tp: TensorParallel,
+        dim: int,
+        segments: dict[str, int],
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.dim = dim
+        self.segments = segments  # name -> full size along `dim`, in order
+        self.full_in, self.full_out = in_features, out_features
+        local = {name: tp.shard(n, f"{name} size") for name, n in segments.items()}
+        self.local_segments = local
+        out_local = sum(local.values()) if dim == 0 else out_features
+        in_local = in_features if dim == 0 else sum(local.values())
+        self.weight = nn.Parameter(torch.empty(out_local, in_local))
+        # A row-parallel bias is not split: it is added once, after the all-reduce.
+        self.bias = nn.Parameter(torch.empty(out_local)) if bias else None
+
+    def full_shape(self, param_name: str) -> tuple[int, ...]:
+        if param_name == "weight":
+            return (self.full_out, self.full_in)
+        return (self.full_out,)
+
+    def _split_dim(self, param_name: str) -> int | None:
+        """The dim along which `param_name` is split, or None if every rank holds it whole."""
+        if param_name == "weight":
+            return self.dim
+        return 0 if self.dim == 0 else None
+
+    def load_segment(self, param_name: str, segment: str | None, src: Any) -> None:
+        """Copy this rank's slice of the full tensor of one segment (`src`, tensor or lazy slice;
+        segment None: the layer's only one)."""
+        segment = segment or next(iter(self.segments))
+        param = getattr(self, param_name)
+        dim = self._split_dim(param_name)
+        if dim is None:
+            dest, piece = param.data, src if isinstance(src, torch.Tensor) else src[:]
+        else:
+            full = self.segments[segment]
+            local = self.local_segments[segment]
+            offset = 0
+            for name, n in self.local_segments.items():
+                if name == segment:
+                    break
+                offset += n
+            expected = list(param.shape)
+            expected[dim] = full
+            if list(_shape(src)) != expected:
+                raise ValueError(f"{segment}: checkpoint shape {_shape(src)} != {tuple(expected)}")
+            dest = param.data.narrow(dim, offset, local)
+            piece = _rows(src, dim, self.tp.rank * local, local)
+        if tuple(piece.shape) != tuple(dest.shape):
+            raise ValueError(f"{segment}: checkpoint shape {tuple(piece.shape)} != {tuple(dest.shape)}")
+        dest.copy_(piece)
+
+    def shard_full(self, param_name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full-size parameter (segments cut apart, sliced, rejoined)."""
+        dim = self._split_dim(param_name)
+        if dim is None or self.tp.size == 1:
+            return full
+        pieces = []
+        start = 0
+        for name, n in self.segments.items():
+            local = self.local_segments[name]
+            pieces.append(full.narrow(dim, start + self.tp.rank * local, local))
+            start += n
+        return torch.cat(pieces, dim=dim)
+
+
+class QKVParallelLinear(ShardedLinear):
+    """q|k|v projection, each rank holding its query heads and their KV heads."""
+
+    def __init__(self, hidden: int, q_size: int, kv_size: int, bias: bool, tp: TensorParallel) -> None:
+        segments = {"q": q_size, "k": kv_size, "v": kv_size}
+        super().__init__(hidden, q_size + 2 * kv_size, bias, tp, dim=0, segments=segments)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ShardedLinear):
+    """gate|up projection, each rank holding its columns of both."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool, tp: TensorParallel) -> None:
+        segments = {"gate": intermediate, "up": intermediate}
+        super().__init__(hidden, 2 * intermediate, bias, tp, dim=0, segments=segments)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(ShardedLinear):
+    """An output projection over split inputs: partial products all-reduced, then the bias."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel) -> None:
+        super().__init__(in_features, out_features, bias, tp, dim=1, segments={"in": in_features})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The token embedding, each rank holding a run of `per_rank` rows (the vocabulary padded
+    to a multiple of the size; padding rows are never looked up)."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.hidden = hidden
+        self.per_rank = -(-vocab_size // tp.size)
+        self.start = tp.rank * self.per_rank
+        self.weight = nn.Parameter(torch.empty(self.per_rank, hidden))
+
+    def full_shape(self, param_name: str) -> tuple[int, ...]:
+        return (self.vocab_size, self.hidden)
+
+    def _valid_rows(self) -> int:
+        """Rows of this rank's run that are real tokens (the last rank's run may be padded)."""
+        return max(0, min(self.per_rank, self.vocab_size - self.start))
+
+    def load_segment(self, param_name: str, segment: str | None, src: Any) -> None:
+        if list(_shape(src)) != [self.vocab_size, self.hidden]:
+            raise ValueError(f"checkpoint shape {_shape(src)} != {(self.vocab_size, self.hidden)}")
+        n = self._valid_rows()
+        self.weight.data[n:].zero_()
+        if n:
+            self.weight.data[:n].copy_(_rows(src, 0, self.start, n))
+
+    def shard_full(self, param_name: str, full: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return full
+        n = self._valid_rows()
+        out = full.new_zeros(self.per_rank, self.hidden)
+        out[:n] = full[self.start : self.start + n]
+        return out
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection over the vocabulary, split like the embedding (a tied model has
+    no separate head: its embedding's split matrix serves both)."""
+
+
+def vocab_parallel_logits(
+    hidden: torch.Tensor, head: VocabParallelEmbedding
+) -> torch.Tensor | None:
+    """fp32 logits [N, vocab] on rank 0, None on the others: each rank's run of the
+    vocabulary, gathered (gathering to one rank moves 1/N of what an all-gather would)."""
+    full = head.tp.gather_last_dim(F.linear(hidden, head.weight))
+    if full is None:
+        return None
+    if head.tp.size > 1:
+        full = full[:, : head.vocab_size]
+    return full.float()
