@@ -111,6 +111,35 @@ SERVICES = ("scheduler", "worker", "gateway", "kvstore")
 PASSTHROUGH = (*SERVICES, "health")  # commands whose flags their own parser reads
 
 
+SERVICE_CONFIGS = {  # module, config class: what `llmesh <service>` parses its flags into
+    "scheduler": ("scheduler_svc.service", "SchedulerServiceConfig"),
+    "worker": ("worker_svc.service", "WorkerServiceConfig"),
+    "gateway": ("gateway.config", "GatewayConfig"),
+    "kvstore": ("kvstore_svc.config", "KVStoreConfig"),
+    "health": ("services.healthcheck", "HealthCheckConfig"),
+}
+
+
+def parse_command(argv: list[str]) -> argparse.Namespace:
+    """Parse an `llmesh ...` command line as the CLI would, starting nothing (deploy files' checks).
+
+    Bad flags exit 2 with argparse's message. Values are parsed (types, choices), not checked
+    against each other or the machine (files named by --tls-cert need not exist here).
+    """
+    import importlib
+
+    from services.config import build_parser as config_parser
+
+    if argv and argv[0] in SERVICE_CONFIGS:
+        module, name = SERVICE_CONFIGS[argv[0]]
+        rest = argv[1:]
+        if argv[0] == "health" and rest and not rest[0].startswith("-"):
+            rest = rest[1:]  # the address
+        cls = getattr(importlib.import_module(module), name)
+        return config_parser(cls, prog=f"llmesh {argv[0]}").parse_args(rest)
+    return build_parser().parse_args(argv)
+
+
 def _cmd_health(args: argparse.Namespace) -> int:
     from services.healthcheck import main as health_main
 
