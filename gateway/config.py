@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from services.config import option
 from services.grpc_server import DEFAULT_KEEPALIVE_S
 from services.limits import RequestLimits
+from services.tls import TLSConfig
 
 
 @dataclass
-class GatewayConfig(RequestLimits):
+class GatewayConfig(RequestLimits, TLSConfig):
     """The OpenAI-compatible HTTP gateway: a gRPC client of the scheduler.
 
     The per-request caps shared with the scheduler (max_n, max_logprobs, max_stop,
@@ -40,7 +41,14 @@ class GatewayConfig(RequestLimits):
     keepalive_s: float = option(
         DEFAULT_KEEPALIVE_S, help="idle seconds between HTTP/2 pings to the scheduler (>= 1)"
     )
-    api_key: str | None = option(None, help="clients must send `Authorization: Bearer KEY` (all but /health)")
+    api_key: str | None = option(
+        None,
+        help="clients must send `Authorization: Bearer KEY` (all but /health); also sent to the scheduler, "
+        "whose public API takes the same key",
+    )
+    internal_key: str | None = option(
+        None, help="the mesh's internal key (`llmesh scheduler --internal-key`), sent to the scheduler first"
+    )
     served_model_name: list[str] = option(
         default_factory=list, help="model ids clients use, comma-separated (default: the scheduler's)"
     )
@@ -62,6 +70,7 @@ class GatewayConfig(RequestLimits):
 
     def __post_init__(self) -> None:
         RequestLimits.__post_init__(self)
+        TLSConfig.__post_init__(self)  # --tls-*: how the gateway dials the scheduler (it serves plain HTTP)
         if self.keepalive_s < 1:
             raise ValueError(f"keepalive_s must be >= 1, got {self.keepalive_s}")
         if not 0 <= self.port <= 65535:
@@ -85,3 +94,10 @@ class GatewayConfig(RequestLimits):
             raise ValueError(f"log_format must be json or text, got {self.log_format!r}")
         if self.api_key == "":
             self.api_key = None  # an empty key would let every request in by accident of comparison
+        if self.internal_key == "":
+            self.internal_key = None
+
+    @property
+    def scheduler_key(self) -> str | None:
+        """The key the gateway's calls to the scheduler carry: the internal key, else the API key."""
+        return self.internal_key or self.api_key

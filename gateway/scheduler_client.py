@@ -6,15 +6,18 @@ import grpc
 
 from gateway.errors import APIError, from_grpc
 from llmesh.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.grpc_server import DEFAULT_KEEPALIVE_S, channel_options
+from services.grpc_server import DEFAULT_KEEPALIVE_S, ChannelSecurity, open_channel
 
 
 class SchedulerClient:
     """Thin async wrapper; every failure surfaces as an APIError (503 when the scheduler is gone)."""
 
-    def __init__(self, address: str, keepalive_s: float = DEFAULT_KEEPALIVE_S) -> None:
+    def __init__(
+        self, address: str, keepalive_s: float = DEFAULT_KEEPALIVE_S, security: ChannelSecurity | None = None
+    ) -> None:
         self.address = address
         self.keepalive_s = keepalive_s
+        self.security = security  # TLS and the key every call carries (None: plaintext, no key)
         self._channel: grpc.aio.Channel | None = None
         self._scheduler: generation_pb2_grpc.SchedulerStub | None = None
         self._registry: worker_pb2_grpc.RegistryStub | None = None
@@ -23,9 +26,7 @@ class SchedulerClient:
         """Open the channel (lazily connected); must run inside the serving event loop."""
         # channel_options() agree with every llmesh server's ping policy and re-dial a restarted
         # scheduler within ~2 s (gRPC's default backoff reaches 120 s).
-        self._channel = grpc.aio.insecure_channel(
-            self.address, options=channel_options(keepalive_s=self.keepalive_s)
-        )
+        self._channel = open_channel(self.address, self.security, keepalive_s=self.keepalive_s)
         self._scheduler = generation_pb2_grpc.SchedulerStub(self._channel)
         self._registry = worker_pb2_grpc.RegistryStub(self._channel)
 

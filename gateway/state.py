@@ -22,6 +22,7 @@ from gateway.params import Limits
 from gateway.scheduler_client import SchedulerClient
 from gateway.tokenizer import Tokenizer
 from llmesh.v1 import generation_pb2
+from services.grpc_server import ChannelSecurity
 from services.limits import RequestLimits, prompt_char_limit
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,9 @@ class ServedModel:
 class GatewayState:
     def __init__(self, config: GatewayConfig, client: SchedulerClient | None = None) -> None:
         self.config = config
-        self.client = client or SchedulerClient(config.scheduler, config.keepalive_s)
+        self.client = client or SchedulerClient(
+            config.scheduler, config.keepalive_s, ChannelSecurity.of(config, config.scheduler_key)
+        )
         self.metrics = GatewayMetrics()
         self.model: ServedModel | None = None
         self.startup_error: str | None = None  # why the model is not known yet

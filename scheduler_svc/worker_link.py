@@ -15,7 +15,7 @@ import grpc
 from llmesh.v1 import worker_pb2, worker_pb2_grpc
 from scheduler_svc.mesh import Connected, LinkBroken
 from services.convert import step_plan_to_proto, step_result_from_proto, worker_info_from_proto
-from services.grpc_server import DEFAULT_KEEPALIVE_S, insecure_channel
+from services.grpc_server import DEFAULT_KEEPALIVE_S, ChannelSecurity, open_channel
 from services.step import STEP_TOKEN_METADATA, StepPlan, StepResult, WorkerInfo
 
 
@@ -26,11 +26,12 @@ class GrpcWorkerLink:
         step_timeout_s: float = 300.0,
         step_token: str = "",
         keepalive_s: float = DEFAULT_KEEPALIVE_S,
+        security: ChannelSecurity | None = None,
     ) -> None:
         self.address = address
         self.step_timeout_s = step_timeout_s
         self.step_token = step_token
-        self._channel = insecure_channel(address, keepalive_s=keepalive_s)
+        self._channel = open_channel(address, security, keepalive_s=keepalive_s)
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
         self._call = None
 

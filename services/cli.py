@@ -88,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_up_flags(p)
     p.set_defaults(func=_cmd_up)
 
+    p = sub.add_parser(
+        "health",
+        help="exit 0 if a service is serving (grpc.health.v1 or the gateway's /health), 1 if not",
+        add_help=False,
+    )
+    p.set_defaults(func=_cmd_health)
+
     # One service each; their flags come from their config dataclasses (`llmesh worker --help`).
     for name, helptext in (
         ("scheduler", "run the scheduler service"),
@@ -101,6 +108,42 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 SERVICES = ("scheduler", "worker", "gateway", "kvstore")
+PASSTHROUGH = (*SERVICES, "health")  # commands whose flags their own parser reads
+
+
+SERVICE_CONFIGS = {  # module, config class: what `llmesh <service>` parses its flags into
+    "scheduler": ("scheduler_svc.service", "SchedulerServiceConfig"),
+    "worker": ("worker_svc.service", "WorkerServiceConfig"),
+    "gateway": ("gateway.config", "GatewayConfig"),
+    "kvstore": ("kvstore_svc.config", "KVStoreConfig"),
+    "health": ("services.healthcheck", "HealthCheckConfig"),
+}
+
+
+def parse_command(argv: list[str]) -> argparse.Namespace:
+    """Parse an `llmesh ...` command line as the CLI would, starting nothing (deploy files' checks).
+
+    Bad flags exit 2 with argparse's message. Values are parsed (types, choices), not checked
+    against each other or the machine (files named by --tls-cert need not exist here).
+    """
+    import importlib
+
+    from services.config import build_parser as config_parser
+
+    if argv and argv[0] in SERVICE_CONFIGS:
+        module, name = SERVICE_CONFIGS[argv[0]]
+        rest = argv[1:]
+        if argv[0] == "health" and rest and not rest[0].startswith("-"):
+            rest = rest[1:]  # the address
+        cls = getattr(importlib.import_module(module), name)
+        return config_parser(cls, prog=f"llmesh {argv[0]}").parse_args(rest)
+    return build_parser().parse_args(argv)
+
+
+def _cmd_health(args: argparse.Namespace) -> int:
+    from services.healthcheck import main as health_main
+
+    return health_main(args.rest)
 
 
 def _service_main(name: str):
@@ -182,6 +225,24 @@ def _add_up_flags(p: argparse.ArgumentParser) -> None:
         help="gateway processes sharing the HTTP port (SO_REUSEPORT), each with its own scheduler channel",
     )
 
+    s = p.add_argument_group(
+        "security",
+        "keys and TLS for every service (`docs/deploy.md`); certificate paths reach each service in its "
+        "environment (LLMESH_TLS_*), keys too (never on a command line)",
+    )
+    s.add_argument(
+        "--internal-key",
+        default=None,
+        help="mesh secret every internal RPC must carry (default $LLMESH_INTERNAL_KEY)",
+    )
+    s.add_argument("--tls-cert", default=None, help="PEM certificate every service presents")
+    s.add_argument("--tls-key", default=None, help="its PEM private key")
+    s.add_argument("--tls-ca", default=None, help="PEM CA bundle that signs the services' certificates")
+    s.add_argument(
+        "--tls-client-auth", action="store_true", help="mutual TLS between the services (needs all three)"
+    )
+    s.add_argument("--tls-server-name", default=None, help="name checked in certificates (default: the host)")
+
     k = p.add_argument_group("kvstore", "the KV store (memory tier by default; `llmesh kvstore --help`)")
     k.add_argument("--no-kvstore", action="store_true", help="do not start the KV store")
     k.add_argument("--kvstore-port", type=int, default=0, help="KV store gRPC port (default: any free port)")
@@ -238,8 +299,11 @@ def up_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     worker = list(common)
     if args.tensor_parallel_size is not None:
         worker += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
-    env = {"LLMESH_GATEWAY_API_KEY": args.api_key} if args.api_key else {}
     spec = ["--speculative-config", args.speculative_config] if args.speculative_config else []
+    env = {}
+    if args.api_key:  # the gateway's clients and the scheduler's public API take the same key
+        env |= {"LLMESH_GATEWAY_API_KEY": args.api_key, "LLMESH_SCHEDULER_API_KEY": args.api_key}
+    env |= security_env(args)
     if args.redis_url:  # service-scoped and in the environment: a password stays out of `ps` output
         env["LLMESH_KVSTORE_REDIS_URL"] = args.redis_url
     return {
@@ -259,6 +323,19 @@ def up_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def security_env(args: argparse.Namespace) -> dict[str, str]:
+    """The environment that gives every service of `llmesh up` the same internal key and TLS files."""
+    env = {"LLMESH_INTERNAL_KEY": args.internal_key} if args.internal_key else {}
+    for name in ("tls_cert", "tls_key", "tls_ca", "tls_server_name"):
+        if getattr(args, name):
+            # Absolute: a service resolves them from its own working directory.
+            value = getattr(args, name)
+            env[f"LLMESH_{name.upper()}"] = value if name == "tls_server_name" else os.path.abspath(value)
+    if args.tls_client_auth:
+        env["LLMESH_TLS_CLIENT_AUTH"] = "1"
+    return env
+
+
 def _flatten(groups: list[list[str]]) -> list[str]:
     return [word for group in groups for word in group]
 
@@ -274,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     if argv and argv[0] in SERVICES:
         args = argparse.Namespace(rest=argv[1:], func=_service_main(argv[0]))
+    elif argv and argv[0] == "health":
+        args = argparse.Namespace(rest=argv[1:], func=_cmd_health)
     else:
         args = parser.parse_args(argv)
     return args.func(args)

@@ -45,7 +45,9 @@ try:  # reflection is a debugging aid: a machine without grpcio-reflection still
 except ImportError:  # pragma: no cover - depends on the install
     reflection = None
 
+from services.auth import aio_key_interceptors, server_auth, sync_key_interceptor
 from services.config import option
+from services.tls import TLSConfig, channel_credentials, server_credentials, server_name_options
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +83,8 @@ DEFAULT_GRACE_S = 30.0
 
 
 @dataclass
-class ServerConfig:
-    """gRPC server settings; service configs subclass this to inherit the flags."""
+class ServerConfig(TLSConfig):
+    """gRPC server settings; service configs subclass this to inherit the flags (TLS's too)."""
 
     host: str = option(
         "127.0.0.1", help="address to bind; 127.0.0.1 keeps it private, a wildcard address exposes it"
@@ -96,8 +98,16 @@ class ServerConfig:
     keepalive_s: float = option(
         DEFAULT_KEEPALIVE_S, help="idle seconds between HTTP/2 pings on every connection (>= 1)"
     )
+    internal_key: str | None = option(
+        None,
+        help="mesh secret: every RPC served (health, reflection and a public API's key aside) needs "
+        "`authorization: Bearer KEY`, and every channel opened sends it; set it in the environment",
+    )
 
     def __post_init__(self) -> None:
+        TLSConfig.__post_init__(self)
+        if self.internal_key == "":
+            self.internal_key = None  # an empty key must not read as "set"
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.shutdown_grace_s < 0:
@@ -180,6 +190,55 @@ def insecure_channel(
     target: str, max_message_bytes: int = MAX_MESSAGE_BYTES, keepalive_s: float = DEFAULT_KEEPALIVE_S
 ) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(target, options=channel_options(max_message_bytes, keepalive_s))
+
+
+@dataclass(frozen=True)
+class ChannelSecurity:
+    """How a service's channels dial: TLS credentials (None = plaintext), extra options, a bearer key."""
+
+    credentials: grpc.ChannelCredentials | None = None
+    options: tuple[tuple[str, Any], ...] = ()
+    key: str | None = None
+
+    @classmethod
+    def of(cls, tls: TLSConfig, key: str | None = None) -> ChannelSecurity:
+        """From a service's TLS flags and the key its calls carry (its internal key, usually)."""
+        return cls(channel_credentials(tls), tuple(server_name_options(tls)), key or None)
+
+
+PLAINTEXT = ChannelSecurity()
+
+
+def open_channel(
+    target: str,
+    security: ChannelSecurity | None = None,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
+    keepalive_s: float = DEFAULT_KEEPALIVE_S,
+) -> grpc.aio.Channel:
+    """An asyncio channel with llmesh's options, TLS when configured and the key on every call."""
+    security = security or PLAINTEXT
+    options = [*channel_options(max_message_bytes, keepalive_s), *security.options]
+    interceptors = aio_key_interceptors(security.key) or None
+    if security.credentials is None:
+        return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(target, security.credentials, options=options, interceptors=interceptors)
+
+
+def open_sync_channel(
+    target: str,
+    security: ChannelSecurity | None = None,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
+    keepalive_s: float = DEFAULT_KEEPALIVE_S,
+) -> grpc.Channel:
+    """The blocking twin of `open_channel` (the worker's KV store client, health probes)."""
+    security = security or PLAINTEXT
+    options = [*channel_options(max_message_bytes, keepalive_s), *security.options]
+    if security.credentials is None:
+        channel = grpc.insecure_channel(target, options=options)
+    else:
+        channel = grpc.secure_channel(target, security.credentials, options=options)
+    interceptor = sync_key_interceptor(security.key)
+    return grpc.intercept_channel(channel, interceptor) if interceptor else channel
 
 
 AddToServer = Callable[[Any, Any], None]
@@ -324,7 +383,10 @@ class GrpcServer:
         config: ServerConfig | None = None,
         *,
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        public_keys: Mapping[str, str | None] | None = None,
     ) -> None:
+        """`public_keys`: services of this server that also take a public API key (besides
+        `config.internal_key`); a key that is None or empty leaves its service open."""
         self.config = config if config is not None else ServerConfig()
         self.services = list(services)
         self.draining = asyncio.Event()  # set when a drain starts; servicers may wait on it
@@ -333,8 +395,10 @@ class GrpcServer:
         self._stop_requested = asyncio.Event()
         self._stopping: asyncio.Task[None] | None = None
         self._signal_count = 0
+        auth = server_auth(self.config.internal_key, public_keys)
+        # Authentication first: a refused call reaches no other interceptor and no handler.
         self._server = grpc.aio.server(
-            interceptors=list(interceptors),
+            interceptors=[*([auth] if auth else []), *interceptors],
             options=server_options(self.config.max_message_bytes, self.config.keepalive_s),
             maximum_concurrent_rpcs=self.config.max_concurrent_rpcs or None,
         )
@@ -367,8 +431,12 @@ class GrpcServer:
         for name in self._health_names():
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         address = host_port(self.config.host, self.config.port)
+        credentials = server_credentials(self.config)
         try:
-            port = self._server.add_insecure_port(address)
+            if credentials is None:
+                port = self._server.add_insecure_port(address)
+            else:
+                port = self._server.add_secure_port(address, credentials)
         except RuntimeError as e:  # newer grpcio raises; older ones return 0
             raise OSError(f"cannot bind gRPC server to {address}: {e}") from e
         if port == 0:
@@ -377,7 +445,11 @@ class GrpcServer:
         await self._server.start()
         log.info(
             "grpc server started",
-            extra={"address": self.address, "services": [s.name for s in self.services]},
+            extra={
+                "address": self.address,
+                "services": [s.name for s in self.services],
+                "tls": "mutual" if self.config.tls_client_auth else bool(credentials),
+            },
         )
         return port
 
@@ -470,13 +542,14 @@ async def serve(
     on_started: Callable[[GrpcServer], Awaitable[None]] | None = None,
     set_serving: bool = True,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    public_keys: Mapping[str, str | None] | None = None,
 ) -> None:
     """Start a server, run `on_started` (load the model...), go SERVING, run until signalled, drain.
 
     Returns once drained, so that `main()` can return 0. With set_serving=False
     the service flips health itself (e.g. the scheduler once a worker registers).
     """
-    server = GrpcServer(services, config, interceptors=interceptors)
+    server = GrpcServer(services, config, interceptors=interceptors, public_keys=public_keys)
     await server.start()
     try:
         if on_started is not None:

@@ -26,6 +26,10 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.config import load_config
+from services.grpc_server import ChannelSecurity, open_sync_channel
+from services.tls import TLSConfig
+
 log = logging.getLogger(__name__)
 
 
@@ -46,6 +50,7 @@ class Child:
     env: dict[str, str] | None = None
     log_dir: str | None = None
     started_at: float = field(default_factory=time.monotonic)  # of the current process
+    security: ChannelSecurity | None = None  # how its health is probed (TLS when the mesh uses it)
 
     def respawn(self) -> None:
         self.proc = _spawn(self.module, self.args, self.env, self.log_dir, self.name)
@@ -101,9 +106,11 @@ class LocalMesh:
         self.stop()
 
 
-def grpc_serving(address: str, service: str = "", timeout: float = 1.0) -> bool:
+def grpc_serving(
+    address: str, service: str = "", timeout: float = 1.0, security: ChannelSecurity | None = None
+) -> bool:
     try:
-        with grpc.insecure_channel(address) as channel:
+        with open_sync_channel(address, security) as channel:
             resp = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout
             )
@@ -116,7 +123,12 @@ def child_ready(child: Child, timeout: float = 1.0) -> bool:
     """Whether a child answers its readiness check: HTTP /health (gateway) or grpc.health.v1."""
     if child.name == "gateway":
         return _http_ok(child.address, timeout)
-    return grpc_serving(child.address, timeout=timeout)
+    return grpc_serving(child.address, timeout=timeout, security=child.security)
+
+
+def probe_security(env: dict[str, str]) -> ChannelSecurity:
+    """How to probe services that read their TLS settings from `env` (LLMESH_TLS_*), as they do."""
+    return ChannelSecurity.of(load_config(TLSConfig, [], env, prog="llmesh up"))
 
 
 def wait_until(check, what: str, procs: list[subprocess.Popen], timeout: float) -> None:
@@ -145,7 +157,8 @@ def _spawn(
 def _start_child(
     name: str, address: str, module: str, args: list[str], env: dict[str, str], log_dir: str | None
 ) -> Child:
-    return Child(name, address, _spawn(module, args, env, log_dir, name), module, args, env, log_dir)
+    proc = _spawn(module, args, env, log_dir, name)
+    return Child(name, address, proc, module, args, env, log_dir, security=probe_security(env))
 
 
 def start_mesh(
@@ -196,10 +209,10 @@ def start_mesh(
             )
         procs = [c.proc for c in mesh.children]
         if mesh.kvstore:
-            wait_until(lambda: grpc_serving(mesh.kvstore.address), "kvstore", procs, timeout)
+            wait_until(lambda: child_ready(mesh.kvstore), "kvstore", procs, timeout)
         for w in mesh.workers:
-            wait_until(lambda a=w.address: grpc_serving(a), w.name, procs, timeout)
-        wait_until(lambda: grpc_serving(sched_addr), "scheduler", procs, timeout)
+            wait_until(lambda w=w: child_ready(w), w.name, procs, timeout)
+        wait_until(lambda: child_ready(mesh.scheduler), "scheduler", procs, timeout)
         if gateway_port is not None:
             args = [*model_args, *(gateway_args or [])]
             mesh.gateway = _start_gateway(host, gateway_port, sched_addr, args, env, log_dir)

@@ -18,11 +18,12 @@ from kvstore_svc.client import KVStoreClient
 from llmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.config import option
 from services.grpc_server import (
+    ChannelSecurity,
     GrpcServer,
     ServerConfig,
     Service,
     host_port,
-    insecure_channel,
+    open_channel,
     serve,
     service_main,
 )
@@ -84,7 +85,8 @@ async def stay_registered(
     themselves) and a scheduler that declared this worker dead while it was
     paused or cut off; a live stream means nothing needs doing.
     """
-    async with insecure_channel(config.scheduler, keepalive_s=config.keepalive_s) as channel:
+    security = ChannelSecurity.of(config, config.internal_key)
+    async with open_channel(config.scheduler, security, keepalive_s=config.keepalive_s) as channel:
         stub = worker_pb2_grpc.RegistryStub(channel)
         while True:
             await _register_once(stub, address, worker_id, servicer.step_token or "")
@@ -128,7 +130,11 @@ async def run(config: WorkerServiceConfig) -> None:
 
     async def on_started(server: GrpcServer) -> None:
         # Health stays NOT_SERVING until the model is loaded and the KV cache allocated.
-        kv_store = KVStoreClient(config.kvstore_address) if config.kvstore_address else None
+        kv_store = (
+            KVStoreClient(config.kvstore_address, security=ChannelSecurity.of(config, config.internal_key))
+            if config.kvstore_address
+            else None
+        )
         servicer.runner = await asyncio.to_thread(ModelRunner, config, kv_store, exit_on_rank_failure)
         # The model's imports leave many long-lived objects; frozen, a full collection (which
         # stops the Step stream's loop) skips them.

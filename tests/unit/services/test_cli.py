@@ -57,8 +57,23 @@ def test_gateway_flags_reach_the_gateway():
 
 def test_api_key_travels_in_the_gateways_environment_not_its_argv():
     kw = up("--api-key", "sekret")
-    assert kw["env"] == {"LLMESH_GATEWAY_API_KEY": "sekret"}
-    assert "sekret" not in kw["gateway_args"]
+    # The scheduler's public gRPC API takes the same key as the gateway's HTTP API.
+    assert kw["env"] == {"LLMESH_GATEWAY_API_KEY": "sekret", "LLMESH_SCHEDULER_API_KEY": "sekret"}
+    assert "sekret" not in kw["gateway_args"] + kw["scheduler_args"]
+
+
+def test_internal_key_and_tls_files_reach_every_service_in_the_environment(tmp_path):
+    kw = up("--internal-key", "k", "--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-ca", "/ca.pem")
+    kw2 = up("--tls-client-auth", "--tls-server-name", "llmesh-mesh")
+    import os
+
+    assert kw["env"] == {
+        "LLMESH_INTERNAL_KEY": "k",
+        "LLMESH_TLS_CERT": os.path.abspath("c.pem"),
+        "LLMESH_TLS_KEY": os.path.abspath("k.pem"),
+        "LLMESH_TLS_CA": "/ca.pem",
+    }
+    assert kw2["env"] == {"LLMESH_TLS_CLIENT_AUTH": "1", "LLMESH_TLS_SERVER_NAME": "llmesh-mesh"}
 
 
 def test_passthrough_strings_are_split_like_a_shell_and_repeatable():
@@ -123,7 +138,7 @@ def test_cmd_up_hands_the_parsed_flags_to_run_up(monkeypatch):
     monkeypatch.setattr(services.launcher, "run_up", lambda **kw: seen.update(kw) or 0)
     assert cli.main(["up", "--workers", "3", "--api-key", "k", "--port", "9000"]) == 0
     assert seen["num_workers"] == 3 and seen["port"] == 9000
-    assert seen["env"] == {"LLMESH_GATEWAY_API_KEY": "k"}
+    assert seen["env"] == {"LLMESH_GATEWAY_API_KEY": "k", "LLMESH_SCHEDULER_API_KEY": "k"}
 
 
 def test_kvstore_flags():
