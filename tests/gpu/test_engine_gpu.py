@@ -211,3 +211,31 @@ def test_kv_tiers_on_cuda_give_the_computed_tokens(model_dir: str) -> None:
     assert stats["store_hit_tokens"] > 0 and stats["failed_loads"] == 0, stats
     del other
     _free()
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+        {"method": "draft_model", "num_speculative_tokens": 3, "num_layers": 24},  # the target itself
+        {"method": "draft_model", "num_speculative_tokens": 3, "num_layers": 4},
+    ],
+    ids=["ngram", "draft-all-layers", "draft-4-layers"],
+)
+def test_speculative_decoding_keeps_greedy_tokens(model_dir: str, graph_outputs: list, spec: dict) -> None:
+    """Drafts verified in one forward (eager), plain steps replayed from graphs (the draft model's
+    KV written inside them): the tokens are the plain engine's, up to bf16 near ties."""
+    llm = LLM(model_dir, attention_backend="triton", speculative_config=spec, **ENGINE)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
+    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)
+    _assert_same_greedy(graph_outputs, [(o.outputs[0].token_ids, None) for o in outs])
+    stats = llm.engine.mesh.workers["local"].planner.spec.stats
+    if spec["method"] == "draft_model":
+        assert stats.num_drafts > 0
+    if spec.get("num_layers") == 24:
+        assert stats.acceptance_rate > 0.8, stats  # bf16 ties aside, the target agrees with itself
+    blocks = llm.engine.blocks
+    blocks.check_invariants()
+    assert blocks.num_free_blocks == blocks.num_blocks
+    del llm
+    _free()

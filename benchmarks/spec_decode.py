@@ -1,0 +1,217 @@
+"""Speculative decoding against plain decoding: output tok/s side by side in one run.
+
+Workloads (greedy, the same requests for every method; each method's tokens are checked
+against plain decoding's, so a row is only a speed-up if it says `same`):
+- copy: edit / extract / repeat requests whose answers reuse their prompt (chat template),
+  built from passages of text this machine has (the standard library's docstrings);
+- random: random token prompts, sampled at temperature 1 with a seed per request, `ignore_eos`
+  (greedy decoding of random prompts soon loops, which n-grams predict perfectly; sampled,
+  there is little to look up, and the adaptive back-off must keep speculation from costing
+  more than it saves). Sampled tokens differ between methods (the same distribution, other
+  draws), so these rows say `sampled` instead of `same`.
+
+Methods: `off`, `ngram` (prompt lookup) and `draft:N` (the target's first N layers as the
+draft model, early exit). Batch sizes: `--batch-sizes 1,16`.
+
+    .venv/bin/python benchmarks/spec_decode.py [--device cpu|cuda] [--model PATH|llama-3.1-8b]
+        [--methods off,ngram,draft:8] [--batch-sizes 1,16] [--max-tokens 128]
+
+`--model llama-3.1-8b` is the dummy-weight 8B shape with SmolLM2's tokenizer (as
+benchmarks/serving.py --gpu; `--tokenizer DIR` where the embedded model is not installed):
+its drafts are rarely accepted (random weights), so it shows the cost of verification and
+the back-off, not the gain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from llmesh import LLM, SamplingParams  # noqa: E402
+
+TASKS = (
+    "Repeat the following text exactly, word for word:\n\n{p}",
+    "Rewrite the following text with every sentence on its own line, changing nothing else:\n\n{p}",
+    "Copy the text below, but write the word 'the' in capitals each time:\n\n{p}",
+    "Here is a passage:\n\n{p}\n\nQuote its first three sentences exactly.",
+)
+
+
+GREEDY = {True: "same", False: "DIFFERENT", None: "sampled"}
+
+
+def passages(n: int) -> list[str]:
+    """n passages of English prose from docstrings of the standard library (no download)."""
+    import argparse as a
+    import collections
+    import contextlib
+    import csv
+    import difflib
+    import functools
+    import heapq
+    import json as j
+    import logging
+    import pathlib
+    import shutil
+    import subprocess
+    import textwrap
+    import threading
+    import unittest
+    import zipfile
+
+    texts = []
+    for mod in (a, collections, contextlib, csv, difflib, functools, heapq, j, logging, pathlib, shutil,
+                subprocess, textwrap, threading, unittest, zipfile):  # fmt: skip
+        doc = " ".join((mod.__doc__ or "").split())
+        if len(doc) > 300:
+            texts.append(doc[:700])
+    return [texts[i % len(texts)] for i in range(n)]
+
+
+def copy_requests(n: int) -> list[list[dict[str, str]]]:
+    texts = passages(n)
+    return [[{"role": "user", "content": TASKS[i % len(TASKS)].format(p=p)}] for i, p in enumerate(texts)]
+
+
+def random_prompts(n: int, vocab: int, length: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(length)]} for _ in range(n)]
+
+
+def spec_config(method: str, k: int) -> dict | None:
+    if method == "off":
+        return None
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 5}
+    if method.startswith("draft:"):
+        return {"method": "draft_model", "num_speculative_tokens": k, "num_layers": int(method[6:])}
+    raise SystemExit(f"unknown method {method!r}: off, ngram or draft:N")
+
+
+def run(llm: LLM, requests, chat: bool, params: SamplingParams) -> tuple[float, list[list[int]]]:
+    t0 = time.perf_counter()
+    generate = llm.chat if chat else llm.generate
+    outs = generate(requests, params, use_tqdm=False)
+    return time.perf_counter() - t0, [o.outputs[0].token_ids for o in outs]
+
+
+def spec_counts(llm: LLM) -> tuple[int, int, int]:
+    s = llm.engine.mesh.workers["local"].planner.spec.stats
+    return s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens
+
+
+def model_kwargs(args: argparse.Namespace, root: str) -> dict:
+    kw: dict = {"device": args.device, "max_num_seqs": max(args.batch_sizes), "seed": 0}
+    if args.model == "llama-3.1-8b":
+        from benchmarks.serving import GPU_ENGINE, gpu_model
+
+        kw |= {k: v for k, v in GPU_ENGINE.items() if k not in ("max_num_seqs", "device")}
+        kw["model"] = gpu_model(root, args.tokenizer)
+    else:
+        kw["model"] = args.model
+        if args.device == "cuda":
+            kw |= {"dtype": "bfloat16", "max_model_len": 4096}
+        else:
+            kw["kv_cache_memory"] = 512 << 20
+    return kw
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--model", default=None, help=".gguf or folder (default: SmolLM2) or llama-3.1-8b")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer folder for the 8B shape (serving.py)")
+    ap.add_argument("--methods", default="off,ngram")
+    ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--batch-sizes", default="1,16", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--random-prompt-len", type=int, default=256)
+    ap.add_argument("--workloads", default="copy,random")
+    ap.add_argument("--json", default=None, help="also write the rows here")
+    args = ap.parse_args()
+    methods = args.methods.split(",")
+    if methods[0] != "off":
+        methods.insert(0, "off")  # the reference every other method is compared with
+    workloads = args.workloads.split(",")
+
+    rows = []
+    reference: dict[tuple[str, int], tuple[float, list[list[int]]]] = {}
+    with tempfile.TemporaryDirectory() as root:
+        base = model_kwargs(args, root)
+        for method in methods:
+            llm = LLM(**base, speculative_config=spec_config(method, args.num_speculative_tokens))
+            vocab = llm.engine.runner.model_config.vocab_size
+            for workload in workloads:
+                chat = workload == "copy"
+                if chat:
+                    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+                else:
+                    params = SamplingParams(temperature=1.0, seed=7, max_tokens=args.max_tokens)
+                    params.ignore_eos = True
+                for batch in args.batch_sizes:
+                    if chat:
+                        reqs = copy_requests(batch)
+                    else:
+                        reqs = random_prompts(batch, vocab, args.random_prompt_len, 1)
+                    run(llm, reqs[:1], chat, SamplingParams(temperature=0.0, max_tokens=8))  # warm up
+                    before = spec_counts(llm)
+                    seconds, tokens = run(llm, reqs, chat, params)
+                    drafts, drafted, accepted = (a - b for a, b in zip(spec_counts(llm), before, strict=True))
+                    out_tokens = sum(len(t) for t in tokens)
+                    key = (workload, batch)
+                    if method == "off":
+                        reference[key] = (seconds, tokens)
+                    base_s, base_tokens = reference[key]
+                    rows.append(
+                        {
+                            "workload": workload,
+                            "batch": batch,
+                            "method": method,
+                            "out_tok_s": out_tokens / seconds,
+                            "speedup": base_s / seconds,
+                            "same": tokens == base_tokens if chat else None,
+                            "acceptance": accepted / drafted if drafted else 0.0,
+                            "mean_accepted_len": 1 + accepted / drafts if drafts else 0.0,
+                            "verifications": drafts,
+                        }
+                    )
+                    r = rows[-1]
+                    print(
+                        f"{workload:>6} b{batch:<3} {method:>8}: {r['out_tok_s']:8.1f} tok/s  "
+                        f"x{r['speedup']:.2f}  "
+                        f"accept {r['acceptance']:.2f}  len {r['mean_accepted_len']:.2f}  "
+                        f"{GREEDY[r['same']]}",
+                        flush=True,
+                    )
+            del llm
+            gc.collect()
+            if args.device == "cuda":
+                import torch
+
+                torch.cuda.empty_cache()
+
+    print()
+    print("| workload | batch | method | out tok/s | vs off | acceptance | mean accepted length | greedy |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | --- |")
+    for r in rows:
+        print(
+            f"| {r['workload']} | {r['batch']} | {r['method']} | {r['out_tok_s']:,.1f} | "
+            f"{r['speedup']:.2f}x | "
+            f"{r['acceptance']:.2f} | {r['mean_accepted_len']:.2f} | {GREEDY[r['same']]} |"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0 if all(r["same"] is not False for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
