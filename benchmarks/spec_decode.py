@@ -191,6 +191,7 @@ def main() -> int:
                         f"{GREEDY[r['same']]}",
                         flush=True,
                     )
+            llm.engine.close()  # its GPU memory is freed for the next method's engine
             del llm
             gc.collect()
             if args.device == "cuda":

@@ -213,6 +213,22 @@ def test_kv_tiers_on_cuda_give_the_computed_tokens(model_dir: str) -> None:
     _free()
 
 
+@pytest.fixture(scope="module")
+def fp32_outputs(model_dir: str) -> list[list[int]]:
+    llm = LLM(model_dir, attention_backend="triton", dtype="float32", **ENGINE)
+    out = _spec_generate(llm)
+    llm.engine.close()
+    del llm
+    _free()
+    return out
+
+
+def _spec_generate(llm: LLM) -> list[list[int]]:
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
+    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
 @pytest.mark.parametrize(
     "spec",
     [
@@ -222,20 +238,20 @@ def test_kv_tiers_on_cuda_give_the_computed_tokens(model_dir: str) -> None:
     ],
     ids=["ngram", "draft-all-layers", "draft-4-layers"],
 )
-def test_speculative_decoding_keeps_greedy_tokens(model_dir: str, graph_outputs: list, spec: dict) -> None:
-    """Drafts verified in one forward (eager), plain steps replayed from graphs (the draft model's
-    KV written inside them): the tokens are the plain engine's, up to bf16 near ties."""
-    llm = LLM(model_dir, attention_backend="triton", speculative_config=spec, **ENGINE)
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
-    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)
-    _assert_same_greedy(graph_outputs, [(o.outputs[0].token_ids, None) for o in outs])
+def test_speculative_decoding_keeps_greedy_tokens(model_dir: str, fp32_outputs: list, spec: dict) -> None:
+    """Drafts verified in one eager forward, plain steps replayed from graphs (the draft model's
+    KV written inside them): in fp32 the tokens are exactly the plain engine's. (In bf16 a verify
+    forward sums in another order than a decode step, so near ties of these flat random-weight
+    logits may flip, as between graphs and eager.)"""
+    llm = LLM(model_dir, attention_backend="triton", dtype="float32", speculative_config=spec, **ENGINE)
+    assert _spec_generate(llm) == fp32_outputs
     stats = llm.engine.mesh.workers["local"].planner.spec.stats
-    if spec["method"] == "draft_model":
-        assert stats.num_drafts > 0
+    assert stats.num_drafts > 0
     if spec.get("num_layers") == 24:
-        assert stats.acceptance_rate > 0.8, stats  # bf16 ties aside, the target agrees with itself
+        assert stats.acceptance_rate == 1.0, stats  # the target agrees with itself
     blocks = llm.engine.blocks
     blocks.check_invariants()
     assert blocks.num_free_blocks == blocks.num_blocks
+    llm.engine.close()
     del llm
     _free()
