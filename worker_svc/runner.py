@@ -27,9 +27,10 @@ from worker_svc.attention.base import AttentionMetadata
 from worker_svc.config import WorkerConfig
 from worker_svc.kv_cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
 from worker_svc.kv_tiers import KVStoreLink, WorkerKVTiers
-from worker_svc.loader import load_model, model_fingerprint
+from worker_svc.loader import load_model, load_tokenizer, model_fingerprint
 from worker_svc.model_files import resolve_model
 from worker_svc.sampler import SampledIds, Sampler, SamplingRow
+from worker_svc.structured import SequenceGrammar, StructuredOutputManager
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class SequenceState:
     # (row `inflight_row` of that step's sampled ids), not yet in token_ids.
     inflight: LaunchedStep | None = None
     inflight_row: int = -1
+    grammar: SequenceGrammar | None = None  # structured outputs: this sequence's matcher
 
 
 @dataclass
@@ -219,6 +221,10 @@ class ModelRunner:
             chunk_blocks=config.kv_chunk_tokens // bs,
         )
         self.sampler = Sampler(mc.vocab_size, self.device, seed=config.seed)
+        # Grammar matchers of constrained sequences (the tokenizer is loaded on first use).
+        self.structured = StructuredOutputManager(
+            lambda: load_tokenizer(self.model_path), mc.vocab_size, mc.eos_token_ids
+        )
         self.seqs: dict[str, SequenceState] = {}
         # Block-table widths are kept multiples of 16: Triton specialises integer arguments (the
         # table's row stride among them) on divisibility by 16, so varying widths would compile
@@ -266,6 +272,9 @@ class ModelRunner:
             self._drop(new.seq_id)
             st = self._state_of(new)
             st.row = self._tables.alloc(st.block_ids)
+            spec = st.params.structured_outputs
+            if spec is not None:  # compiles while the prompt is prefilled
+                st.grammar = self.structured.start(spec, st.token_ids[st.num_prompt_tokens :])
             self.seqs[new.seq_id] = st
             order.append((st, new.num_new_tokens))
         for s in plan.scheduled:
@@ -336,13 +345,14 @@ class ModelRunner:
 
         The next token of a sequence in flight is known only on the device. It can be fed to
         the forward from there, but a sampler that reads the output so far (penalties, a
-        seed's per-position draw, min_tokens) needs it on the host first.
+        seed's per-position draw, min_tokens) needs it on the host first, and so does a grammar:
+        its next token mask exists only once the matcher has accepted the token in flight.
         """
         for s in plan.scheduled:
             st = self.seqs.get(s.seq_id)
             if st is not None and st.inflight is not None:
                 p = st.params
-                if _uses_penalties(p) or p.seed is not None or p.min_tokens > 0:
+                if _uses_penalties(p) or p.seed is not None or p.min_tokens > 0 or st.grammar is not None:
                     return False
         return True
 
@@ -447,7 +457,9 @@ class ModelRunner:
             return launched
         picked = hidden if sample_index is None else hidden[sample_index]
         logits = self.model.compute_logits(picked)
-        launched.sampled = self.sampler.sample_async(logits, [self._sampling_row(st) for st in sampling])
+        bitmask = self.structured.bitmask([st.grammar for st in sampling])
+        sampling_rows = [self._sampling_row(st) for st in sampling]
+        launched.sampled = self.sampler.sample_async(logits, sampling_rows, bitmask)
         return launched
 
     def finish(self, launched: LaunchedStep) -> StepResult:
@@ -458,6 +470,8 @@ class ModelRunner:
         token_ids, logprobs = launched.sampled.wait()
         for st, token_id in zip(launched.sampling, token_ids, strict=True):
             st.token_ids.append(token_id)
+            if st.grammar is not None:
+                st.grammar.accept(token_id)
             if st.inflight is launched:
                 st.inflight = None
         result.seq_ids = [st.seq_id for st in launched.sampling]
