@@ -19,6 +19,7 @@ from gateway.protocol import SamplingRequest
 from services.choices import ContextLengthError, fit_max_tokens
 from services.limits import RequestLimits
 from services.sampling_params import SamplingParams, SamplingParamsError
+from services.structured_outputs import StructuredOutputs
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     logprobs_param: str,
+    structured: StructuredOutputs | None = None,
 ) -> SamplingParams:
     """The request's sampling parameters, checked against the caps (once, before any prompt is tokenized).
 
@@ -142,6 +144,7 @@ def sampling_params(
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             max_logprobs=caps.max_logprobs,
+            structured_outputs=structured,  # checked already (gateway/structured.py): a cache hit
         )
         caps.check(params, limits.vocab_size)
     except SamplingParamsError as e:

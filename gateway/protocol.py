@@ -40,6 +40,29 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(_Body):
+    name: Text = "response"
+    description: Text | None = None
+    # `schema` shadows a BaseModel attribute: stored as json_schema, spelled "schema" in JSON.
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Body):
+    """vLLM's `structured_outputs` extra: exactly one of these."""
+
+    json_: dict[str, Any] | Text | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+
+
 class SamplingRequest(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -64,6 +87,13 @@ class SamplingRequest(_Body):
     stream_options: StreamOptions | None = None
     user: Text | None = None
     priority: int = Field(0, ge=INT32_MIN, le=INT32_MAX, description="lower runs first")
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    # vLLM's older names for structured_outputs' fields.
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -82,14 +112,44 @@ class ContentPart(_Body):
     text: Text | None = None
 
 
+class FunctionCall(_Body):
+    name: Text
+    arguments: Text = "{}"  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # a tool message: which call it answers
 
 
-class ResponseFormat(_Body):
-    type: Text
+class FunctionDefinition(_Body):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedToolChoiceFunction(_Body):
+    name: Text
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"] = "function"
+    function: NamedToolChoiceFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -100,9 +160,9 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = Field(None, description="not supported: must be empty")
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(_Body):

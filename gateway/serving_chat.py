@@ -16,20 +16,13 @@ from gateway.protocol import LOGPROB_FLOOR, ChatCompletionRequest
 from gateway.serving_base import ChoiceResult, Run, usage
 from gateway.state import GatewayState
 from gateway.streaming import dumps, sse
+from gateway.structured import AUTO, NAMED, REQUIRED, ToolPlan, structured_outputs, tool_plan
 from gateway.tokenizer import Tokenizer, chat_chars
+from gateway.tool_parsers import AutoToolStream, ParsedToolCall, parse_required, parse_tool_calls
+from services.structured_outputs import StructuredOutputs
 
 
 def _check_unsupported(req: ChatCompletionRequest) -> None:
-    if req.tools:
-        raise bad_request("tools", "tool calling is not supported", code="unsupported_parameter")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise bad_request("tool_choice", "tool calling is not supported", code="unsupported_parameter")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad_request(
-            "response_format",
-            f"only type 'text' is supported, got {req.response_format.type!r}",
-            code="unsupported_parameter",
-        )
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs", "needs logprobs=true")
     if req.stream_options is not None and not req.stream:
@@ -61,18 +54,23 @@ async def create_chat_completion(
     limits = state.limits()
     _check_unsupported(req)
     check_batch(1, req.n, limits)
+    tools = tool_plan(req)
+    structured = _constraint(req, tools)
     if req.max_completion_tokens is not None:
         requested, param = req.max_completion_tokens, "max_completion_tokens"
     else:
         requested, param = req.max_tokens, "max_tokens"
     top = (req.top_logprobs or 0) if req.logprobs else None
-    base = sampling_params(req, limits, max_tokens=requested, logprobs=top, logprobs_param="top_logprobs")
+    base = sampling_params(
+        req, limits, max_tokens=requested, logprobs=top, logprobs_param="top_logprobs", structured=structured
+    )
     # The template only adds to the messages' text: text over the limit cannot fit, rendered or not.
     check_prompt_chars("messages", chat_chars(req.messages), limits)
     prompt = await model.tokenizer.encode_chat_async(
         req.messages,
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
+        tools=tools.tools if tools.render else None,
     )
     params = fit_to_prompt(base, len(prompt), requested, limits, param, "messages")
     gen = Generation(
@@ -89,24 +87,25 @@ async def create_chat_completion(
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     run = Run(state, name, [gen])
     if req.stream:
-        return await _stream(run, request, req, model.tokenizer, rid, created, name)
+        return await _stream(run, request, req, model.tokenizer, rid, created, name, tools)
+
+    def choice(r: ChoiceResult) -> dict[str, Any]:
+        content, calls = _tool_calls(tools, "".join(r.text), r.finish_reason)
+        return {
+            "index": r.index,
+            "message": {
+                "role": "assistant",
+                "content": content,
+                "refusal": None,
+                "tool_calls": [c.to_openai() for c in calls],
+            },
+            "logprobs": _logprobs(model.tokenizer, r.logprobs) if req.logprobs else None,
+            "finish_reason": "tool_calls" if calls and r.finish_reason == "stop" else r.finish_reason,
+            "stop_reason": r.stop_reason,
+        }
 
     def build(results: list[ChoiceResult]) -> dict[str, Any]:
-        choices = [
-            {
-                "index": r.index,
-                "message": {
-                    "role": "assistant",
-                    "content": "".join(r.text),
-                    "refusal": None,
-                    "tool_calls": [],
-                },
-                "logprobs": _logprobs(model.tokenizer, r.logprobs) if req.logprobs else None,
-                "finish_reason": r.finish_reason,
-                "stop_reason": r.stop_reason,
-            }
-            for r in results
-        ]
+        choices = [choice(r) for r in results]
         return {
             "id": rid,
             "object": "chat.completion",
@@ -120,8 +119,91 @@ async def create_chat_completion(
     return await run.respond(request, build, req.n)
 
 
+def _constraint(req: ChatCompletionRequest, tools: ToolPlan) -> StructuredOutputs | None:
+    """What the output is held to: the request's response_format / structured_outputs, or the
+    schema of a required / named tool_choice (the two cannot be combined)."""
+    structured = structured_outputs(req)
+    if tools.spec is None:
+        return structured
+    if structured is not None:
+        raise bad_request(
+            "tool_choice",
+            "a required or named tool_choice cannot be combined with response_format / structured_outputs",
+        )
+    return tools.spec
+
+
+def _tool_calls(tools: ToolPlan, text: str, finish: str | None) -> tuple[str | None, list[ParsedToolCall]]:
+    """(content, tool calls) of a whole choice. Forced calls are read only from output that
+    finished (a choice cut by max_tokens keeps its text as content)."""
+    calls: list[ParsedToolCall] = []
+    if tools.mode == NAMED and finish == "stop":
+        assert tools.named is not None
+        calls, text = [ParsedToolCall(tools.named, text)], ""
+    elif tools.mode == REQUIRED and finish == "stop":
+        calls = parse_required(text)
+        if calls:
+            text = ""
+    elif tools.mode == AUTO:
+        text, calls = parse_tool_calls(text, {t.function.name for t in tools.tools})
+    return (text if text or not calls else None), calls
+
+
+class _ToolCallStream:
+    """One streamed choice of a request with tools: content and `delta.tool_calls` per delta."""
+
+    def __init__(self, tools: ToolPlan) -> None:
+        self.tools = tools
+        self.auto = AutoToolStream({t.function.name for t in tools.tools}) if tools.mode == AUTO else None
+        self.held = ""  # REQUIRED: the JSON list, parsed at the end
+        self.named_id: str | None = None
+
+    def delta(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        """(the delta's fields, its finish_reason)."""
+        mode = self.tools.mode
+        out: dict[str, Any] = {}
+        calls: list[ParsedToolCall] = []
+        if mode == NAMED:
+            if text:
+                call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+                if self.named_id is None:
+                    self.named_id = ParsedToolCall(self.tools.named or "", "").id
+                    call.update(id=self.named_id, type="function")
+                    call["function"] = {"name": self.tools.named, "arguments": text}
+                out["tool_calls"] = [call]
+            called = self.named_id is not None
+        elif mode == REQUIRED:
+            self.held += text
+            if finish is not None:
+                calls = parse_required(self.held) if finish == "stop" else []
+                if not calls and self.held:
+                    out["content"] = self.held
+            called = bool(calls)
+        else:
+            assert self.auto is not None
+            content = self.auto.feed(text)
+            if finish is not None:
+                rest, calls = self.auto.finish()
+                content += rest
+            if content:
+                out["content"] = content
+            called = bool(calls)
+        if calls:
+            out["tool_calls"] = [{"index": i, **c.to_openai()} for i, c in enumerate(calls)]
+        if finish == "stop" and called:
+            finish = "tool_calls"
+        return out, finish
+
+
 async def _stream(
-    run: Run, request: Request, req: ChatCompletionRequest, tok: Tokenizer, rid: str, created: int, name: str
+    run: Run,
+    request: Request,
+    req: ChatCompletionRequest,
+    tok: Tokenizer,
+    rid: str,
+    created: int,
+    name: str,
+    tools: ToolPlan,
 ) -> Response:
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name}
 
@@ -142,8 +224,15 @@ async def _stream(
     prefix += b'"choices":[{"index":'
     plain_tail = b'},"logprobs":null,"finish_reason":null}]}\n\n'
 
+    tool_streams = [_ToolCallStream(tools) for _ in range(req.n)] if tools.mode != "none" else None
+
     def chunk(d: ChoiceDelta) -> bytes | None:
         lp = _logprobs(tok, d.logprobs) if req.logprobs and d.logprobs else None
+        if tool_streams is not None:
+            delta, finish = tool_streams[d.index].delta(d.text, d.finish_reason)
+            if not delta and lp is None and finish is None:
+                return None
+            return event(d.index, delta, lp, finish, d.stop_reason)
         if lp is None and d.finish_reason is None:
             if not d.text:
                 return None

@@ -23,6 +23,7 @@ from gateway.protocol import LOGPROB_FLOOR, CompletionRequest
 from gateway.serving_base import ChoiceResult, Run, usage
 from gateway.state import GatewayState, ServedModel
 from gateway.streaming import dumps, sse
+from gateway.structured import structured_outputs
 from gateway.tokenizer import Tokenizer
 
 
@@ -98,7 +99,12 @@ async def create_completion(state: GatewayState, req: CompletionRequest, request
     raw = _raw_prompts(req)
     check_batch(len(raw), req.n, limits)
     base = sampling_params(
-        req, limits, max_tokens=req.max_tokens, logprobs=req.logprobs, logprobs_param="logprobs"
+        req,
+        limits,
+        max_tokens=req.max_tokens,
+        logprobs=req.logprobs,
+        logprobs_param="logprobs",
+        structured=structured_outputs(req),
     )
     prompts = await _encode_prompts(raw, model, limits)
     gens = []

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any, TypeVar
 
 from gateway.errors import APIError, bad_request
-from gateway.protocol import ChatMessage
+from gateway.protocol import ChatMessage, Tool
 from services.limits import INLINE_TOKENIZE_CHARS, longest_token_chars
 
 T = TypeVar("T")
@@ -59,6 +60,41 @@ def chat_chars(messages: list[ChatMessage]) -> int:
     return sum(len(message_text(m, i)) for i, m in enumerate(messages))
 
 
+# SmolLM2's own function-calling prompt (its model card): used for templates that do not render
+# tools themselves, so that the model sees them in the format it was tuned on.
+TOOLS_SYSTEM_PROMPT = """You are an expert in composing functions. You are given a question and a set of \
+possible functions. Based on the question, you will need to make one or more function/tool calls to \
+achieve the purpose. If none of the functions can be used, point it out and refuse to answer. If the \
+given question lacks the parameters required by the function, also point it out.
+
+You have access to the following tools:
+<tools>{tools}</tools>
+
+The output MUST strictly adhere to the following format, and NO other text MUST be included.
+The example format is as follows. Please make sure the parameter type is correct. If no function call \
+is needed, please make the tool calls an empty list '[]'.
+<tool_call>[
+{{"name": "func_name1", "arguments": {{"argument1": "value1", "argument2": "value2"}}}},
+... (more tool calls as required)
+]</tool_call>"""
+
+
+def _tool_json(tools: list[Tool]) -> list[dict[str, Any]]:
+    return [t.model_dump(exclude_none=True) for t in tools]
+
+
+def _calls_json(msg: ChatMessage) -> list[dict[str, Any]]:
+    """An assistant's earlier calls as chat templates take them (arguments as objects)."""
+    out = []
+    for c in msg.tool_calls or []:
+        try:
+            args: Any = json.loads(c.function.arguments)
+        except ValueError:
+            args = c.function.arguments
+        out.append({"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}})
+    return out
+
+
 class Tokenizer:
     def __init__(self, hf: Any, executor: Executor | None = None) -> None:
         self.hf = hf
@@ -93,20 +129,47 @@ class Tokenizer:
         messages: list[ChatMessage],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[Tool] | None = None,
     ) -> str:
-        """The prompt text of a conversation, by the model's own chat template."""
-        if not getattr(self.hf, "chat_template", None):
+        """The prompt text of a conversation, by the model's own chat template.
+
+        Tools (and earlier tool calls) go to the template; a template that ignores them (the
+        embedded SmolLM2's) gets them the way SmolLM2 was tuned on: a system prompt listing
+        them, calls written as `<tool_call>[...]</tool_call>`.
+        """
+        template = getattr(self.hf, "chat_template", None)
+        if not template:
             raise APIError(400, "This model has no chat template; use /v1/completions.", param="messages")
         if continue_final_message and add_generation_prompt:
             raise bad_request("continue_final_message", "cannot be combined with add_generation_prompt=true")
         if continue_final_message and messages[-1].role != "assistant":
             raise bad_request("continue_final_message", "the last message must be the assistant's")
+        knows_tools = isinstance(template, str) and "tools" in template
+        knows_calls = isinstance(template, str) and "tool_calls" in template
         conv = []
         for i, m in enumerate(messages):
             item: dict[str, Any] = {"role": m.role, "content": message_text(m, i)}
             if m.name:
                 item["name"] = m.name
+            if m.tool_calls:
+                calls = _calls_json(m)
+                if knows_calls:
+                    item["tool_calls"] = calls
+                else:
+                    listed = [c["function"] for c in calls]
+                    item["content"] += f"<tool_call>{json.dumps(listed, ensure_ascii=False)}</tool_call>"
+            if m.tool_call_id:
+                item["tool_call_id"] = m.tool_call_id
             conv.append(item)
+        kw: dict[str, Any] = {}
+        if tools and knows_tools:
+            kw["tools"] = _tool_json(tools)
+        elif tools:
+            prompt = TOOLS_SYSTEM_PROMPT.format(tools=json.dumps(_tool_json(tools), ensure_ascii=False))
+            if conv and conv[0]["role"] == "system":
+                conv[0] = {**conv[0], "content": conv[0]["content"] + "\n\n" + prompt}
+            else:
+                conv.insert(0, {"role": "system", "content": prompt})
         try:
             # tokenize=False: in transformers 5 tokenize=True returns a BatchEncoding.
             return self.hf.apply_chat_template(
@@ -114,18 +177,19 @@ class Tokenizer:
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
+                **kw,
             )
         except Exception as e:  # a template's raise_exception(): the conversation is at fault
             raise bad_request("messages", f"the chat template rejected the conversation: {e}") from e
 
     def encode_chat(
-        self, messages: list[ChatMessage], add_special_tokens: bool = False, **kw: bool
+        self, messages: list[ChatMessage], add_special_tokens: bool = False, **kw: Any
     ) -> list[int]:
         # The template already wrote BOS and the like; adding special tokens would double them.
         return self.encode(self.render_chat(messages, **kw), add_special_tokens=add_special_tokens)
 
     async def encode_chat_async(
-        self, messages: list[ChatMessage], add_special_tokens: bool = False, **kw: bool
+        self, messages: list[ChatMessage], add_special_tokens: bool = False, **kw: Any
     ) -> list[int]:
         """Render and encode; a large conversation does both (jinja included) in a tokenizer thread."""
         fn = functools.partial(self.encode_chat, messages, add_special_tokens, **kw)

@@ -1,4 +1,4 @@
-"""llmesh: the public facade. `from llmesh import LLM, SamplingParams`.
+"""llmesh: the public facade. `from llmesh import LLM, SamplingParams, StructuredOutputs`.
 
 Imports are lazy so that light clients (the gateway, gRPC users of `llmesh.v1`
 stubs) do not pay for torch.
@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from llmesh.llm import LLM, RequestOutput
     from services.sampling_params import SamplingParams
+    from services.structured_outputs import StructuredOutputs
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutputs"]
 
 
 def __getattr__(name: str) -> Any:
@@ -24,4 +25,8 @@ def __getattr__(name: str) -> Any:
         from services.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputs":
+        from services.structured_outputs import StructuredOutputs
+
+        return StructuredOutputs
     raise AttributeError(name)

@@ -55,8 +55,10 @@ class SpecDecodePolicy:
         Called once the plan counts that token as pending. Drafts past max_tokens or the
         context could never be used: the token sampled after them needs room too.
         """
-        if not self.k or req.sampling_params.logprobs is not None:
-            return 0  # logprobs are per sampled position; drafts would skip positions
+        sp = req.sampling_params
+        if not self.k or sp.logprobs is not None or sp.structured_outputs is not None:
+            # Logprobs are per sampled position; a grammar's matcher advances one token at a time.
+            return 0
         if req.spec_skip > 0:
             req.spec_skip -= 1
             return 0

@@ -34,6 +34,7 @@ from services.step import (
     TokenLogprobs,
     WorkerInfo,
 )
+from services.structured_outputs import StructuredOutputs
 
 # Engine defaults for proto fields left unset (proto3 `optional`). Read from the
 # dataclass so that the two cannot drift.
@@ -67,7 +68,34 @@ def sampling_params_to_proto(sp: SamplingParams) -> generation_pb2.SamplingParam
         msg.max_tokens = sp.max_tokens
     if sp.logprobs is not None:
         msg.logprobs = sp.logprobs
+    if sp.structured_outputs is not None:
+        msg.structured_outputs.CopyFrom(structured_outputs_to_proto(sp.structured_outputs))
     return msg
+
+
+def structured_outputs_to_proto(so: StructuredOutputs) -> generation_pb2.StructuredOutputs:
+    msg = generation_pb2.StructuredOutputs()
+    if so.json is not None:
+        msg.json = so.json
+    elif so.json_object:
+        msg.json_object = True
+    elif so.regex is not None:
+        msg.regex = so.regex
+    elif so.choice is not None:
+        msg.choice.values.extend(so.choice)
+    elif so.grammar is not None:
+        msg.grammar = so.grammar
+    return msg
+
+
+def structured_outputs_from_proto(msg: generation_pb2.StructuredOutputs) -> StructuredOutputs:
+    """Not validated here: SamplingParams validates it (an empty oneof is refused there)."""
+    which = msg.WhichOneof("spec")
+    if which == "choice":
+        return StructuredOutputs(choice=tuple(msg.choice.values))
+    if which is None:
+        return StructuredOutputs()
+    return StructuredOutputs(**{which: getattr(msg, which)})
 
 
 def sampling_params_from_proto(msg: generation_pb2.SamplingParams) -> SamplingParams:
@@ -96,6 +124,11 @@ def sampling_params_from_proto(msg: generation_pb2.SamplingParams) -> SamplingPa
         logprobs=opt("logprobs", None),
         max_logprobs=opt("max_logprobs", _SP_DEFAULTS["max_logprobs"]),
         detokenize=opt("detokenize", _SP_DEFAULTS["detokenize"]),
+        structured_outputs=(
+            structured_outputs_from_proto(msg.structured_outputs)
+            if msg.HasField("structured_outputs")
+            else None
+        ),
     )
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from services.structured_outputs import StructuredOutputs, StructuredOutputsError
+
 _SEED_LIMIT = 2**63
 
 
@@ -63,6 +65,9 @@ class SamplingParams:
     max_logprobs: int = 20
     # False: token ids only, no text (saves two decodes per token where nothing reads text).
     detokenize: bool = True
+    # Constrain the output to a JSON schema / regex / choice / grammar (checked here, applied
+    # as a token mask by the worker). None = free text.
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         # Only the int -1 means "all tokens"; -1.0 or True must still fail validation.
@@ -108,6 +113,16 @@ class SamplingParams:
             raise SamplingParamsError("ignore_eos", "must be a boolean")
         if not isinstance(self.detokenize, bool):
             raise SamplingParamsError("detokenize", "must be a boolean")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                raise SamplingParamsError("structured_outputs", "must be a StructuredOutputs")
+            try:
+                self.structured_outputs.validate()
+            except StructuredOutputsError as e:
+                param = "structured_outputs"
+                if e.param != param:
+                    param += "." + e.param
+                raise SamplingParamsError(param, str(e).split(": ", 1)[-1]) from None
         if self.stop and not self.detokenize:
             raise SamplingParamsError(
                 "detokenize", "stop strings are matched on text: they need detokenize=True"

@@ -29,7 +29,7 @@ from worker_svc.attention.base import AttentionMetadata
 from worker_svc.config import WorkerConfig
 from worker_svc.kv_cache import KVCacheSpec, allocate_kv_cache
 from worker_svc.kv_tiers import KVStoreLink, WorkerKVTiers
-from worker_svc.loader import load_model, model_fingerprint
+from worker_svc.loader import load_model, load_tokenizer, model_fingerprint
 from worker_svc.model_files import resolve_model
 from worker_svc.parallel import TensorParallel
 from worker_svc.rank_channel import ForwardInputs
@@ -38,6 +38,7 @@ from worker_svc.sampler import SampledIds, Sampler, SamplingRow
 from worker_svc.spec_decode.config import SpeculativeConfig
 from worker_svc.spec_decode.draft_model import DraftModel
 from worker_svc.spec_decode.ngram import NgramProposer
+from worker_svc.structured import SequenceGrammar, StructuredOutputManager
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class SequenceState:
     drafts: list[int] = field(default_factory=list)
     max_draft_tokens: int = 0
     promised_drafts: int = 0  # a draft model's drafts, reported but made when verified
+    grammar: SequenceGrammar | None = None  # structured outputs: this sequence's matcher
 
 
 @dataclass
@@ -273,6 +275,10 @@ class ModelRunner:
         )
         self.sampler = Sampler(mc.vocab_size, self.device, seed=config.seed)
         self.proposer = self._make_proposer(self.spec)
+        # Grammar matchers of constrained sequences (the tokenizer is loaded on first use).
+        self.structured = StructuredOutputManager(
+            lambda: load_tokenizer(self.model_path), mc.vocab_size, mc.eos_token_ids
+        )
         self.seqs: dict[str, SequenceState] = {}
         # Block-table widths are kept multiples of 16: Triton specialises integer arguments (the
         # table's row stride among them) on divisibility by 16, so varying widths would compile
@@ -338,6 +344,9 @@ class ModelRunner:
             st = self._state_of(new)
             st.row = self._tables.alloc(st.block_ids)
             st.max_draft_tokens = new.max_draft_tokens
+            spec = st.params.structured_outputs
+            if spec is not None:  # compiles while the prompt is prefilled
+                st.grammar = self.structured.start(spec, st.token_ids[st.num_prompt_tokens :])
             self.seqs[new.seq_id] = st
             order.append((st, new.num_new_tokens))
         for s in plan.scheduled:
@@ -413,7 +422,8 @@ class ModelRunner:
 
         The next token of a sequence in flight is known only on the device. It can be fed to
         the forward from there, but a sampler that reads the output so far (penalties, a
-        seed's per-position draw, min_tokens) needs it on the host first.
+        seed's per-position draw, min_tokens) needs it on the host first, and so does a grammar:
+        its next token mask exists only once the matcher has accepted the token in flight.
         """
         for s in plan.scheduled:
             st = self.seqs.get(s.seq_id)
@@ -421,7 +431,7 @@ class ModelRunner:
                 if s.num_new_tokens > 1:
                     return False  # drafts are verified only once the token before them is known
                 p = st.params
-                if _uses_penalties(p) or p.seed is not None or p.min_tokens > 0:
+                if _uses_penalties(p) or p.seed is not None or p.min_tokens > 0 or st.grammar is not None:
                     return False
         return True
 
@@ -563,11 +573,15 @@ class ModelRunner:
             return launched
         picked = hidden if sample_index is None else hidden[sample_index]
         logits = self.model.compute_logits(picked)
+        bitmask = self.structured.bitmask([st.grammar for st in sampling])
         if num_verified:
             rows = [r for st, d in zip(sampling, verified, strict=True) for r in self._verify_rows(st, d)]
-            launched.sampled = self.sampler.verify_async(logits, rows, verified)
+            if bitmask is not None:  # one row per position; drafting sequences are unconstrained
+                bitmask = bitmask.repeat_interleave(torch.tensor([len(d) + 1 for d in verified]), dim=0)
+            launched.sampled = self.sampler.verify_async(logits, rows, verified, bitmask)
         else:
-            launched.sampled = self.sampler.sample_async(logits, [self._sampling_row(st) for st in sampling])
+            sampling_rows = [self._sampling_row(st) for st in sampling]
+            launched.sampled = self.sampler.sample_async(logits, sampling_rows, bitmask)
         return launched
 
     def finish(self, launched: LaunchedStep) -> StepResult:
@@ -578,6 +592,8 @@ class ModelRunner:
         token_ids, logprobs = launched.sampled.wait()
         for st, token_id in zip(launched.sampling, token_ids, strict=True):
             st.token_ids.append(token_id)
+            if st.grammar is not None:
+                st.grammar.accept(token_id)
             if st.inflight is launched:
                 st.inflight = None
         if launched.verified is None:

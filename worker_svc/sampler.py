@@ -9,7 +9,8 @@ no stage syncs on its own. Host->device copies of per-row parameters are issued
 non-blocking.
 
 Order of operations (as vLLM v1):
-  1. logprobs from the raw logits (log_softmax before any processing);
+  1. logprobs from the raw logits (log_softmax before any processing), then the
+     structured-outputs token bitmask (disallowed tokens -> -inf) when a row has one;
   2. min_tokens: EOS ids (unless ignore_eos) and stop_token_ids -> -inf while the
      sequence has fewer than min_tokens output tokens;
   3. repetition_penalty (HF style, over prompt + output tokens);
@@ -134,6 +135,8 @@ class Sampler:
             self._gen.manual_seed(seed & _MASK63)
         self._seeded_gen = torch.Generator(device=self.device)
         self._arange_v = torch.arange(vocab_size, device=self.device)
+        self._bit_word: torch.Tensor | None = None  # token -> its int32 word of a bitmask row
+        self._bit_shift: torch.Tensor | None = None  # token -> its bit in that word
 
     # -- helpers --------------------------------------------------------------
 
@@ -181,11 +184,15 @@ class Sampler:
 
     # -- the step -------------------------------------------------------------
 
-    def sample_async(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampledIds:
+    def sample_async(
+        self, logits: torch.Tensor, rows: list[SamplingRow], token_bitmask: torch.Tensor | None = None
+    ) -> SampledIds:
         """Queue the sampling of each row; the ids stay on the device until `wait()` reads them.
 
         The next step may take its input ids from `SampledIds.sampled` before they are read, so
-        the host never waits on the device between two steps.
+        the host never waits on the device between two steps. `token_bitmask` (host int32
+        [rows, ceil(vocab / 32)], bit t of a row set = token t allowed) constrains rows to
+        their grammars; free rows are all ones.
         """
         num_rows = len(rows)
         if num_rows == 0:
@@ -202,6 +209,8 @@ class Sampler:
             _, lp_logits = self._rows(logits, lp_rows)
             raw_logprobs = torch.log_softmax(lp_logits, dim=-1)
 
+        if token_bitmask is not None:
+            self._apply_bitmask(logits, token_bitmask)
         logits = self._process(logits, rows)
 
         greedy_rows = [i for i, r in enumerate(rows) if r.params.greedy]
@@ -220,7 +229,11 @@ class Sampler:
         return self._gather_results(sampled, raw_logprobs, rows, lp_rows)
 
     def verify_async(
-        self, logits: torch.Tensor, rows: list[SamplingRow], drafts: list[list[int]]
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        drafts: list[list[int]],
+        token_bitmask: torch.Tensor | None = None,
     ) -> SampledIds:
         """Speculative decoding: accept or reject each sequence's draft tokens; queue the results.
 
@@ -234,7 +247,8 @@ class Sampler:
         else sample from max(p - q, 0) renormalised) becomes: accept d with probability p(d),
         else sample from p without d; after every draft is accepted, sample from p once more.
         Each output token is then distributed exactly as the target model samples it; greedy
-        rows accept d iff it is the argmax. Still one device->host copy.
+        rows accept d iff it is the argmax. Still one device->host copy. `token_bitmask`: as in
+        `sample_async`, one row per logits row (structured outputs; such rows draft nothing).
         """
         num_seqs = len(drafts)
         counts = [len(d) for d in drafts]
@@ -254,6 +268,8 @@ class Sampler:
         if lp_seqs:
             _, lp_logits = self._rows(logits, [int(ends[i]) - 1 for i in lp_seqs])
             raw_logprobs = torch.log_softmax(lp_logits, dim=-1)
+        if token_bitmask is not None:
+            self._apply_bitmask(logits, token_bitmask)
         logits = self._process(logits, rows)
 
         # Per row: the draft it checks (-1 on a sequence's last row) and the candidate token
@@ -301,6 +317,18 @@ class Sampler:
         d_starts = self._upload(torch.from_numpy(starts))
         sampled = cand[d_starts + num_accepted]
         return self._gather_results(sampled, raw_logprobs, last_rows, lp_seqs, num_accepted)
+    # -- structured outputs ---------------------------------------------------
+
+    def _apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """Disallowed tokens -> -inf, in place: one upload and three elementwise kernels."""
+        if bitmask.shape[0] != logits.shape[0] or bitmask.shape[1] * 32 < self.vocab_size:
+            raise ValueError(f"bitmask {tuple(bitmask.shape)} does not cover logits {tuple(logits.shape)}")
+        if self._bit_word is None:
+            self._bit_word = self._arange_v >> 5
+            self._bit_shift = (self._arange_v & 31).to(torch.int32)
+        words = self._upload(bitmask).index_select(1, self._bit_word)  # [R, V]: each token's word
+        # Arithmetic shift: bit 31 (the sign) still reads as 1 after `& 1`.
+        logits.masked_fill_(((words >> self._bit_shift) & 1) == 0, _NEG_INF)
 
     # -- logit processors (all rows, greedy included) -------------------------
 

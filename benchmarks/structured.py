@@ -1,0 +1,196 @@
+"""Structured outputs: grammar compile time per schema, and per-step cost of constrained decoding.
+
+    python -m benchmarks.structured                       # CPU, the embedded SmolLM2
+    python -m benchmarks.structured --device cuda --model llama-3.1-8b   # H100, dummy 8B weights
+
+Sections:
+- compile: llguidance (the engine llmesh uses) and, when installed, xgrammar: one-off tokenizer
+  set-up, compile time of each of the 20 test schemas (tests/data/structured_schemas.json), and
+  the time to fill one token mask (vocab 49152) along random walks through each grammar;
+- steps: decode time per step, free vs constrained (every row held to a regex that never ends, so
+  that each run lasts exactly --tokens steps), at each --batch; the overhead is what the bitmask
+  costs (fill on the host, apply on the device) plus the lost launch-ahead (a constrained row's
+  mask needs its previous token on the host: `ModelRunner.can_follow` is False).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any
+
+SCHEMAS = pathlib.Path(__file__).parents[1] / "tests" / "data" / "structured_schemas.json"
+V_SMOL = 49152
+
+
+def _walk(fill, accept, stopped, mask, vocab: int, rng: random.Random, steps: int = 64) -> list[float]:
+    import torch
+
+    times = []
+    bits_of = torch.arange(vocab)
+    for _ in range(steps):
+        if stopped():
+            break
+        t = time.perf_counter()
+        fill()
+        times.append(time.perf_counter() - t)
+        row = mask[0]
+        ok = ((row[bits_of >> 5] >> (bits_of & 31).to(torch.int32)) & 1).nonzero().flatten().tolist()
+        tok = rng.choice(ok)
+        if not accept(tok) or tok == 2:
+            break
+    return times
+
+
+def compile_section(hf: Any) -> list[tuple[str, str]]:
+    import llguidance
+    import llguidance.hf
+    import llguidance.torch as lt
+
+    from services.structured_outputs import StructuredOutputs, parser_limits
+
+    schemas = json.loads(SCHEMAS.read_text())
+    rows = []
+    t = time.perf_counter()
+    tok = llguidance.hf.from_tokenizer(hf, n_vocab=V_SMOL)
+    took = f"{(time.perf_counter() - t) * 1e3:.0f} ms"
+    rows.append(("llguidance tokenizer set-up (once per worker)", took))
+    comp, masks = [], []
+    for i, s in enumerate(schemas):
+        so = StructuredOutputs(json=s)
+        t = time.perf_counter()
+        m = llguidance.LLMatcher(tok, so.to_llguidance(), limits=parser_limits())
+        comp.append(time.perf_counter() - t)
+        bm = lt.allocate_token_bitmask(1, V_SMOL)
+        masks += _walk(
+            lambda m=m, bm=bm: lt.fill_next_token_bitmask(m, bm, 0),
+            m.consume_token,
+            m.is_stopped,
+            bm,
+            V_SMOL,
+            random.Random(i),
+        )
+    rows += _stats("llguidance", comp, masks)
+    try:
+        import xgrammar as xgr
+    except ImportError:
+        rows.append(("xgrammar", "not installed (pip install xgrammar to compare)"))
+        return rows
+    t = time.perf_counter()
+    info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=V_SMOL)
+    compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+    rows.append(("xgrammar tokenizer set-up", f"{(time.perf_counter() - t) * 1e3:.0f} ms"))
+    comp, masks = [], []
+    for i, s in enumerate(schemas):
+        t = time.perf_counter()
+        cg = compiler.compile_json_schema(json.dumps(s), any_whitespace=False)
+        comp.append(time.perf_counter() - t)
+        m = xgr.GrammarMatcher(cg)
+        bm = xgr.allocate_token_bitmask(1, V_SMOL)
+        masks += _walk(
+            lambda m=m, bm=bm: m.fill_next_token_bitmask(bm),
+            m.accept_token,
+            m.is_terminated,
+            bm,
+            V_SMOL,
+            random.Random(i),
+        )
+    rows += _stats("xgrammar", comp, masks)
+    return rows
+
+
+def _stats(name: str, comp: list[float], masks: list[float]) -> list[tuple[str, str]]:
+    ms = sorted(masks)
+    return [
+        (
+            f"{name} compile per schema (20)",
+            f"median {statistics.median(comp) * 1e3:.2f} ms, max {max(comp) * 1e3:.2f} ms",
+        ),
+        (
+            f"{name} mask fill per token ({len(ms)} tokens)",
+            f"median {statistics.median(ms) * 1e6:.0f} us, p99 {ms[int(0.99 * len(ms))] * 1e6:.0f} us",
+        ),
+    ]
+
+
+def step_section(llm: Any, batches: list[int], tokens: int, reps: int) -> list[tuple[str, str]]:
+    from llmesh import SamplingParams, StructuredOutputs
+
+    # Never complete, so every run lasts exactly `tokens` steps; letters and spaces keep the mask
+    # non-trivial (about a third of the vocabulary allowed).
+    spec = StructuredOutputs(regex=r"[a-zA-Z ,.]*")
+    rows = []
+    for b in batches:
+        prompts = [[1 + (i * 7 + j) % 1000 for j in range(16)] for i in range(b)]
+        per = {}
+        for label, so in (("free", None), ("constrained", spec)):
+            sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, structured_outputs=so)
+            llm.generate(prompts, sp, use_tqdm=False)  # warm-up (and the grammar compile)
+            best = float("inf")
+            for _ in range(reps):
+                t = time.perf_counter()
+                llm.generate(prompts, sp, use_tqdm=False)
+                best = min(best, time.perf_counter() - t)
+            per[label] = best / tokens
+        over = per["constrained"] / per["free"] - 1
+        rows.append(
+            (
+                f"batch {b}: ms per step free / constrained",
+                f"{per['free'] * 1e3:.2f} / {per['constrained'] * 1e3:.2f}  (+{over * 100:.1f} %)",
+            )
+        )
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--model", default="smollm2", help="smollm2 (embedded) or llama-3.1-8b (dummy weights)")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--sections", default="compile,steps")
+    args = ap.parse_args()
+
+    from llmesh import LLM
+    from worker_svc.loader import load_tokenizer
+    from worker_svc.model_files import resolve_model
+
+    smol = resolve_model(None, None)
+    hf = load_tokenizer(smol)
+    rows: list[tuple[str, str]] = []
+    if "compile" in args.sections:
+        rows += compile_section(hf)
+    if "steps" in args.sections:
+        kw: dict[str, Any] = dict(device=args.device, max_num_seqs=max(args.batch), max_model_len=1024)
+        tmp = None
+        if args.model == "smollm2":
+            path = None
+        else:
+            from benchmarks.gpu import SHAPES, write_config
+
+            tmp = tempfile.mkdtemp()
+            path = write_config(tmp, args.model, SHAPES[args.model])
+            for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+                if os.path.exists(os.path.join(smol, f)):
+                    shutil.copy(os.path.join(smol, f), path)  # a tokenizer for the grammar engine
+            kw.update(load_format="dummy", dtype="bfloat16" if args.device == "cuda" else "float32")
+        llm = LLM(path, **kw)
+        rows += step_section(llm, args.batch, args.tokens, args.reps)
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    width = max(len(r[0]) for r in rows)
+    print(f"structured outputs, device={args.device}, model={args.model}")
+    for item, value in rows:
+        print(f"  {item:<{width}}  {value}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""The worker's grammar module (real llguidance, SmolLM2's tokenizer) and the sampler's bitmask."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from services.sampling_params import SamplingParams
+from services.structured_outputs import StructuredOutputs
+from worker_svc.loader import load_tokenizer
+from worker_svc.sampler import Sampler, SamplingRow
+from worker_svc.structured import StructuredOutputManager
+
+V = 49152
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return load_tokenizer(None)
+
+
+@pytest.fixture(scope="module")
+def manager(hf):
+    m = StructuredOutputManager(lambda: hf, V, [EOS])
+    yield m
+    m.close()
+
+
+def allowed(mask_row: torch.Tensor) -> list[int]:
+    bits = ((mask_row[torch.arange(V) >> 5] >> (torch.arange(V) & 31).to(torch.int32)) & 1).bool()
+    return bits.nonzero().flatten().tolist()
+
+
+def test_choice_walk_then_eos_only(manager, hf):
+    g = manager.start(StructuredOutputs(choice=("yes", "no")))
+    for tok in hf.encode("yes", add_special_tokens=False):
+        mask = manager.bitmask([g])
+        assert tok in allowed(mask[0])
+        assert g.accept(tok)
+    assert allowed(manager.bitmask([g])[0]) == [EOS]
+    assert g.accept(EOS) and g.done
+    assert allowed(manager.bitmask([g])[0]) == [EOS]  # a token planned after EOS is harmless
+
+
+def test_free_rows_are_all_ones_and_refused_token_ends(manager, hf):
+    g = manager.start(StructuredOutputs(regex=r"\d+"))
+    mask = manager.bitmask([None, g])
+    assert bool((mask[0] == -1).all())
+    assert not g.accept(hf.encode("abc", add_special_tokens=False)[0])
+    assert allowed(manager.bitmask([g])[0]) == [EOS]
+    assert manager.bitmask([None]) is None
+
+
+def test_replay_and_rollback(manager, hf):
+    spec = StructuredOutputs(
+        json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    )
+    toks = hf.encode('{"a":12', add_special_tokens=False)
+    fresh = manager.start(spec)
+    for t in toks:
+        assert fresh.accept(t)
+    replayed = manager.start(spec, toks)  # a recomputed sequence: same state
+    assert torch.equal(manager.bitmask([fresh]), manager.bitmask([replayed]))
+    before = manager.bitmask([fresh]).clone()
+    assert fresh.accept(hf.encode("}", add_special_tokens=False)[0])
+    fresh.rollback(1)
+    assert torch.equal(manager.bitmask([fresh]), before)
+    with pytest.raises(ValueError):
+        fresh.rollback(99)
+
+
+def test_sampler_applies_mask_before_sampling_after_logprobs():
+    s = Sampler(64, "cpu", seed=0)
+    logits = torch.randn(2, 64)
+    mask = torch.zeros(2, 2, dtype=torch.int32)
+    mask[0, 1] = -(1 << 31)  # token 63 only (bit 31: the sign bit)
+    mask[1, 0] = 1 << 5  # token 5 only
+    rows = [SamplingRow(SamplingParams(temperature=t, logprobs=1), [], [], [0]) for t in (0.0, 1.0)]
+    ids, lps = s.sample_async(logits, rows, mask).wait()
+    assert ids == [63, 5]
+    raw = torch.log_softmax(logits, dim=-1)
+    assert lps[0].logprob == pytest.approx(raw[0, 63].item(), abs=1e-5)  # the raw distribution's
+
+
+def test_spec_key_keeps_property_order():
+    a = StructuredOutputs(json={"b": 1, "a": 2})
+    assert json.loads(a.json) == {"b": 1, "a": 2} and list(json.loads(a.json)) == ["b", "a"]
+    assert a.key == StructuredOutputs(json=a.json).key != StructuredOutputs(regex="x").key

@@ -1,0 +1,213 @@
+"""Grammar state of constrained sequences: compiled-grammar cache, per-sequence matchers, bitmasks.
+
+The worker holds it because the worker sees each sampled token first: the mask of token N+1
+is filled from the matcher that just accepted token N, with no round trip to the scheduler.
+The engine is llguidance (see services/structured_outputs.py).
+
+- Compiling is off the step's critical path: a sequence's matcher is built on a background
+  thread when the sequence arrives (its prompt's prefill runs meanwhile); the step that first
+  samples it waits only for what is left. Compiled grammars are cached by the spec's hash; a
+  sequence gets a cheap deep copy of the cached matcher.
+- A recomputed sequence (preempted, or moved to this worker) arrives with its output so far:
+  its matcher replays those tokens.
+- `rollback(n)` undoes accepted tokens (for speculative decoding's rejected drafts).
+- A matcher that stopped (the grammar is complete and EOS was taken) or failed (a token it
+  refused, or the engine's parser limits) lets only EOS through, so the choice ends; the token
+  the scheduler may still plan after EOS never reaches a caller.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from services.structured_outputs import StructuredOutputs, parser_limits
+
+log = logging.getLogger(__name__)
+
+
+def bitmask_width(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+class SequenceGrammar:
+    """One sequence's matcher (ready once its compile finished)."""
+
+    def __init__(self, future: Future, eos_token_ids: Sequence[int]) -> None:
+        self._future = future
+        self._eos = list(eos_token_ids)
+        self._failed = False
+        self.num_accepted = 0
+
+    @property
+    def matcher(self) -> Any:
+        return self._future.result()  # re-raises a compile failure
+
+    @property
+    def done(self) -> bool:
+        """Nothing but EOS may follow (the grammar stopped, or the matcher failed)."""
+        return self._failed or self.matcher.is_stopped() or self.matcher.is_error()
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by a sampled token; False (and EOS only from now on) if the grammar refused it."""
+        if self._failed:
+            return False
+        try:
+            m = self.matcher
+        except Exception as e:
+            log.warning("grammar compile failed; the sequence ends: %s", e)
+            self._failed = True
+            return False
+        if m.is_stopped():
+            return token_id in self._eos
+        if not m.consume_token(token_id):
+            log.warning("grammar refused token %d: %s", token_id, m.get_error()[:200])
+            self._failed = True
+            return False
+        self.num_accepted += 1
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        """Forget the last `num_tokens` accepted tokens (rejected speculative drafts)."""
+        if num_tokens <= 0 or self._failed:
+            return
+        if num_tokens > self.num_accepted:
+            raise ValueError(f"cannot roll back {num_tokens} tokens, {self.num_accepted} accepted")
+        self.matcher.rollback(num_tokens)
+        self.num_accepted -= num_tokens
+
+    def fill_eos_only(self, row: torch.Tensor) -> None:
+        row.zero_()
+        for t in self._eos:
+            if 0 <= t < row.numel() * 32:
+                row[t >> 5] |= _bit(t & 31)
+
+
+def _bit(i: int) -> int:
+    # Bit 31 of an int32 is its sign bit.
+    return -(1 << 31) if i == 31 else 1 << i
+
+
+class StructuredOutputManager:
+    """Per worker: the tokenizer for the engine (built lazily), the grammar cache, the executor."""
+
+    def __init__(
+        self,
+        load_tokenizer: Any,  # () -> HF fast tokenizer, called once, on a background thread
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        cache_size: int = 256,
+        compile_threads: int = 2,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.width = bitmask_width(vocab_size)
+        self._load_tokenizer = load_tokenizer
+        self._eos = list(eos_token_ids)
+        self._cache_size = cache_size
+        self._cache: OrderedDict[str, Future] = OrderedDict()  # spec key -> template matcher
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(compile_threads, thread_name_prefix="grammar")
+        self._tokenizer: Future | None = None
+        self._executor: Any = None  # llguidance.LLExecutor: fills a batch's masks on its threads
+
+    # -- compile (background) ---------------------------------------------------
+
+    def _tokenizer_future(self) -> Future:
+        # Its own thread: compile tasks wait on it, so it must never queue behind them.
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = ThreadPoolExecutor(1, thread_name_prefix="grammar-tok").submit(
+                    self._build_tokenizer
+                )
+            return self._tokenizer
+
+    def _build_tokenizer(self) -> Any:
+        import llguidance.hf
+
+        hf = self._load_tokenizer()
+        if hf is None:
+            raise RuntimeError("the model ships no tokenizer: structured outputs need one")
+        return llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size)
+
+    def _template(self, spec: StructuredOutputs) -> Any:
+        """The spec's compiled matcher (runs on a pool thread). The first thread to ask compiles it;
+        the others wait on a thread that is running, never on a queued task."""
+        key = spec.key
+        with self._lock:
+            fut = self._cache.get(key)
+            owner = fut is None
+            if owner:
+                fut = self._cache[key] = Future()
+                while len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(key)
+        if owner:
+            try:
+                fut.set_result(self._compile(spec))
+            except Exception as e:  # cached too: the same spec fails the same way
+                fut.set_exception(e)
+        return fut.result()
+
+    def _compile(self, spec: StructuredOutputs) -> Any:
+        import llguidance
+
+        tokenizer = self._tokenizer_future().result()
+        matcher = llguidance.LLMatcher(tokenizer, spec.to_llguidance(), limits=parser_limits())
+        if matcher.is_error():
+            raise ValueError(matcher.get_error())
+        return matcher
+
+    def start(self, spec: StructuredOutputs, output_token_ids: Sequence[int] = ()) -> SequenceGrammar:
+        """A sequence's grammar, compiled in the background; `output_token_ids` are replayed."""
+        replay = list(output_token_ids)
+
+        def build() -> Any:
+            m = self._template(spec).deep_copy()
+            for t in replay:
+                if not m.consume_token(t):
+                    break  # stays in error: EOS only
+            return m
+
+        seq = SequenceGrammar(self._pool.submit(build), self._eos)
+        seq.num_accepted = len(replay)
+        return seq
+
+    # -- per step -----------------------------------------------------------------
+
+    def bitmask(self, grammars: Sequence[SequenceGrammar | None]) -> torch.Tensor | None:
+        """Host int32 [rows, width] allowed-token bits (all ones for free rows); None if no row
+        is constrained. Waits for matchers still compiling."""
+        if not any(g is not None for g in grammars):
+            return None
+        import llguidance
+
+        mask = torch.full((len(grammars), self.width), -1, dtype=torch.int32)
+        live: list[tuple[Any, int]] = []
+        for i, g in enumerate(grammars):
+            if g is None:
+                continue
+            try:
+                done = g.done
+            except Exception as e:  # the compile failed after the up-front check passed
+                log.warning("grammar compile failed; the sequence ends: %s", e)
+                g._failed = True
+                done = True
+            if done:
+                g.fill_eos_only(mask[i])
+            else:
+                live.append((g.matcher, i))
+        if live:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            self._executor.unsafe_compute_mask_ptr(live, mask.data_ptr(), self.width * 4, len(grammars))
+        return mask
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
