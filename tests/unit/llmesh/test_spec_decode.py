@@ -113,3 +113,19 @@ def test_a_draft_identical_to_the_target_is_always_accepted(tiny_models) -> None
     assert_no_leaks(llm)
     with pytest.raises(ValueError, match="exceeds"):
         LLM(path, speculative_config={**everything, "num_layers": 99})
+
+
+def test_constrained_and_drafting_sequences_share_a_batch(smollm2, reference) -> None:
+    from llmesh import StructuredOutputs
+
+    llm = LLM(smollm2, kv_cache_memory=64 << 20, speculative_config=NGRAM)
+    constrained = SamplingParams(
+        temperature=0.0, max_tokens=12, structured_outputs=StructuredOutputs(regex=r"(yes|no)-[0-9]{3}")
+    )
+    outs = llm.generate([PROMPTS[0], PROMPTS[2]], [GREEDY, constrained], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == reference[0]  # drafts verified beside a grammar row
+    import re
+
+    assert re.fullmatch(r"(yes|no)-[0-9]{3}", outs[1].outputs[0].text)
+    assert spec_stats(llm).num_drafts > 0
+    assert_no_leaks(llm)
