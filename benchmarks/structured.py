@@ -157,13 +157,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--sections", default="compile,steps")
+    ap.add_argument("--smollm2", default=None, help="SmolLM2 .gguf or folder (default: the embedded package)")
     args = ap.parse_args()
 
     from llmesh import LLM
     from worker_svc.loader import load_tokenizer
     from worker_svc.model_files import resolve_model
 
-    smol = resolve_model(None, None)
+    smol = resolve_model(args.smollm2, None)
     hf = load_tokenizer(smol)
     rows: list[tuple[str, str]] = []
     if "compile" in args.sections:
@@ -172,7 +173,7 @@ def main() -> None:
         kw: dict[str, Any] = dict(device=args.device, max_num_seqs=max(args.batch), max_model_len=1024)
         tmp = None
         if args.model == "smollm2":
-            path = None
+            path = smol
         else:
             from benchmarks.gpu import SHAPES, write_config
 
