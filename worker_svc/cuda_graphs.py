@@ -15,6 +15,13 @@ a decode batch of n sequences replays the smallest graph of size >= n:
   split-K segment count for the longest context (`max_seq_len = max_model_len`); the kernel
   divides each sequence's own context among the segments, so any shorter context is right.
 
+Speculative decoding adds a second set (`query_len` = 1 + num_speculative_tokens): every
+sequence of a verification step gets that many query rows, its drafts (and, for sequences
+with fewer, padding rows with slot -1 and a clamped position) after its last token; a
+sequence's context is `seq_len - query_len`, so padding rows read past its end and are never
+sampled. A small model's eager verification is launch-bound (several times a graph step),
+which would eat what the drafts gain.
+
 Only the Triton attention backend is capturable (the reference backend reads host lists of
 lengths that change every step). With `capture=False` the same padded, static-buffer path
 runs eagerly: that is how the CPU tests check the padding logic without a GPU.
@@ -49,19 +56,22 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: ModelRunner, sizes: list[int], capture: bool = True) -> None:
+    def __init__(
+        self, runner: ModelRunner, sizes: list[int], capture: bool = True, query_len: int = 1
+    ) -> None:
         self.runner = runner
         self.sizes = sorted(set(sizes))
         self.max_size = self.sizes[-1]
         self.capture_enabled = capture
+        self.q = query_len  # query rows per sequence (1: decode; 1 + drafts: verification)
         dev = runner.device
         b = self.max_size
         self.width = runner.max_blocks_per_seq
         # Row 0: token ids, row 1: positions, row 2: slots (-1: padding, not written).
-        self.i64 = torch.zeros((3, b), dtype=torch.long, device=dev)
+        self.i64 = torch.zeros((3, b * self.q), dtype=torch.long, device=dev)
         self.i64[2].fill_(-1)
-        self.seq_lens = torch.ones(b, dtype=torch.int32, device=dev)
-        self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.full((b,), self.q, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=dev) * self.q
         self.block_tables = torch.zeros((b, self.width), dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -75,23 +85,25 @@ class DecodeGraphs:
 
     def _meta(self, b: int) -> AttentionMetadata:
         max_len = self.runner.max_model_len
+        t = b * self.q
         return AttentionMetadata(
-            slot_mapping=self.i64[2, :b],
+            slot_mapping=self.i64[2, :t],
             query_start_loc=self.query_start_loc[: b + 1],
             seq_lens=self.seq_lens[:b],
             block_tables=self.block_tables[:b],
-            max_query_len=1,
+            max_query_len=self.q,
             max_seq_len=max_len,  # split-K sized for the longest context the graph may see
-            query_lens_cpu=[1] * b,
+            query_lens_cpu=[self.q] * b,
             seq_lens_cpu=[max_len] * b,
         )
 
     def _forward(self, b: int) -> torch.Tensor:
         r = self.runner
         meta = self._meta(b)
-        hidden = r.model(self.i64[0, :b], self.i64[1, :b], r.kv_caches, meta)
+        t = b * self.q
+        hidden = r.model(self.i64[0, :t], self.i64[1, :t], r.kv_caches, meta)
         if r.draft is not None:  # a draft model's KV follows the target's in the same graph
-            r.draft.forward_alongside(self.i64[0, :b], self.i64[1, :b], meta)
+            r.draft.forward_alongside(self.i64[0, :t], self.i64[1, :t], meta)
         return hidden
 
     @torch.inference_mode()
@@ -125,7 +137,9 @@ class DecodeGraphs:
         tables: np.ndarray,
         patch: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Hidden states [n, hidden] of a decode batch of n = len(ids) sequences.
+        """Hidden states [n * q, hidden] of a batch of n = len(seq_lens) sequences.
+
+        ids, positions and slots hold q rows per sequence (q = 1: one decode token each).
 
         `patch` = (indices, ids) on the device overwrite those input ids: tokens a previous step
         sampled that the host has not read yet.
@@ -133,20 +147,21 @@ class DecodeGraphs:
         `tables` is [n, w] with w the widest block count this step; columns beyond w in the
         static table keep stale values that no sequence reads (it stops at its own length).
         """
-        n = ids.shape[0]
+        n = seq_lens.shape[0]
         b = self.padded_size(n)
         w = tables.shape[1]
-        i64 = np.zeros((3, b), dtype=np.int64)
-        i64[0, :n] = ids
-        i64[1, :n] = positions
-        i64[2, :n] = slots
-        i64[2, n:] = -1
-        lens = np.ones(b, dtype=np.int32)
+        rows = n * self.q
+        i64 = np.zeros((3, b * self.q), dtype=np.int64)
+        i64[0, :rows] = ids
+        i64[1, :rows] = positions
+        i64[2, :rows] = slots
+        i64[2, rows:] = -1
+        lens = np.full(b, self.q, dtype=np.int32)  # padding sequences: no context, q rows
         lens[:n] = seq_lens
         bt = np.zeros((b, w), dtype=np.int32)
         bt[:n] = tables
         d_i64, d_lens, d_bt = self.runner.upload([i64, lens, bt])
-        self.i64[:, :b].copy_(d_i64)
+        self.i64[:, : b * self.q].copy_(d_i64)
         if patch is not None:
             self.i64[0].index_copy_(0, *patch)
         self.seq_lens[:b].copy_(d_lens)
@@ -156,4 +171,4 @@ class DecodeGraphs:
             out = self.outputs[b]
         else:
             out = self._forward(b)
-        return out[:n]
+        return out[:rows]

@@ -292,6 +292,14 @@ class ModelRunner:
 
             self._graphs = DecodeGraphs(self, capture_sizes(config.max_num_seqs))
             self._graphs.capture()
+        # Verification steps (speculative decoding) replay graphs of 1 + num_speculative_tokens
+        # query rows per sequence: eager, a small model's verification costs several decode steps.
+        self._verify_graphs = None
+        if self._graphs is not None and self.spec is not None and self.tp.size == 1:
+            self._verify_graphs = DecodeGraphs(
+                self, capture_sizes(config.max_num_seqs), query_len=1 + self.spec.num_speculative_tokens
+            )
+            self._verify_graphs.capture()
         log.info("model runner ready", extra={"blocks": self.num_kv_blocks, "device": str(self.device)})
 
     def _kv_budget(self, spec: KVCacheSpec) -> int:
@@ -513,10 +521,32 @@ class ModelRunner:
             positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - qsl[:-1], query_lens)
             token_rows = np.repeat(rows, query_lens)
         slots = table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        if not pure_decode:
+            last = qsl[1:][sample_rows] - 1 if sample_rows else np.zeros(0, dtype=np.int64)
+            if num_verified:  # a verifying sequence samples at each draft's position too
+                per_seq = np.asarray([len(d) + 1 for d in verified], dtype=np.int64)
+                first = np.cumsum(per_seq) - per_seq
+                offsets = np.arange(int(per_seq.sum()), dtype=np.int64) - np.repeat(first, per_seq)
+                last = np.repeat(last + 1 - per_seq, per_seq) + offsets
+        # A verification whose sequences all sample replays the verify graphs: token i of the
+        # step becomes row to_padded[i] of q rows per sequence.
+        vgraphs = self._verify_graphs
+        to_padded = None
+        if num_verified and vgraphs is not None and len(sampling) == n and n <= vgraphs.max_size:
+            q = vgraphs.q
+            if int(query_lens.max()) <= q:
+                p_seq_lens = starts + q  # context = seq_len - q: the rows past a sequence's end pad
+                p_width = min(_round16((int(p_seq_lens.max()) + bs - 1) // bs), table.shape[1])
+                if p_width <= vgraphs.width:
+                    grid = (np.arange(n, dtype=np.int64) * q)[:, None] + np.arange(q)[None, :]
+                    to_padded = grid[np.arange(q)[None, :] < query_lens[:, None]]
         patch = None
         if from_device:
             assert prev is not None
-            where = self.upload([np.asarray(from_device, dtype=np.int64).T.copy()])[0]
+            moves = np.asarray(from_device, dtype=np.int64).T.copy()
+            if to_padded is not None:
+                moves[0] = to_padded[moves[0]]
+            where = self.upload([moves])[0]
             patch = (where[0], prev.sampled.index_select(0, where[1]).to(torch.int64))
 
         graphs = self._graphs
@@ -531,15 +561,23 @@ class ModelRunner:
                 )  # fmt: skip
             hidden = graphs.run(ids, positions, slots, seq_lens.astype(np.int32), tables, patch)
             sample_index = None if all_sample else self.upload([last_rows])[0]
+        elif to_padded is not None:
+            assert vgraphs is not None
+            q = vgraphs.q
+            p_ids = np.zeros(n * q, dtype=np.int64)
+            p_ids[to_padded] = ids
+            p_slots = np.full(n * q, -1, dtype=np.int64)  # padding rows write no KV
+            p_slots[to_padded] = slots
+            # Padding rows' positions only need to stay inside the rotary table.
+            p_pos = np.minimum(starts[:, None] + np.arange(q)[None, :], self.max_model_len - 1).reshape(-1)
+            p_seq_lens = (starts + q).astype(np.int32)
+            p_width = min(_round16((int(p_seq_lens.max()) + bs - 1) // bs), table.shape[1])
+            hidden = vgraphs.run(p_ids, p_pos, p_slots, p_seq_lens, table[rows, :p_width], patch)
+            sample_index = self.upload([to_padded[last]])[0]
         else:
             if pure_decode:
                 qsl = np.arange(n + 1, dtype=np.int64)
-            last = qsl[1:][sample_rows] - 1 if sample_rows else np.zeros(0, dtype=np.int64)
-            if num_verified:  # a verifying sequence samples at each draft's position too
-                per_seq = np.asarray([len(d) + 1 for d in verified], dtype=np.int64)
-                first = np.cumsum(per_seq) - per_seq
-                offsets = np.arange(int(per_seq.sum()), dtype=np.int64) - np.repeat(first, per_seq)
-                last = np.repeat(last + 1 - per_seq, per_seq) + offsets
+                last = qsl[1:][sample_rows] - 1 if sample_rows else np.zeros(0, dtype=np.int64)
             all_sample = pure_decode and len(sample_rows) == n
             if self.ranks is not None:  # the other ranks run the same forward on their shards
                 self.ranks.send(

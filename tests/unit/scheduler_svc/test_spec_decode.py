@@ -33,8 +33,8 @@ def test_failures_back_off_exponentially_and_success_resets() -> None:
     for _ in range(9):
         policy.verified(req, 3, 0)
         skips.append(req.spec_skip)
-    assert skips == [1, 2, 4, 8, 16, 32, 64, 64, 64] and MAX_BACKOFF_STEPS == 64
-    assert [policy.drafts_to_propose(req, 1000) for _ in range(65)].count(0) == 64
+    assert skips == [1, 4, 16, 64, 128, 128, 128, 128, 128] and MAX_BACKOFF_STEPS == 128
+    assert [policy.drafts_to_propose(req, 1000) for _ in range(129)].count(0) == 128
     policy.verified(req, 3, 2)
     assert req.spec_failures == 0
     policy.proposed(req, 0)  # nothing found to propose counts as a failure too

@@ -76,3 +76,31 @@ def test_pack_to_device_round_trips_aligned() -> None:
         assert t.shape == a.shape and t.numpy().dtype == a.dtype
         assert (t.numpy() == a).all()
         assert t.data_ptr() % 16 == 0
+
+
+def test_padded_static_verification_equals_reference(tiny: str) -> None:
+    """Speculative decoding's verify graphs, run eagerly: q rows per sequence, drafts and padding."""
+    prompts = [[5, 6, 7, 8] * 6, [40, 41, 42] * 5]
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+
+    def generate(llm: LLM) -> list[list[int]]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    want = generate(LLM(tiny, attention_backend="torch", **ENGINE))
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    llm = LLM(tiny, attention_backend="triton", speculative_config=spec, **ENGINE)
+    runner = llm.engine.runner
+    graphs = DecodeGraphs(runner, [1, 2, 4], capture=False, query_len=4)
+    rows: list[int] = []
+    run = graphs.run
+
+    def counting_run(ids, *args):  # type: ignore[no-untyped-def]
+        rows.append(len(ids))
+        return run(ids, *args)
+
+    graphs.run = counting_run  # type: ignore[method-assign]
+    runner._verify_graphs = graphs
+    assert generate(llm) == want
+    assert rows and all(r % 4 == 0 for r in rows)  # verifications ran as q = 4 rows per sequence
+    assert llm.engine.mesh.workers["local"].planner.spec.stats.num_accepted_tokens > 0
