@@ -461,6 +461,8 @@ class Mesh:
         inflight: deque[tuple[StepPlan, float]] = deque()
         while True:
             while len(inflight) < depth and planner.has_work_for_worker():
+                if inflight and planner.waits_for_result():
+                    break
                 plan = planner.schedule()
                 if plan.num_seqs == 0 and not plan.finished_ids and not plan.preempted_ids and not plan.kv:
                     break  # nothing to run until a result (or a request) comes in

@@ -154,6 +154,13 @@ class Planner:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def waits_for_result(self) -> bool:
+        """Most running sequences await a plan's result (speculative decoding): a plan made now
+        would hold only the rest, and the two groups would then alternate, each in every other
+        step. Better to wait for the result and plan them all together."""
+        awaiting = sum(1 for r in self.running if r.awaiting_result)
+        return awaiting > 0 and 2 * awaiting >= len(self.running) and not self.waiting
+
     def has_work_for_worker(self) -> bool:
         return self.has_unfinished() or bool(self._to_drop or self._to_preempt) or self.tiers.has_pending()
 

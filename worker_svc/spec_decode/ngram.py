@@ -1,7 +1,7 @@
 """N-gram (prompt lookup) proposals: continue the sequence the way it went after an earlier match.
 
 For the last n tokens (n from prompt_lookup_max down to prompt_lookup_min), find their most
-recent earlier occurrence in prompt + output and propose the tokens that followed it. Edits,
+recent earlier occurrence in prompt + output that k tokens follow, and propose those tokens. Edits,
 extractions and summaries copy long spans of the prompt, so these drafts are often right and
 cost no model at all.
 
@@ -57,7 +57,11 @@ def propose_ngram(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[in
     best = matched.max()
     if best < min_n:
         return []
-    end = int(ends[np.flatnonzero(matched == best)[-1]])  # the most recent of the longest
+    # The most recent of the longest matches that is followed by k tokens; if none is, the one
+    # followed by the most (in a repeating pattern the latest match is right before the end).
+    longest = ends[matched == best]
+    full = longest[longest + k < length]
+    end = int(full[-1]) if full.size else int(longest[0])
     return tokens[end + 1 : min(end + 1 + k, length)].tolist()
 
 

@@ -34,8 +34,11 @@ def test_short_or_matchless_sequences_propose_nothing() -> None:
     assert ngram([1, 2, 1, 2], 0) == []
 
 
-def test_proposals_stop_at_the_end_of_the_sequence() -> None:
-    assert ngram([4, 4, 4, 4], 3) == [4]
+def test_a_repeating_pattern_is_continued_for_k_tokens() -> None:
+    assert ngram([4, 4, 4, 4], 3) == [4]  # no match with 3 tokens after it: the longest tail
+    assert ngram([4] * 9, 3) == [4, 4, 4]
+    assert ngram([1, 2, 3, 1, 2, 3, 1, 2], 4) == [3, 1, 2]  # the earliest match: 3 tokens follow
+    assert ngram([9, 1, 2, 5, 6, 7, 8, 1, 2, 5, 1, 2], 2) == [5, 1]  # the latest with 2 after it
 
 
 def test_proposer_mirror_follows_a_growing_sequence_and_a_new_life() -> None:
