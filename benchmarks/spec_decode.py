@@ -155,6 +155,9 @@ def main() -> int:
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder for the 8B shape (serving.py)")
     ap.add_argument("--methods", default="off,ngram")
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument(
+        "--disable-by-batch-size", type=int, default=None, help="speculative_config's (default: its own)"
+    )
     ap.add_argument("--batch-sizes", default="1,16", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--random-prompt-len", type=int, default=256)
@@ -172,7 +175,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as root:
         base = model_kwargs(args, root)
         for method in methods:
-            llm = LLM(**base, speculative_config=spec_config(method, args.num_speculative_tokens))
+            spec = spec_config(method, args.num_speculative_tokens)
+            if spec is not None and args.disable_by_batch_size is not None:
+                spec["disable_by_batch_size"] = args.disable_by_batch_size
+            llm = LLM(**base, speculative_config=spec)
             vocab = llm.engine.runner.model_config.vocab_size
             for workload in workloads:
                 chat = workload == "copy"

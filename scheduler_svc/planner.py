@@ -412,7 +412,8 @@ class Planner:
         if req.num_computed_tokens >= req.num_tokens + req.num_pending:  # drafts go past the end
             req.num_pending += 1  # the worker samples the next token and keeps it
             self._sampling[req.request_id] = req.incarnation
-            propose = self.spec.drafts_to_propose(req, self.config.max_model_len) if self.spec.enabled else 0
+            if self.spec.enabled:
+                propose = self.spec.drafts_to_propose(req, self.config.max_model_len, len(self.running))
             if drafts or propose:
                 req.awaiting_result = True
                 self._spec[req.request_id] = (drafts, propose)

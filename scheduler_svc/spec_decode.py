@@ -43,21 +43,24 @@ class SpecDecodeStats:
 
 
 class SpecDecodePolicy:
-    def __init__(self, num_speculative_tokens: int) -> None:
+    def __init__(self, num_speculative_tokens: int, disable_by_batch_size: int = 0) -> None:
         self.k = num_speculative_tokens
+        self.disable_by_batch_size = disable_by_batch_size
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * num_speculative_tokens)
 
     @property
     def enabled(self) -> bool:
         return self.k > 0
 
-    def drafts_to_propose(self, req: Request, max_model_len: int) -> int:
+    def drafts_to_propose(self, req: Request, max_model_len: int, num_running: int = 1) -> int:
         """How many drafts to ask for after the token this plan samples for `req` (0 = none).
 
         Called once the plan counts that token as pending. Drafts past max_tokens or the
         context could never be used: the token sampled after them needs room too.
         """
         sp = req.sampling_params
+        if self.disable_by_batch_size and num_running > self.disable_by_batch_size:
+            return 0  # a big batch pays more for waiting on results than drafts save
         if not self.k or sp.logprobs is not None or sp.structured_outputs is not None:
             # Logprobs are per sampled position; a grammar's matcher advances one token at a time.
             return 0

@@ -167,6 +167,8 @@ class WorkerInfo:
     kv_chunk_blocks: int = 0
     # Most draft tokens the worker proposes per sequence and step; 0 = no speculative decoding.
     num_speculative_tokens: int = 0
+    # No drafts while more sequences than this run on the worker (0 = never disabled).
+    spec_disable_by_batch_size: int = 0
 
 
 def store_fingerprint(fingerprint: bytes, chunk_blocks: int) -> bytes:

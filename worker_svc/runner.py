@@ -329,6 +329,7 @@ class ModelRunner:
             num_host_blocks=self.kv_tiers.num_host_blocks,
             kv_chunk_blocks=self.kv_tiers.chunk_blocks,
             num_speculative_tokens=self.spec.num_speculative_tokens if self.spec else 0,
+            spec_disable_by_batch_size=self.spec.disable_by_batch_size if self.spec else 0,
         )
 
     @staticmethod

@@ -232,9 +232,10 @@ def _spec_generate(llm: LLM) -> list[list[int]]:
 @pytest.mark.parametrize(
     "spec",
     [
-        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
-        {"method": "draft_model", "num_speculative_tokens": 3, "num_layers": 24},  # the target itself
-        {"method": "draft_model", "num_speculative_tokens": 3, "num_layers": 4},
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 0},
+        # the target itself, then an early exit
+        {"method": "draft_model", "num_speculative_tokens": 3, "num_layers": 24, "disable_by_batch_size": 0},
+        {"method": "draft_model", "num_speculative_tokens": 3, "num_layers": 4, "disable_by_batch_size": 0},
     ],
     ids=["ngram", "draft-all-layers", "draft-4-layers"],
 )

@@ -197,6 +197,21 @@ def test_cancelled_call_frees_its_blocks(mesh):
             dict(prompt_text="hi", sampling_params=g.SamplingParams(stop=["x"], detokenize=False)),
             "detokenize",
         ),
+        # Structured outputs are checked before anything is submitted (any-language clients).
+        (
+            dict(
+                prompt_text="hi",
+                sampling_params=g.SamplingParams(structured_outputs=g.StructuredOutputs(json="{not json")),
+            ),
+            "structured_outputs.json",
+        ),
+        (
+            dict(
+                prompt_text="hi",
+                sampling_params=g.SamplingParams(structured_outputs=g.StructuredOutputs(regex="(unclosed")),
+            ),
+            "structured_outputs.regex",
+        ),
     ],
 )
 def test_bad_requests_get_invalid_argument_and_the_service_stays_up(mesh, request_kw, needle):

@@ -26,6 +26,13 @@ def test_drafts_never_reach_past_max_tokens_or_the_context() -> None:
     assert policy.drafts_to_propose(request(logprobs=1), 1000) == 0  # logprobs: every position sampled
 
 
+def test_no_drafts_in_a_batch_bigger_than_disable_by_batch_size() -> None:
+    policy = SpecDecodePolicy(4, disable_by_batch_size=4)
+    assert policy.drafts_to_propose(request(), 1000, num_running=4) == 4
+    assert policy.drafts_to_propose(request(), 1000, num_running=5) == 0
+    assert SpecDecodePolicy(4).drafts_to_propose(request(), 1000, num_running=500) == 4  # 0: never
+
+
 def test_failures_back_off_exponentially_and_success_resets() -> None:
     policy = SpecDecodePolicy(3)
     req = request()
