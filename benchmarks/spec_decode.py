@@ -11,7 +11,8 @@ against plain decoding's, so a row is only a speed-up if it says `same`):
   draws), so these rows say `sampled` instead of `same`.
 
 Methods: `off`, `ngram` (prompt lookup) and `draft:N` (the target's first N layers as the
-draft model, early exit). Batch sizes: `--batch-sizes 1,16`.
+draft model, early exit). Batch sizes: `--batch-sizes 1,16` (batch 1: four different
+requests, one after another).
 
     .venv/bin/python benchmarks/spec_decode.py [--device cpu|cuda] [--model PATH|llama-3.1-8b]
         [--methods off,ngram,draft:8] [--batch-sizes 1,16] [--max-tokens 128]
@@ -38,11 +39,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from llmesh import LLM, SamplingParams  # noqa: E402
 
 TASKS = (
+    "Here is a text:\n\n{p}\n\nWhat is the first sentence of the text? Quote it.",
     "Repeat the following text exactly, word for word:\n\n{p}",
-    "Rewrite the following text with every sentence on its own line, changing nothing else:\n\n{p}",
-    "Copy the text below, but write the word 'the' in capitals each time:\n\n{p}",
     "Here is a passage:\n\n{p}\n\nQuote its first three sentences exactly.",
+    "Rewrite the following text with every sentence on its own line, changing nothing else:\n\n{p}",
 )
+BATCH1_REQUESTS = 4  # batch 1 runs this many different requests one after another
 
 
 def first_difference(tokens: list[list[int]], reference: list[list[int]]) -> int:
@@ -116,13 +118,16 @@ def spec_config(method: str, k: int) -> dict | None:
     raise SystemExit(f"unknown method {method!r}: off, ngram or draft:N")
 
 
-def run(llm: LLM, requests, chat: bool, params: SamplingParams, repeats: int = 1):
-    """(best seconds of `repeats` runs, the tokens of the last)."""
+def run(llm: LLM, requests, chat: bool, params: SamplingParams, repeats: int = 1, one_by_one: bool = False):
+    """(best seconds of `repeats` runs, the tokens of the last); one_by_one: batch 1, in turn."""
     generate = llm.chat if chat else llm.generate
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        outs = generate(requests, params, use_tqdm=False)
+        if one_by_one:
+            outs = [o for r in requests for o in generate([r], params, use_tqdm=False)]
+        else:
+            outs = generate(requests, params, use_tqdm=False)
         best = min(best, time.perf_counter() - t0)
     return best, [o.outputs[0].token_ids for o in outs]
 
@@ -188,13 +193,15 @@ def main() -> int:
                     params = SamplingParams(temperature=1.0, seed=7, max_tokens=args.max_tokens)
                     params.ignore_eos = True
                 for batch in args.batch_sizes:
+                    n = BATCH1_REQUESTS if batch == 1 else batch
                     if chat:
-                        reqs = copy_requests(batch)
+                        reqs = copy_requests(n)
                     else:
-                        reqs = random_prompts(batch, vocab, args.random_prompt_len, 1)
-                    run(llm, reqs, chat, params)  # warm up: Triton compiles this batch's kernel variants
+                        reqs = random_prompts(n, vocab, args.random_prompt_len, 1)
+                    # Warm up: Triton compiles this batch's kernel variants.
+                    run(llm, reqs, chat, params, one_by_one=batch == 1)
                     before = spec_counts(llm)
-                    seconds, tokens = run(llm, reqs, chat, params, args.repeats)
+                    seconds, tokens = run(llm, reqs, chat, params, args.repeats, one_by_one=batch == 1)
                     drafts, drafted, accepted = (a - b for a, b in zip(spec_counts(llm), before, strict=True))
                     out_tokens = sum(len(t) for t in tokens)
                     key = (workload, batch)
