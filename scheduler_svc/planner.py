@@ -413,7 +413,9 @@ class Planner:
             req.num_pending += 1  # the worker samples the next token and keeps it
             self._sampling[req.request_id] = req.incarnation
             if self.spec.enabled:
-                propose = self.spec.drafts_to_propose(req, self.config.max_model_len, len(self.running))
+                # Waiting requests count: a burst being admitted is a big batch from its first plan.
+                batch = len(self.running) + len(self.waiting)
+                propose = self.spec.drafts_to_propose(req, self.config.max_model_len, batch)
             if drafts or propose:
                 req.awaiting_result = True
                 self._spec[req.request_id] = (drafts, propose)

@@ -11,7 +11,13 @@ import pytest
 
 from llmesh import LLM, SamplingParams
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 2,
+    "prompt_lookup_max": 4,
+    "disable_by_batch_size": 0,  # speculate in every batch: these tests check mixed batches
+}
 TEXT = (
     "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
     "How vexingly quick daft zebras jump! Sphinx of black quartz, judge my vow."
@@ -90,7 +96,8 @@ def test_sampling_with_seeds_penalties_and_logprobs_alongside_drafts(smollm2) ->
 
 
 def test_draft_model_early_exit_keeps_greedy_tokens(smollm2, reference) -> None:
-    draft = {"method": "draft_model", "num_speculative_tokens": 3, "num_layers": 8}
+    draft = {"method": "draft_model", "num_speculative_tokens": 3, "num_layers": 8,
+             "disable_by_batch_size": 0}
     llm = LLM(smollm2, kv_cache_memory=64 << 20, speculative_config=draft)
     assert token_ids(llm, PROMPTS) == reference
     assert spec_stats(llm).num_drafts > 0
@@ -103,7 +110,8 @@ def test_a_draft_identical_to_the_target_is_always_accepted(tiny_models) -> None
     prompts = [[5, 6, 7, 8, 9] * 7, [11, 12, 13] * 3]
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in LLM(path).generate(prompts, params, use_tqdm=False)]
-    everything = {"method": "draft_model", "num_speculative_tokens": 4, "num_layers": 2}
+    everything = {"method": "draft_model", "num_speculative_tokens": 4, "num_layers": 2,
+                  "disable_by_batch_size": 0}
     llm = LLM(path, speculative_config=everything)
     assert llm.engine.runner.draft.model_config.num_layers == llm.engine.runner.model_config.num_layers
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
