@@ -437,8 +437,11 @@ class ModelRunner:
         for s in plan.scheduled:
             st = self.seqs.get(s.seq_id)
             if st is not None and st.inflight is not None:
-                if s.num_new_tokens > 1:
-                    return False  # drafts are verified only once the token before them is known
+                verified = st.inflight.verified
+                if s.num_new_tokens > 1 or (verified is not None and verified[st.inflight_row]):
+                    # Drafts are verified only once the token before them is known, and a
+                    # verification's result on the device is not a next input (contract).
+                    return False
                 p = st.params
                 if _uses_penalties(p) or p.seed is not None or p.min_tokens > 0 or st.grammar is not None:
                     return False

@@ -120,6 +120,31 @@ class SampledIds:
         return ids, out
 
 
+@dataclass
+class GreedyVerification(SampledIds):
+    """A verification whose rows are all greedy: the argmax of every row is copied to the host
+    and the drafts are checked there (a handful of integers), which saves the device-side
+    bookkeeping of `Sampler.verify_async`'s general path (a dozen small kernels and uploads)."""
+
+    _drafts: list[list[int]] | None = None
+    _starts: list[int] | None = None
+
+    def wait(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        if self._done is not None:
+            self._done.synchronize()
+        top = self._host.tolist()
+        assert self._drafts is not None and self._starts is not None
+        ids, accepted = [], []
+        for drafts, start in zip(self._drafts, self._starts, strict=True):
+            a = 0
+            while a < len(drafts) and drafts[a] == top[start + a]:
+                a += 1
+            accepted.append(a)
+            ids.append(top[start + a])
+        self._num_accepted = accepted
+        return ids, [None] * len(ids)
+
+
 class Sampler:
     # Above this k, sorting the vocabulary once beats torch.topk.
     TOPK_PATH_MAX_K = 1024
@@ -271,6 +296,8 @@ class Sampler:
         if token_bitmask is not None:
             self._apply_bitmask(logits, token_bitmask)
         logits = self._process(logits, rows)
+        if not lp_seqs and all(r.params.greedy for r in rows):
+            return self._verify_greedy(logits, drafts, starts, ends)
 
         # Per row: the draft it checks (-1 on a sequence's last row) and the candidate token
         # (the argmax / a sample from p without the draft / on the last row, a sample from p).
@@ -329,6 +356,26 @@ class Sampler:
         words = self._upload(bitmask).index_select(1, self._bit_word)  # [R, V]: each token's word
         # Arithmetic shift: bit 31 (the sign) still reads as 1 after `& 1`.
         logits.masked_fill_(((words >> self._bit_shift) & 1) == 0, _NEG_INF)
+
+    def _verify_greedy(
+        self, logits: torch.Tensor, drafts: list[list[int]], starts: np.ndarray, ends: np.ndarray
+    ) -> GreedyVerification:
+        top = logits.argmax(dim=-1).to(torch.int32)
+        # On the device, each sequence's last row: the next input of a sequence that drafted
+        # nothing (the one kind a later step may read from here before the host has it).
+        last = top.index_select(0, self._upload(torch.from_numpy(ends - 1)))
+        done = None
+        if top.is_cuda:
+            host = torch.empty(top.shape, dtype=torch.int32, pin_memory=True)
+            host.copy_(top, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host = top
+        n = len(drafts)
+        return GreedyVerification(
+            last, host, done, [None] * n, [], 0, [], _drafts=drafts, _starts=starts.tolist()
+        )
 
     # -- logit processors (all rows, greedy included) -------------------------
 
