@@ -134,6 +134,12 @@ def rms_norm(
     return weight * h.to(x.dtype), x
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] (gate | up) -> [..., I] = SiLU(gate) * up, as Hugging Face's Llama MLP computes it."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
 def rotary_embedding(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

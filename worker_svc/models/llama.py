@@ -16,9 +16,10 @@ Projections are merged as in vLLM: q/k/v into one `qkv_proj` and gate/up into on
 `gate_up_proj`, fewer and larger matmuls. `load_weights` takes Hugging Face's
 unmerged names and copies each into its slice.
 
-The norms and rotary follow the attention backend: with the Triton backend they run the
-Triton kernels (fused residual-add + RMSNorm, in-place rotary; on CPU tensors under Triton's
-interpreter), otherwise their plain-PyTorch twins from `kernels.reference`.
+The norms, the rotary and the MLP's SiLU-and-multiply follow the attention backend: with the
+Triton backend they run the Triton kernels (fused residual-add + RMSNorm, in-place rotary, one
+pass of SiLU(gate) * up; on CPU tensors under Triton's interpreter), otherwise their
+plain-PyTorch twins from `kernels.reference`.
 
 Tensor parallelism (`tp`, `worker_svc.parallel`): each rank builds the layers of
 `worker_svc.models.parallel_layers`, holding 1/N of the query and KV heads, of the MLP and of
@@ -32,7 +33,6 @@ import math
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels import reference
@@ -184,10 +184,10 @@ class MLP(nn.Module):
             config.hidden_size, config.intermediate_size, config.mlp_bias, tp
         )
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, config.mlp_bias, tp)
+        self.act = reference.silu_and_mul  # the Triton kernel with the Triton backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -247,18 +247,22 @@ class LlamaForCausalLM(nn.Module):
         self._select_kernels(backend)
 
     def _select_kernels(self, backend: AttentionBackend) -> None:
-        """Norm and rotary kernels to match the attention backend (see the module doc)."""
+        """Norm, rotary and SiLU-and-mul kernels to match the attention backend (see the module doc)."""
         if getattr(backend, "name", None) == "triton":
             import kernels.triton as kt
 
             norm, rotary = kt.rms_norm, _rotary_in_place(kt.rotary_embedding)
+            act = kt.silu_and_mul
         else:
             norm, rotary = reference.rms_norm, reference.rotary_embedding
+            act = reference.silu_and_mul
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.kernel = norm
             elif isinstance(module, RotaryEmbedding):
                 module.kernel = rotary
+            elif isinstance(module, MLP):
+                module.act = act
 
     def forward(
         self,

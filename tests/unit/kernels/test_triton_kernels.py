@@ -70,6 +70,25 @@ def test_write_kv_cache_casts_and_skips_padding() -> None:
     torch.testing.assert_close(cache, expected, atol=0, rtol=0)
 
 
+# ----------------------------------------------------------------------------- SiLU * up
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 2 * 48), (2, 5, 2 * 1100), (0, 64)])
+def test_silu_and_mul_matches_twin(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    x = 3 * torch.randn(shape, dtype=dtype)
+    out = kt.silu_and_mul(x)
+    expected = reference.silu_and_mul(x)
+    assert out.shape == expected.shape and out.dtype == dtype
+    _close(out, expected, dtype)
+
+
+def test_silu_and_mul_reads_a_strided_view() -> None:
+    wide = torch.randn(4, 300)
+    x = wide[:, :200]  # rows not contiguous with each other
+    torch.testing.assert_close(kt.silu_and_mul(x), reference.silu_and_mul(x))
+
+
 # ----------------------------------------------------------------------------- RMSNorm
 
 
