@@ -24,6 +24,7 @@ from services.step import (  # noqa: E402
     TokenLogprobs,
     WorkerInfo,
 )
+from services.structured_outputs import StructuredOutputs  # noqa: E402
 
 
 def f32(x: float) -> float:
@@ -66,8 +67,24 @@ FULL_PARAMS = SamplingParams(
         SamplingParams(temperature=0.0, max_tokens=None, seed=2**63 - 1, logprobs=0),
         SamplingParams(temperature=0.1 + 0.2, top_p=1e-300),  # doubles: no float32 rounding
         SamplingParams(max_tokens=1, min_tokens=1, max_logprobs=0, logprobs=0),
+        SamplingParams(structured_outputs=StructuredOutputs(json={"type": "object", "required": ["a"]})),
+        SamplingParams(structured_outputs=StructuredOutputs(json_object=True)),
+        SamplingParams(structured_outputs=StructuredOutputs(regex=r"\d{3}-ünï")),
+        SamplingParams(structured_outputs=StructuredOutputs(choice=("yes", "no", "ünï"))),
+        SamplingParams(structured_outputs=StructuredOutputs(grammar='start: "a"+')),
     ],
-    ids=["defaults", "full", "greedy-unbounded", "awkward-floats", "edges"],
+    ids=[
+        "defaults",
+        "full",
+        "greedy-unbounded",
+        "awkward-floats",
+        "edges",
+        "json-schema",
+        "json-object",
+        "regex",
+        "choice",
+        "grammar",
+    ],
 )
 def test_sampling_params_round_trip(sp: SamplingParams) -> None:
     back = convert.sampling_params_from_proto(wire(convert.sampling_params_to_proto(sp)))
