@@ -120,6 +120,21 @@ class SampledIds:
         return ids, out
 
 
+def _to_host_async(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """(host copy of an int32 tensor, the event that marks it complete; None when already there).
+
+    One pinned, non-blocking copy queued behind the step's kernels: the host waits for it only
+    in `SampledIds.wait`, not here.
+    """
+    if not t.is_cuda:
+        return t, None
+    host = torch.empty(t.shape, dtype=torch.int32, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
 @dataclass
 class GreedyVerification(SampledIds):
     """A verification whose rows are all greedy: the argmax of every row is copied to the host
@@ -364,14 +379,7 @@ class Sampler:
         # On the device, each sequence's last row: the next input of a sequence that drafted
         # nothing (the one kind a later step may read from here before the host has it).
         last = top.index_select(0, self._upload(torch.from_numpy(ends - 1)))
-        done = None
-        if top.is_cuda:
-            host = torch.empty(top.shape, dtype=torch.int32, pin_memory=True)
-            host.copy_(top, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-        else:
-            host = top
+        host, done = _to_host_async(top)
         n = len(drafts)
         return GreedyVerification(
             last, host, done, [None] * n, [], 0, [], _drafts=drafts, _starts=starts.tolist()
@@ -572,14 +580,7 @@ class Sampler:
             packed = torch.cat(parts)
         if num_accepted is not None:
             packed = torch.cat([packed, num_accepted.to(torch.int32)])
-        done = None
-        if packed.is_cuda:
-            host = torch.empty(packed.shape, dtype=torch.int32, pin_memory=True)
-            host.copy_(packed, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-        else:
-            host = packed
+        host, done = _to_host_async(packed)
         accepted = [] if num_accepted is not None else None
         return SampledIds(sampled, host, done, [r.params.logprobs for r in rows], lp_rows, k_max, accepted)
 
