@@ -165,3 +165,16 @@ def test_tensor_parallel_size_reaches_every_worker():
     assert up("--tensor-parallel-size", "2")["worker_args"] == ["--tensor-parallel-size", "2"]
     with pytest.raises(SystemExit):
         up("--tensor-parallel-size", "0")
+
+
+def test_speculative_config_reaches_every_worker_and_parses_there():
+    spec = '{"method": "ngram", "num_speculative_tokens": 4}'
+    args = up("--speculative-config", spec)["worker_args"]
+    assert args == ["--speculative-config", spec]
+    from services.config import load_config
+    from worker_svc.service import WorkerServiceConfig
+    from worker_svc.spec_decode.config import SpeculativeConfig
+
+    config = load_config(WorkerServiceConfig, args, service="worker")
+    parsed = SpeculativeConfig.parse(config.speculative_config)
+    assert parsed is not None and parsed.num_speculative_tokens == 4
