@@ -167,7 +167,9 @@ class Mesh:
             info.num_kv_blocks, info.block_size, info.fingerprint, self.config.enable_prefix_caching
         )
         tiers = KVTierPlanner(blocks, info.num_host_blocks, info.kv_chunk_blocks)
-        spec = SpecDecodePolicy(info.num_speculative_tokens, info.spec_disable_by_batch_size)
+        spec = SpecDecodePolicy(
+            info.num_speculative_tokens, info.spec_disable_by_batch_size, info.spec_drafts_ahead
+        )
         slot = WorkerSlot(worker_id, info, link, Planner(planner_cfg, blocks, tiers, spec))
         self.workers[worker_id] = slot
         slot.task = asyncio.get_running_loop().create_task(self._run(slot), name=f"worker-loop-{worker_id}")

@@ -185,7 +185,7 @@ class Planner:
                 continue
             num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget, chunk)
             drafts = 0
-            if req.num_drafts and num_new == 1 and not req.num_pending:
+            if req.num_drafts and num_new == 1 and req.num_pending <= 1:
                 drafts = self.spec.drafts_to_verify(req, budget, cfg.max_model_len)
                 num_new += drafts
             new_blocks = self.blocks.allocate(
@@ -324,9 +324,10 @@ class Planner:
                 continue  # finished or aborted meanwhile
             if sampled.get(seq_id) != req.incarnation:
                 continue  # restarted (preempted) since this plan was made
-            req.awaiting_result = False
-            # The KV of every token but the newest is written (rejected drafts' slots lie past it).
-            req.num_computed_tokens = req.num_tokens - 1
+            if drafts or not self.spec.drafts_ahead:  # this plan held it back: nothing else is in flight
+                req.awaiting_result = False
+                # The KV of every token but the newest is written (rejected drafts' slots lie past it).
+                req.num_computed_tokens = req.num_tokens - 1
             if drafts:
                 self.spec.verified(req, drafts, len(new_tokens.get(seq_id, ())) - 1)
             if propose:
@@ -417,7 +418,9 @@ class Planner:
                 batch = len(self.running) + len(self.waiting)
                 propose = self.spec.drafts_to_propose(req, self.config.max_model_len, batch)
             if drafts or propose:
-                req.awaiting_result = True
+                # Its next position depends on a verification's result; a proposal's, unless
+                # the worker proposes ahead (then a later plan verifies the drafts a token late).
+                req.awaiting_result = bool(drafts) or not self.spec.drafts_ahead
                 self._spec[req.request_id] = (drafts, propose)
         if req.request_id in self._on_worker:
             plan.scheduled.append(ScheduledSequence(req.request_id, num_new, new_blocks, propose))

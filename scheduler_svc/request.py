@@ -55,6 +55,7 @@ class Request:
     # sequence; whether a plan in flight verifies or proposes drafts for it (it is not planned
     # again before that result); the adaptive back-off.
     num_drafts: int = 0
+    draft_base: int = 0  # num_tokens when the worker proposed them (the first is for that position)
     awaiting_result: bool = False
     spec_skip: int = 0
     spec_failures: int = 0

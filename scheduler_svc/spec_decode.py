@@ -43,9 +43,13 @@ class SpecDecodeStats:
 
 
 class SpecDecodePolicy:
-    def __init__(self, num_speculative_tokens: int, disable_by_batch_size: int = 0) -> None:
+    def __init__(
+        self, num_speculative_tokens: int, disable_by_batch_size: int = 0, drafts_ahead: bool = False
+    ) -> None:
         self.k = num_speculative_tokens
         self.disable_by_batch_size = disable_by_batch_size
+        # The worker proposes without the last token on the host (WorkerInfo.spec_drafts_ahead).
+        self.drafts_ahead = drafts_ahead
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * num_speculative_tokens)
 
     @property
@@ -75,17 +79,23 @@ class SpecDecodePolicy:
         return max(0, min(self.k, room - 1))
 
     def drafts_to_verify(self, req: Request, budget: int, max_model_len: int) -> int:
-        """How many of the drafts the worker holds for `req` the next plan verifies."""
-        n = min(req.num_drafts, budget - 1)
+        """How many of the drafts the worker holds for `req` the next plan verifies.
+
+        Drafts proposed before a token now in flight start one position early: the first is
+        skipped (the worker does the same from its own count).
+        """
+        n = min(req.num_drafts - (req.num_tokens + req.num_pending - req.draft_base), budget - 1)
+        produced = len(req.output_token_ids) + req.num_pending
         max_tokens = req.sampling_params.max_tokens
         if max_tokens is not None:
-            n = min(n, max_tokens - len(req.output_token_ids) - 1)
-        return max(0, min(n, max_model_len - req.num_tokens - 1))
+            n = min(n, max_tokens - produced - 1)
+        return max(0, min(n, max_model_len - req.num_tokens - req.num_pending - 1))
 
     def proposed(self, req: Request, num_drafts: int) -> None:
         req.num_drafts = num_drafts
-        if not num_drafts:
-            self._back_off(req)
+        req.draft_base = req.num_tokens
+        if not num_drafts and not self.drafts_ahead:
+            self._back_off(req)  # it waited for this result in vain (ahead, finding nothing is free)
 
     def verified(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         s = self.stats

@@ -169,6 +169,9 @@ class WorkerInfo:
     num_speculative_tokens: int = 0
     # No drafts while more sequences than this run on the worker (0 = never disabled).
     spec_disable_by_batch_size: int = 0
+    # True: the worker's proposals (n-gram) need no last token on the host, so a plan may follow
+    # a proposing one before its result, and verify the drafts a token later.
+    spec_drafts_ahead: bool = False
 
 
 def store_fingerprint(fingerprint: bytes, chunk_blocks: int) -> bytes:

@@ -72,6 +72,7 @@ class SequenceState:
     # Speculative decoding: tokens proposed after the last sampled one (the next plan may verify
     # some), and how many the current plan asks for after its sample.
     drafts: list[int] = field(default_factory=list)
+    draft_start: int = 0  # len(token_ids) when `drafts` were proposed: drafts[0] is for that position
     max_draft_tokens: int = 0
     promised_drafts: int = 0  # a draft model's drafts, reported but made when verified
     grammar: SequenceGrammar | None = None  # structured outputs: this sequence's matcher
@@ -330,6 +331,7 @@ class ModelRunner:
             kv_chunk_blocks=self.kv_tiers.chunk_blocks,
             num_speculative_tokens=self.spec.num_speculative_tokens if self.spec else 0,
             spec_disable_by_batch_size=self.spec.disable_by_batch_size if self.spec else 0,
+            spec_drafts_ahead=self.proposer is not None,
         )
 
     @staticmethod
@@ -438,10 +440,10 @@ class ModelRunner:
             st = self.seqs.get(s.seq_id)
             if st is not None and st.inflight is not None:
                 verified = st.inflight.verified
-                if s.num_new_tokens > 1 or (verified is not None and verified[st.inflight_row]):
-                    # Drafts are verified only once the token before them is known, and a
-                    # verification's result on the device is not a next input (contract).
-                    return False
+                if verified is not None and verified[st.inflight_row]:
+                    return False  # a verification's result on the device is not a next input
+                if s.num_new_tokens > 1 and self.draft is not None:
+                    return False  # a draft model drafts from the last token, on the host
                 p = st.params
                 if _uses_penalties(p) or p.seed is not None or p.min_tokens > 0 or st.grammar is not None:
                     return False
@@ -468,6 +470,7 @@ class ModelRunner:
         sample_rows: list[int] = []  # index in the batch of the sequences that sample
         sampling: list[SequenceState] = []
         verified: list[list[int]] = []  # per sampling sequence: the drafts it verifies
+        outputs_before: list[int] = []  # per sampling sequence: its output tokens before this step
         propose: list[int] = []
         # (index in input_ids, row of the previous step's sampled ids) for tokens still in flight.
         from_device: list[tuple[int, int]] = []
@@ -477,12 +480,19 @@ class ModelRunner:
             start = st.num_computed_tokens
             end = start + num_new
             known = len(st.token_ids)
+            inflight = st.inflight is not None
+            base = known + inflight  # its tokens, the one still on the device included
             drafts: list[int] = []
-            if st.inflight is None and end > known:  # past its tokens: verify its drafts
-                drafts = st.drafts[: end - known]
-            st.drafts = []
-            total = known + (st.inflight is not None) + len(drafts)
-            if end > total or end > len(st.block_ids) * bs or (drafts and start >= known):
+            if end > base:  # past its tokens: verify drafts (proposed perhaps a token before)
+                skip, want = base - st.draft_start, end - base
+                drafts = st.drafts[skip : skip + want] if skip >= 0 else []
+                if len(drafts) < want:
+                    # A later proposal replaced the drafts the plan counted (they were made while
+                    # a step was in flight): fill up. Any token is a valid draft, only likelier
+                    # to be rejected; the output stays exactly the model's.
+                    drafts += [drafts[-1] if drafts else st.token_ids[-1]] * (want - len(drafts))
+            total = base + len(drafts)
+            if end > total or end > len(st.block_ids) * bs or (drafts and start >= base):
                 raise ValueError(f"sequence {st.seq_id!r}: {end} tokens exceed its tokens or blocks")
             starts[i] = start
             query_lens[i] = num_new
@@ -490,18 +500,18 @@ class ModelRunner:
             if num_new != 1:
                 pure_decode = False
             input_ids.extend(st.token_ids[start:min(end, known)])
-            if drafts:
-                input_ids.extend(drafts)
-            elif end > known:  # its last input is the token the unfinished step samples
+            if inflight and end > known:  # an input is the token the unfinished step samples
                 assert st.inflight is not None and st.inflight.sampled is not None
                 prev = st.inflight.sampled
                 from_device.append((len(input_ids), st.inflight_row))
                 input_ids.append(0)
+            input_ids.extend(drafts)
             if end == total:
                 st.inflight, st.inflight_row = launched, len(sampling)
                 sample_rows.append(i)
                 sampling.append(st)
                 verified.append(drafts)
+                outputs_before.append(base - st.num_prompt_tokens)
                 propose.append(min(st.max_draft_tokens, self.spec.num_speculative_tokens) if self.spec else 0)
         launched.sampling = sampling
         launched.propose = propose
@@ -617,7 +627,11 @@ class ModelRunner:
         logits = self.model.compute_logits(picked)
         bitmask = self.structured.bitmask([st.grammar for st in sampling])
         if num_verified:
-            rows = [r for st, d in zip(sampling, verified, strict=True) for r in self._verify_rows(st, d)]
+            rows = [
+                r
+                for st, d, n_out in zip(sampling, verified, outputs_before, strict=True)
+                for r in self._verify_rows(st, d, n_out)
+            ]
             if bitmask is not None:  # one row per position; drafting sequences are unconstrained
                 bitmask = bitmask.repeat_interleave(torch.tensor([len(d) + 1 for d in verified]), dim=0)
             launched.sampled = self.sampler.verify_async(logits, rows, verified, bitmask)
@@ -675,12 +689,17 @@ class ModelRunner:
         """Draft tokens for the sequences that asked, now that their last token is known."""
         result = launched.result
         for st, k in zip(launched.sampling, launched.propose, strict=True):
-            if k <= 0 or st.inflight is not None or self.seqs.get(st.seq_id) is not st:
-                continue  # a later step already samples it, or it was dropped meanwhile
+            if k <= 0 or self.seqs.get(st.seq_id) is not st:
+                continue  # dropped meanwhile
             if self.draft is not None:
+                if st.inflight is not None:
+                    continue  # a later step samples it already: a draft model needs its last token
                 st.promised_drafts = k  # made by the plan that verifies them (`_draft_now`)
             elif self.proposer is not None:
+                # With a later step in flight these drafts start a token early; the plan that
+                # verifies them skips the first (`draft_start`), which is a guess all the same.
                 st.drafts = self.proposer.propose(st.seq_id, st.token_ids, k)
+                st.draft_start = len(st.token_ids)
             if st.drafts or st.promised_drafts:
                 result.draft_seq_ids.append(st.seq_id)
                 result.num_draft_tokens.append(len(st.drafts) or st.promised_drafts)
@@ -698,13 +717,16 @@ class ModelRunner:
         if seqs:
             assert self.draft is not None
             for st, drafts in zip(seqs, self.draft.propose(self, seqs, ks), strict=True):
-                st.drafts = drafts
+                st.drafts, st.draft_start = drafts, len(st.token_ids)
 
-    def _verify_rows(self, st: SequenceState, drafts: list[int]) -> list[SamplingRow]:
-        """Sampling rows of a sequence at its last token and at each draft: the output so far there."""
+    def _verify_rows(self, st: SequenceState, drafts: list[int], num_out: int) -> list[SamplingRow]:
+        """Sampling rows of a sequence at its last token and at each draft: the output so far there.
+
+        `num_out` counts its output tokens before this step, one still on the device included
+        (then its params need no output on the host: `can_follow`).
+        """
         if not drafts:
             return [self._sampling_row(st)]
-        num_out = len(st.token_ids) - st.num_prompt_tokens
         if _uses_penalties(st.params):
             prompt, out = st.token_ids[: st.num_prompt_tokens], st.token_ids[st.num_prompt_tokens :]
             outputs: list = [out + drafts[:j] for j in range(len(drafts) + 1)]

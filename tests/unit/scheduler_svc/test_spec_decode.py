@@ -18,10 +18,12 @@ def test_drafts_never_reach_past_max_tokens_or_the_context() -> None:
     req.num_pending = 1  # the token this plan samples: the 7th of 10
     assert policy.drafts_to_propose(req, max_model_len=1000) == 2  # 2 drafts + the token after them
     assert policy.drafts_to_propose(req, max_model_len=13) == 1  # 4 + 6 + 1 tokens, room for 2 more
-    req.num_drafts = 4
+    req.num_drafts, req.draft_base = 4, req.num_tokens  # proposed after its last known token
     req.num_pending = 0
     assert policy.drafts_to_verify(req, budget=100, max_model_len=1000) == 3
     assert policy.drafts_to_verify(req, budget=2, max_model_len=1000) == 1  # the budget counts them
+    req.num_pending = 1  # a token sampled since: the first draft was for its position
+    assert policy.drafts_to_verify(req, budget=100, max_model_len=1000) == 2
     assert SpecDecodePolicy(0).drafts_to_propose(req, 1000) == 0
     assert policy.drafts_to_propose(request(logprobs=1), 1000) == 0  # logprobs: every position sampled
 
@@ -44,8 +46,12 @@ def test_failures_back_off_exponentially_and_success_resets() -> None:
     assert [policy.drafts_to_propose(req, 1000) for _ in range(129)].count(0) == 128
     policy.verified(req, 3, 2)
     assert req.spec_failures == 0
-    policy.proposed(req, 0)  # nothing found to propose counts as a failure too
+    policy.proposed(req, 0)  # nothing found to propose: it waited in vain, a failure too
     assert req.spec_skip == 1
+    ahead = SpecDecodePolicy(3, drafts_ahead=True)
+    req = request()
+    ahead.proposed(req, 0)  # proposing ahead, nobody waited: no back-off
+    assert req.spec_skip == 0 and req.spec_failures == 0
 
 
 def test_counters_follow_vllm() -> None:
