@@ -1,17 +1,19 @@
 """Speculative decoding, the scheduler's half: when to ask a worker for drafts, and what they gave.
 
-The worker proposes draft tokens after it samples (`max_draft_tokens` on the plan); the next
+The worker proposes draft tokens after it samples (`max_draft_tokens` on the plan); a later
 plan schedules them as extra tokens of the sequence and the worker verifies them in one
-forward. A sequence that verifies or proposes cannot be planned again before that result is
-back (its next position depends on how many drafts are accepted), so speculating costs it the
-overlap of asynchronous scheduling: it pays only where drafts are accepted.
+forward. A sequence that verifies cannot be planned again before that result is back (its next
+position depends on how many drafts are accepted), so a verification costs it the overlap of
+asynchronous scheduling: it pays only where drafts are accepted. N-gram proposals
+(`drafts_ahead`) hold nothing back: their drafts arrive with the result of the proposing step
+while the next step is already in flight, and are verified one token late (the first draft was
+for the token sampled meanwhile). A draft model's proposal waits for its result.
 
-Adaptive, per sequence: a verification that accepts nothing, or a proposal that found nothing,
-quadruples how many steps the sequence then decodes without speculating (1, 4, 16, 64, then
-`MAX_BACKOFF_STEPS`); an accepted draft resets it. A step that waits for a result costs the
-overlap of one step, so on text with nothing to look up about 5 of the first 128 steps pay
-it: random text runs almost entirely as plain, overlapped decoding, while text that copies
-its prompt speculates nearly every step.
+Adaptive, per sequence: a verification that accepts nothing (or a draft model's proposal that
+found nothing) quadruples how many steps the sequence then decodes without speculating (1, 4,
+16, 64, then `MAX_BACKOFF_STEPS`); an accepted draft resets it. Random text thus runs as plain,
+overlapped decoding, while text that copies its prompt speculates nearly every step; batches
+above `disable_by_batch_size` do not speculate at all.
 """
 
 from __future__ import annotations
