@@ -9,8 +9,8 @@ asynchronous scheduling: it pays only where drafts are accepted. N-gram proposal
 while the next step is already in flight, and are verified one token late (the first draft was
 for the token sampled meanwhile). A draft model's proposal waits for its result.
 
-Adaptive, per sequence: a verification that accepts nothing (or a draft model's proposal that
-found nothing) quadruples how many steps the sequence then decodes without speculating (1, 4,
+Adaptive, per sequence: a verification that accepts nothing, or a proposal that found nothing,
+quadruples how many steps the sequence then decodes without speculating (1, 4,
 16, 64, then `MAX_BACKOFF_STEPS`); an accepted draft resets it. Random text thus runs as plain,
 overlapped decoding, while text that copies its prompt speculates nearly every step; batches
 above `disable_by_batch_size` do not speculate at all.
@@ -96,8 +96,10 @@ class SpecDecodePolicy:
     def proposed(self, req: Request, num_drafts: int) -> None:
         req.num_drafts = num_drafts
         req.draft_base = req.num_tokens
-        if not num_drafts and not self.drafts_ahead:
-            self._back_off(req)  # it waited for this result in vain (ahead, finding nothing is free)
+        if not num_drafts:
+            # Waited for in vain (a draft model), or at least host time spent for nothing on the
+            # worker (n-gram lookup, in series with small models' steps): try again later.
+            self._back_off(req)
 
     def verified(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         s = self.stats
