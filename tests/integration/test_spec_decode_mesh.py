@@ -16,14 +16,8 @@ import pytest
 from services.launcher import start_mesh
 from tests.integration.conftest import service_logs
 from tests.integration.test_gateway_openai import metric
+from tests.unit.llmesh.test_spec_decode import NGRAM
 
-NGRAM = {
-    "method": "ngram",
-    "num_speculative_tokens": 4,
-    "prompt_lookup_min": 2,
-    "prompt_lookup_max": 4,
-    "disable_by_batch_size": 0,  # speculate in every batch: these tests check mixed batches
-}
 MODEL = "SmolLM2-135M-Instruct"
 TEXT = "Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing."
 PROMPT = f"Repeat the text exactly.\nText: {TEXT}\nRepeated: {TEXT[:25]}"

@@ -43,18 +43,24 @@ def test_triton_backend_greedy_equals_reference(tiny: str, reference_tokens: lis
     assert _generate(llm) == reference_tokens
 
 
+def _count_rows(graphs: DecodeGraphs) -> list[int]:
+    """Record the number of input rows of every `graphs.run` call (the list fills as they run)."""
+    rows: list[int] = []
+    run = graphs.run
+
+    def counting_run(ids, *args):  # type: ignore[no-untyped-def]
+        rows.append(len(ids))
+        return run(ids, *args)
+
+    graphs.run = counting_run  # type: ignore[method-assign]
+    return rows
+
+
 def test_padded_static_decode_equals_reference(tiny: str, reference_tokens: list[list[int]]) -> None:
     llm = LLM(tiny, attention_backend="triton", **ENGINE)
     runner = llm.engine.runner
     graphs = DecodeGraphs(runner, [1, 2, 4], capture=False)
-    sizes: list[int] = []
-    run = graphs.run
-
-    def counting_run(ids, *args):  # type: ignore[no-untyped-def]
-        sizes.append(len(ids))
-        return run(ids, *args)
-
-    graphs.run = counting_run  # type: ignore[method-assign]
+    sizes = _count_rows(graphs)
     runner._graphs = graphs
     assert _generate(llm) == reference_tokens
     assert 3 in sizes and 1 in sizes  # padded (3 -> 4) and unpadded decode batches both ran
@@ -92,14 +98,7 @@ def test_padded_static_verification_equals_reference(tiny: str) -> None:
     llm = LLM(tiny, attention_backend="triton", speculative_config=spec, **ENGINE)
     runner = llm.engine.runner
     graphs = DecodeGraphs(runner, [1, 2, 4], capture=False, query_len=4)
-    rows: list[int] = []
-    run = graphs.run
-
-    def counting_run(ids, *args):  # type: ignore[no-untyped-def]
-        rows.append(len(ids))
-        return run(ids, *args)
-
-    graphs.run = counting_run  # type: ignore[method-assign]
+    rows = _count_rows(graphs)
     runner._verify_graphs = graphs
     assert generate(llm) == want
     assert rows and all(r % 4 == 0 for r in rows)  # verifications ran as q = 4 rows per sequence
