@@ -51,6 +51,30 @@ def test_size_2_greedy_equals_size_1(models, name):
     assert greedy(models[name], 2) == greedy(models[name], 1)
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+        {"method": "draft_model", "num_speculative_tokens": 3, "num_layers": 1},  # whole on rank 0
+    ],
+    ids=["ngram", "draft-model"],
+)
+def test_speculative_decoding_at_size_2_keeps_greedy_tokens(models, spec):
+    prompts = [[5, 6, 7, 8] * 5, [100, 200, 300] * 4]
+    llm = LLM(
+        models["llama"],
+        tensor_parallel_size=2,
+        speculative_config={**spec, "disable_by_batch_size": 0},
+        **ENGINE,
+    )
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert llm.engine.mesh.workers["local"].planner.spec.stats.num_drafts > 0
+    finally:
+        llm.engine.close()
+    assert got == greedy(models["llama"], 1, prompts)
+
+
 def test_a_size_that_does_not_divide_the_heads_is_refused(models):
     with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide the query heads"):
         LLM(models["llama"], tensor_parallel_size=3, **ENGINE)
