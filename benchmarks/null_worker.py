@@ -1,0 +1,109 @@
+"""A worker service without a model: the real Step stream, a runner that samples instantly.
+
+    python benchmarks/null_worker.py --host 127.0.0.1 --port P --scheduler HOST:PORT [--max-num-seqs N]
+
+It registers with the scheduler like `llmesh worker` and answers every plan at once with one
+token per sequence that reaches its end (token ids cycle through the vocabulary), so a
+benchmark driving the scheduler through it measures the scheduler, the wire and the clients,
+not a model: the most tokens per second the rest of the mesh can carry
+(`benchmarks/scheduler_bound.py`). Nothing here is part of the product.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from dataclasses import dataclass, field
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from services.step import StepPlan, StepResult, WorkerInfo  # noqa: E402
+from worker_svc.config import WorkerConfig  # noqa: E402
+
+VOCAB = 49152
+
+
+@dataclass
+class _Seq:
+    known: int  # tokens the worker holds
+    computed: int
+
+
+@dataclass
+class _Launched:
+    result: StepResult
+    sampling: list[str] = field(default_factory=list)
+
+
+class NullRunner:
+    """What the worker servicer and `StepPipeline` use of a `ModelRunner`, without a model."""
+
+    dtype = "null"
+    device = "null"
+
+    def __init__(self, config: WorkerConfig, kv_store=None, on_rank_failure=None) -> None:  # noqa: ANN001
+        self.config = config
+        self.seqs: dict[str, _Seq] = {}
+        self._next_token = 0
+        self.info = WorkerInfo(
+            model_name="null",
+            fingerprint=hashlib.sha256(b"null-worker").digest(),
+            block_size=config.block_size,
+            num_kv_blocks=config.num_kv_blocks or 1 << 16,
+            max_model_len=config.max_model_len or 4096,
+            vocab_size=VOCAB,
+            eos_token_ids=[],
+            max_num_seqs=config.max_num_seqs,
+        )
+
+    def drop_all(self) -> None:
+        self.seqs.clear()
+
+    def close(self) -> None:
+        pass
+
+    def can_follow(self, plan: StepPlan) -> bool:
+        return True
+
+    def launch(self, plan: StepPlan) -> _Launched:
+        for seq_id in plan.finished_ids + plan.preempted_ids:
+            self.seqs.pop(seq_id, None)
+        launched = _Launched(StepResult(step_id=plan.step_id))
+        steps = [(s.seq_id, len(s.token_ids), s.num_computed_tokens, s.num_new_tokens) for s in plan.new_seqs]
+        for seq_id, known, computed, _ in steps:
+            self.seqs[seq_id] = _Seq(known, computed)
+        for seq_id, _, _, num_new in steps:
+            self._advance(launched, seq_id, num_new)
+        for s in plan.scheduled:
+            if s.seq_id not in self.seqs:
+                raise KeyError(f"plan schedules unknown sequence {s.seq_id!r}")
+            self._advance(launched, s.seq_id, s.num_new_tokens)
+        return launched
+
+    def _advance(self, launched: _Launched, seq_id: str, num_new: int) -> None:
+        seq = self.seqs[seq_id]
+        seq.computed += num_new
+        if seq.computed >= seq.known:  # reached its end: it samples (the token joins at once)
+            seq.known += 1
+            launched.sampling.append(seq_id)
+
+    def finish(self, launched: _Launched) -> StepResult:
+        result = launched.result
+        result.seq_ids = launched.sampling
+        first = self._next_token
+        self._next_token = (first + len(launched.sampling)) % (VOCAB - 2)
+        result.token_ids = [2 + (first + i) % (VOCAB - 2) for i in range(len(launched.sampling))]
+        result.logprobs = [None] * len(launched.sampling)
+        return result
+
+
+def main() -> int:
+    import worker_svc.service as service
+
+    service.ModelRunner = NullRunner  # type: ignore[misc, assignment]
+    return service.main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""The scheduler's ceiling: the mesh with a worker that costs nothing (`null_worker.py`).
+
+    .venv/bin/python benchmarks/scheduler_bound.py [--concurrency 16 64 256] [--num-requests 512]
+        [--prompt-len 128] [--output-len 128] [--client-procs 2] [--gateway]
+
+A real scheduler service and a real worker service whose runner samples instantly, driven by
+streaming gRPC clients (and, with --gateway, the OpenAI gateway): every second of a run is the
+scheduler's planning and per-token work, the Step stream, the response streams and the clients.
+Its out tok/s bound what the mesh can deliver for any model, and show where the host, not the
+GPU, limits a small model (issue 17's 0.5B shape) or a large batch. The scheduler's own steps
+are reported too (GetStats: steps and the mean send -> result time of a plan).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from null_worker import VOCAB  # noqa: E402
+from serving import Clients, _wait_http, make_prompts, report, table  # noqa: E402
+
+from services.launcher import free_port, grpc_serving, wait_until  # noqa: E402
+
+
+def scheduler_stats(address: str):
+    import grpc
+
+    from llmesh.v1 import worker_pb2, worker_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        return worker_pb2_grpc.RegistryStub(channel).GetStats(worker_pb2.GetStatsRequest(), timeout=10)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 64, 256])
+    ap.add_argument("--num-requests", type=int, default=512)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--client-procs", type=int, default=2)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--gateway", action="store_true", help="also through the OpenAI gateway")
+    ap.add_argument("--timeout", type=float, default=600.0)
+    args = ap.parse_args()
+
+    host = "127.0.0.1"
+    sched = f"{host}:{free_port(host)}"
+    worker_port = free_port(host)
+    here = os.path.dirname(os.path.abspath(__file__))
+    procs: list[subprocess.Popen] = []
+    rows = []
+    clients = Clients(args.client_procs)
+    with tempfile.TemporaryDirectory() as logs:
+        try:
+            limits = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", "16384"]
+            with open(os.path.join(logs, "scheduler.log"), "wb") as out:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "scheduler_svc.service", "--host", host,
+                     "--port", sched.rsplit(":", 1)[1], "--no-tokenizer", *limits],
+                    stdout=out, stderr=subprocess.STDOUT,
+                ))  # fmt: skip
+            with open(os.path.join(logs, "worker.log"), "wb") as out:
+                procs.append(subprocess.Popen(
+                    [sys.executable, os.path.join(here, "null_worker.py"), "--host", host,
+                     "--port", str(worker_port), "--scheduler", sched, "--worker-id", "null-0",
+                     "--max-num-seqs", str(args.max_num_seqs)],
+                    stdout=out, stderr=subprocess.STDOUT,
+                ))  # fmt: skip
+            wait_until(lambda: grpc_serving(sched), "scheduler", procs, 120)
+            wait_until(lambda: len(scheduler_stats(sched).workers) > 0, "the null worker", procs, 120)
+            targets = [("grpc", sched)]
+            if args.gateway:
+                gw = f"{host}:{free_port(host)}"
+                with open(os.path.join(logs, "gateway.log"), "wb") as out:
+                    procs.append(subprocess.Popen(
+                        [sys.executable, "-m", "gateway.service", "--host", host,
+                         "--port", gw.rsplit(":", 1)[1], "--scheduler", sched],
+                        stdout=out, stderr=subprocess.STDOUT,
+                    ))  # fmt: skip
+                _wait_http(f"http://{gw}", procs[-1])
+                targets.append(("gateway", f"http://{gw}"))
+            prompts = make_prompts(args.num_requests, args.prompt_len, VOCAB, seed=0)
+            for concurrency in args.concurrency:
+                for kind, target in targets:
+                    before = scheduler_stats(sched).workers[0]
+                    results, wall = clients.run(
+                        kind, target, prompts, args.output_len, concurrency, args.timeout
+                    )
+                    after = scheduler_stats(sched).workers[0]
+                    row = report(kind, concurrency, results, wall)
+                    steps = after.steps - before.steps
+                    row["steps_s"] = steps / wall
+                    row["plan_ms"] = 1000 * (after.step_seconds - before.step_seconds) / max(steps, 1)
+                    rows.append(row)
+                    print(
+                        f"{kind} x{concurrency}: {row['tok_s']:,.0f} out tok/s, "
+                        f"{row['steps_s']:,.0f} steps/s, "
+                        f"{row['plan_ms']:.2f} ms send->result per plan, {row['failed']} failed",
+                        flush=True,
+                    )
+        finally:
+            clients.close()
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                try:
+                    p.wait(20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+    print()
+    print(table(rows, None))
+    print(f"\n{'clients':>8}{'steps/s':>10}{'ms/plan':>9}   (scheduler GetStats)")
+    for r in rows:
+        if r["path"] == "grpc":
+            print(f"{r['concurrency']:>8}{r['steps_s']:>10,.0f}{r['plan_ms']:>9.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
