@@ -15,15 +15,12 @@ import argparse
 import ipaddress
 import os
 import sys
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from services.config import env_names, load_config, option
-from services.grpc_server import ChannelSecurity, host_port, open_sync_channel
+from services.grpc_server import ChannelSecurity, host_port
+from services.launcher import grpc_serving, http_ok
 from services.tls import TLSConfig
 
 SERVICES = ("scheduler", "worker", "gateway", "kvstore")
@@ -98,29 +95,10 @@ def target_of_command(argv: Sequence[str], environ: Mapping[str, str]) -> Target
     return Target(host_port(host, port), service == "gateway", tls)
 
 
-def grpc_healthy(address: str, security: ChannelSecurity | None, service: str, timeout_s: float) -> bool:
-    try:
-        with open_sync_channel(address, security) as channel:
-            resp = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
-            )
-            return resp.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
-
-
-def http_healthy(address: str, timeout_s: float) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://{address}/health", timeout=timeout_s) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
 def check(target: Target, service: str = "", timeout_s: float = 3.0) -> bool:
     if target.http:
-        return http_healthy(target.address, timeout_s)
-    return grpc_healthy(target.address, ChannelSecurity.of(target.tls), service, timeout_s)
+        return http_ok(target.address, timeout_s)
+    return grpc_serving(target.address, service, timeout_s, ChannelSecurity.of(target.tls))
 
 
 def _pid1_command() -> list[str]:

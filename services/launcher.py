@@ -122,7 +122,7 @@ def grpc_serving(
 def child_ready(child: Child, timeout: float = 1.0) -> bool:
     """Whether a child answers its readiness check: HTTP /health (gateway) or grpc.health.v1."""
     if child.name == "gateway":
-        return _http_ok(child.address, timeout)
+        return http_ok(child.address, timeout)
     return grpc_serving(child.address, timeout=timeout, security=child.security)
 
 
@@ -216,7 +216,7 @@ def start_mesh(
         if gateway_port is not None:
             args = [*model_args, *(gateway_args or [])]
             mesh.gateway = _start_gateway(host, gateway_port, sched_addr, args, env, log_dir)
-            wait_until(lambda: _http_ok(mesh.gateway.address), "gateway", [mesh.gateway.proc], timeout)
+            wait_until(lambda: http_ok(mesh.gateway.address), "gateway", [mesh.gateway.proc], timeout)
     except BaseException:
         mesh.stop()
         raise
@@ -237,7 +237,8 @@ def _start_gateway(host, port, sched_addr, args, env, log_dir) -> Child:
     return _start_child("gateway", f"{host}:{port}", "gateway.service", args, env, log_dir)
 
 
-def _http_ok(address: str, timeout: float = 1.0) -> bool:
+def http_ok(address: str, timeout: float = 1.0) -> bool:
+    """Whether an HTTP service (the gateway) answers 200 on /health."""
     import urllib.request
 
     try:
