@@ -549,7 +549,8 @@ class ModelRunner:
         if num_verified and vgraphs is not None and len(sampling) == n and n <= vgraphs.max_size:
             q = vgraphs.q
             if int(query_lens.max()) <= q:
-                p_seq_lens = starts + q  # context = seq_len - q: the rows past a sequence's end pad
+                # Context = seq_len - q: the rows past a sequence's end are padding.
+                p_seq_lens = (starts + q).astype(np.int32)
                 p_width = min(_round16((int(p_seq_lens.max()) + bs - 1) // bs), table.shape[1])
                 if p_width <= vgraphs.width:
                     grid = (np.arange(n, dtype=np.int64) * q)[:, None] + np.arange(q)[None, :]
@@ -584,8 +585,6 @@ class ModelRunner:
             p_slots[to_padded] = slots
             # Padding rows' positions only need to stay inside the rotary table.
             p_pos = np.minimum(starts[:, None] + np.arange(q)[None, :], self.max_model_len - 1).reshape(-1)
-            p_seq_lens = (starts + q).astype(np.int32)
-            p_width = min(_round16((int(p_seq_lens.max()) + bs - 1) // bs), table.shape[1])
             hidden = vgraphs.run(p_ids, p_pos, p_slots, p_seq_lens, table[rows, :p_width], patch)
             sample_index = self.upload([to_padded[last]])[0]
         else:
