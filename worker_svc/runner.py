@@ -693,15 +693,17 @@ class ModelRunner:
             if self.draft is not None:
                 if st.inflight is not None:
                     continue  # a later step samples it already: a draft model needs its last token
-                st.promised_drafts = k  # made by the plan that verifies them (`_draft_now`)
-            elif self.proposer is not None:
+                st.promised_drafts = num = k  # made by the plan that verifies them (`_draft_now`)
+            else:
+                assert self.proposer is not None
                 # With a later step in flight these drafts start a token early; the plan that
                 # verifies them skips the first (`draft_start`), which is a guess all the same.
                 st.drafts = self.proposer.propose(st.seq_id, st.token_ids, k)
                 st.draft_start = len(st.token_ids)
-            if st.drafts or st.promised_drafts:
+                num = len(st.drafts)
+            if num:
                 result.draft_seq_ids.append(st.seq_id)
-                result.num_draft_tokens.append(len(st.drafts) or st.promised_drafts)
+                result.num_draft_tokens.append(num)
 
     def _draft_now(self, order: list[tuple[SequenceState, int]]) -> None:
         """A draft model's promised drafts, for the sequences this plan verifies them for."""
