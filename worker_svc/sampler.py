@@ -239,19 +239,8 @@ class Sampler:
             return SampledIds.empty(self.device)
         if logits.dim() != 2 or logits.shape[0] != num_rows or logits.shape[1] < self.vocab_size:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {num_rows} rows x {self.vocab_size}")
-        logits = self._private_copy(logits)
-
-        # Logprobs of the raw model distribution, for the rows that asked only: [L, V], taken
-        # before the processors below change `logits` in place.
         lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        raw_logprobs = None
-        if lp_rows:
-            _, lp_logits = self._rows(logits, lp_rows)
-            raw_logprobs = torch.log_softmax(lp_logits, dim=-1)
-
-        if token_bitmask is not None:
-            self._apply_bitmask(logits, token_bitmask)
-        logits = self._process(logits, rows)
+        logits, raw_logprobs = self._prepare(logits, rows, lp_rows, token_bitmask)
 
         greedy_rows = [i for i, r in enumerate(rows) if r.params.greedy]
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -303,14 +292,9 @@ class Sampler:
         lp_seqs = [i for i, r in enumerate(last_rows) if r.params.logprobs is not None]
         if any(counts[i] for i in lp_seqs):
             raise ValueError("a sequence that asks for logprobs cannot verify drafts")
-        logits = self._private_copy(logits)
-        raw_logprobs = None
-        if lp_seqs:
-            _, lp_logits = self._rows(logits, [int(ends[i]) - 1 for i in lp_seqs])
-            raw_logprobs = torch.log_softmax(lp_logits, dim=-1)
-        if token_bitmask is not None:
-            self._apply_bitmask(logits, token_bitmask)
-        logits = self._process(logits, rows)
+        logits, raw_logprobs = self._prepare(
+            logits, rows, [int(ends[i]) - 1 for i in lp_seqs], token_bitmask
+        )
         if not lp_seqs and all(r.params.greedy for r in rows):
             return self._verify_greedy(logits, drafts, starts, ends)
 
@@ -371,6 +355,27 @@ class Sampler:
         words = self._upload(bitmask).index_select(1, self._bit_word)  # [R, V]: each token's word
         # Arithmetic shift: bit 31 (the sign) still reads as 1 after `& 1`.
         logits.masked_fill_(((words >> self._bit_shift) & 1) == 0, _NEG_INF)
+
+    def _prepare(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        lp_rows: list[int],
+        token_bitmask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(processed private copy of the logits, raw logprobs [L, V] of rows `lp_rows` or None).
+
+        The logprobs are of the raw model distribution, taken before the bitmask and the
+        processors change the copy in place.
+        """
+        logits = self._private_copy(logits)
+        raw_logprobs = None
+        if lp_rows:
+            _, lp_logits = self._rows(logits, lp_rows)
+            raw_logprobs = torch.log_softmax(lp_logits, dim=-1)
+        if token_bitmask is not None:
+            self._apply_bitmask(logits, token_bitmask)
+        return self._process(logits, rows), raw_logprobs
 
     def _verify_greedy(
         self, logits: torch.Tensor, drafts: list[list[int]], starts: np.ndarray, ends: np.ndarray
