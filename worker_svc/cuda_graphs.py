@@ -120,7 +120,9 @@ class DecodeGraphs:
                 self._forward(b)
             torch.cuda.synchronize(self.runner.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: the NCCL process group's watchdog thread polls the events of earlier
+            # collectives, a call that the default (global) mode counts as an error in the capture.
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 out = self._forward(b)
             self.graphs[b] = graph
             self.outputs[b] = out

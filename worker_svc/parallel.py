@@ -19,11 +19,16 @@ has one code path.
 from __future__ import annotations
 
 import datetime
+import logging
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # the models import this module: only the type, no import loop
     from worker_svc.models.config import ModelConfig
@@ -83,14 +88,36 @@ class TensorParallel:
         self.group.allreduce([t], opts).wait()  # type: ignore[union-attr]
         return int(t.item())
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Tear the group down; every rank calls this as it leaves (NCCL's teardown is collective).
+
+        Bounded: a teardown that waits on a rank that is gone (NCCL's does, seen on two H200s)
+        is left to a daemon thread after `timeout_s`, so that closing an engine never hangs.
+        """
+        group, self.group, self.store = self.group, None, None
+        if group is not None and not run_bounded(group.shutdown, timeout_s):  # type: ignore[attr-defined]
+            log.warning("tensor-parallel group did not close within %.0f s; left behind", timeout_s)
+
+    def abort(self) -> None:
+        """Fail every collective in flight (a rank died), without waiting for the teardown."""
         if self.group is not None:
-            try:
-                self.group.shutdown()  # type: ignore[attr-defined]
-            except Exception:  # noqa: BLE001 - a group whose peer died may refuse a clean shutdown
-                pass
-        self.group = None
-        self.store = None
+            run_bounded(self.group.abort, 0.0)  # type: ignore[attr-defined]
+
+
+def run_bounded(fn: Callable[[], object], timeout_s: float) -> bool:
+    """Run `fn` on a daemon thread; True when it returned (or raised) within `timeout_s`."""
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - a group whose peer died may refuse a clean teardown
+            pass
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="llmesh-tp-teardown", daemon=True).start()
+    return done.wait(timeout_s)
 
 
 def _gather_options() -> dist.GatherOptions:

@@ -81,6 +81,8 @@ class RankGroup:
     ) -> None:
         self.size = config.tensor_parallel_size
         self.device = config.torch_device()
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", 0)  # rank r runs on cuda:r (rank_config), so rank 0 on cuda:0
         self.on_failure = on_failure
         self.failure: str | None = None
         self._closing = False
@@ -162,10 +164,7 @@ class RankGroup:
             return
         self.failure = why
         log.error("tensor-parallel %s: this worker cannot step any more", why)
-        try:
-            self.tp.group.abort()  # type: ignore[union-attr]  # a collective waiting on the dead rank fails
-        except Exception:  # noqa: BLE001 - a backend without abort still fails by its timeout
-            pass
+        self.tp.abort()  # a collective waiting on the dead rank fails (else the group's timeout does)
         self._kill()
         if self.on_failure is not None:
             self.on_failure(why)
@@ -180,8 +179,9 @@ class RankGroup:
         for proc in self.procs:
             with contextlib.suppress(OSError):
                 proc.stdin.write(stop)  # type: ignore[union-attr]
+        # Now, while the other ranks tear the group down too: NCCL's teardown waits for all of them.
+        self.tp.close(timeout_s)
         _end_processes(self.procs, timeout_s)
-        self.tp.close()
 
     def _kill(self) -> None:
         self._closing = True

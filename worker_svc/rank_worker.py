@@ -57,6 +57,7 @@ class RankShard:
         self.num_kv_blocks = tp.min_int(num_kv_blocks, self.device)
         self.kv_caches = allocate_kv_cache(spec, max(self.num_kv_blocks, 1), self.device)
         self.max_blocks_per_seq = _round16((self.max_model_len + bs - 1) // bs)
+        self.draft = None  # a draft model lives whole on rank 0 (DecodeGraphs asks for it)
         self._graphs = None
         if self.device.type == "cuda" and self.backend.name == "triton" and not config.enforce_eager:
             from worker_svc.cuda_graphs import DecodeGraphs, capture_sizes

@@ -9,6 +9,7 @@ captured graphs (with their all-reduces inside) and mixed prefill steps.
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -63,6 +64,9 @@ def _greedy(path: str, size: int) -> list[list[int]]:
         return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     finally:
         llm.engine.close()
+        del llm
+        gc.collect()  # the next engine sizes its KV cache from the memory this one leaves free
+        torch.cuda.empty_cache()
 
 
 def test_two_gpus_greedy_equals_one(tmp_path):
