@@ -1,7 +1,7 @@
 """The scheduler's ceiling: the mesh with a worker that costs nothing (`null_worker.py`).
 
     .venv/bin/python benchmarks/scheduler_bound.py [--concurrency 16 64 256] [--num-requests 512]
-        [--prompt-len 128] [--output-len 128] [--client-procs 2] [--gateway]
+        [--prompt-len 128] [--output-len 128] [--client-procs 2] [--gateway] [--stream-interval 1]
 
 A real scheduler service and a real worker service whose runner samples instantly, driven by
 streaming gRPC clients (and, with --gateway, the OpenAI gateway): every second of a run is the
@@ -46,6 +46,7 @@ def main() -> int:
     ap.add_argument("--client-procs", type=int, default=2)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--gateway", action="store_true", help="also through the OpenAI gateway")
+    ap.add_argument("--stream-interval", type=int, default=1, help="the scheduler's --stream-interval")
     ap.add_argument("--timeout", type=float, default=600.0)
     args = ap.parse_args()
 
@@ -59,6 +60,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as logs:
         try:
             limits = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", "16384"]
+            limits += ["--stream-interval", str(args.stream_interval)]
             with open(os.path.join(logs, "scheduler.log"), "wb") as out:
                 procs.append(subprocess.Popen(
                     [sys.executable, "-m", "scheduler_svc.service", "--host", host,

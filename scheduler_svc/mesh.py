@@ -110,6 +110,15 @@ class MeshConfig:
     async_scheduling: bool = True
     # A KV store lookup that takes longer counts as a miss (the request is admitted without it).
     kv_lookup_timeout_s: float = 0.2
+    # vLLM's stream_interval: after a request's first token, its stream is handed tokens once
+    # this many are pending (or it finished), not after every step. 1: every step. Larger values
+    # cut the per-token messages (one gRPC write, one SSE event each) that cost the host more
+    # than the GPU at high concurrency, at the price of burstier streams.
+    stream_interval: int = 1
+
+    def __post_init__(self) -> None:
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
 
 
 @dataclass
@@ -138,6 +147,14 @@ class WorkerSlot:
 class _Stream:
     queue: asyncio.Queue
     worker_id: str
+    held: RequestDelta | None = None  # tokens waiting for the stream interval (a copy of its own)
+    started: bool = False  # a token went out: the first one is never held (time to first token)
+
+    def flush(self) -> None:
+        """Hand over what is held (before the stream moves, fails or is aborted)."""
+        if self.held is not None:
+            self.queue.put_nowait(self.held)
+            self.held = None
 
 
 class Mesh:
@@ -274,6 +291,7 @@ class Mesh:
         stream = self.streams.pop(request_id, None)
         if stream is None:
             return False
+        stream.flush()
         slot = self.workers.get(stream.worker_id)
         req = slot.planner.abort(request_id) if slot is not None else None
         if req is not None:
@@ -361,6 +379,7 @@ class Mesh:
             stream = self.streams.pop(old.request_id, None)
             if stream is None:
                 continue
+            stream.flush()  # the tokens so far go out before the request moves (they are kept)
             req = Request(
                 old.request_id,
                 old.prompt_token_ids,
@@ -402,6 +421,7 @@ class Mesh:
         for req in slot.planner.take_all():
             stream = self.streams.pop(req.request_id, None)
             if stream is not None:
+                stream.flush()
                 stream.queue.put_nowait(NoWorkerAvailable(reason))
 
     async def _reconnect(self, slot: WorkerSlot) -> bool:
@@ -500,4 +520,13 @@ class Mesh:
             return
         if delta.finished:
             del self.streams[delta.request_id]
+        owned = stream.held is not None
+        if owned:
+            stream.held.merge(delta)  # type: ignore[union-attr]
+            delta, stream.held = stream.held, None  # type: ignore[assignment]
+        interval = self.config.stream_interval
+        if interval > 1 and stream.started and not delta.finished and len(delta.new_token_ids) < interval:
+            stream.held = delta if owned else delta.copy()
+            return
+        stream.started = stream.started or bool(delta.new_token_ids)
         stream.queue.put_nowait(delta)

@@ -101,6 +101,26 @@ class RequestDelta:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def copy(self) -> RequestDelta:
+        """A delta of its own (its lists too), to merge later deltas into."""
+        return RequestDelta(
+            self.request_id,
+            list(self.new_token_ids),
+            list(self.new_logprobs),
+            self.finish_reason,
+            self.num_prompt_tokens,
+            self.num_output_tokens,
+            self.num_cached_tokens,
+        )
+
+    def merge(self, later: RequestDelta) -> None:
+        """Append a later delta of the same request (this one must be a copy of its own)."""
+        self.new_token_ids.extend(later.new_token_ids)
+        self.new_logprobs.extend(later.new_logprobs)
+        self.finish_reason = later.finish_reason
+        self.num_output_tokens = later.num_output_tokens
+        self.num_cached_tokens = later.num_cached_tokens
+
 
 def coalesce(items: list) -> list:
     """Merge queued deltas of the same request into one, in order; an exception ends the list.
@@ -119,21 +139,9 @@ def coalesce(items: list) -> list:
             break
         prev = latest.get(item.request_id)
         if prev is None or prev.finished:
-            merged = RequestDelta(
-                item.request_id,
-                list(item.new_token_ids),
-                list(item.new_logprobs),
-                item.finish_reason,
-                item.num_prompt_tokens,
-                item.num_output_tokens,
-                item.num_cached_tokens,
-            )
+            merged = item.copy()
             latest[item.request_id] = merged
             out.append(merged)
             continue
-        prev.new_token_ids.extend(item.new_token_ids)
-        prev.new_logprobs.extend(item.new_logprobs)
-        prev.finish_reason = item.finish_reason
-        prev.num_output_tokens = item.num_output_tokens
-        prev.num_cached_tokens = item.num_cached_tokens
+        prev.merge(item)
     return out

@@ -43,6 +43,11 @@ class SchedulerServiceConfig(ServerConfig, PlannerConfig, RequestLimits):
     async_scheduling: bool = option(
         True, help="plan step N+1 while a worker runs step N (--no-async-scheduling: one plan at a time)"
     )
+    stream_interval: int = option(
+        1,
+        help="after a request's first token, stream its tokens once this many are pending (vLLM's "
+        "--stream-interval): fewer messages per token at high concurrency, burstier streams",
+    )
     worker_step_token: str = option(
         "", help="token for workers dialled from --workers that were started with --step-token"
     )
@@ -65,6 +70,8 @@ class SchedulerServiceConfig(ServerConfig, PlannerConfig, RequestLimits):
         RequestLimits.__post_init__(self)
         if self.api_key == "":
             self.api_key = None
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.worker_dead_after_s <= 0 or self.failover_after_s < 0:
             raise ValueError("worker_dead_after_s must be > 0 and failover_after_s >= 0")
 
@@ -114,6 +121,7 @@ async def run(config: SchedulerServiceConfig) -> None:
             failover_after_s=config.failover_after_s,
             async_scheduling=config.async_scheduling,
             kv_lookup_timeout_s=config.kv_lookup_timeout_s,
+            stream_interval=config.stream_interval,
         ),
         kv_store=(
             AsyncKVStoreClient(config.kvstore_address, security=security) if config.kvstore_address else None

@@ -198,6 +198,13 @@ def _add_up_flags(p: argparse.ArgumentParser) -> None:
         help="speculative decoding on every worker, as vLLM's JSON: "
         '\'{"method": "ngram", "num_speculative_tokens": 4}\'',
     )
+    p.add_argument(
+        "--stream-interval",
+        type=_positive(int),
+        default=None,
+        help="stream tokens once this many are pending after the first (vLLM's --stream-interval; "
+        "`llmesh scheduler --stream-interval`)",
+    )
 
     g = p.add_argument_group("gateway", "the flags of `llmesh gateway` that matter most (default: its own)")
     g.add_argument(
@@ -296,6 +303,8 @@ def up_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         gateway += ["--request-timeout-s", str(args.request_timeout_s)]
     if args.api_server_count is not None:
         gateway += ["--api-server-count", str(args.api_server_count)]
+    if args.stream_interval is not None:
+        scheduler += ["--stream-interval", str(args.stream_interval)]
     worker = list(common)
     if args.tensor_parallel_size is not None:
         worker += ["--tensor-parallel-size", str(args.tensor_parallel_size)]

@@ -223,7 +223,10 @@ def test_bad_requests_get_invalid_argument_and_the_service_stays_up(mesh, reques
 
 
 def test_worker_killed_mid_generation_loses_no_request(tmp_path, reference):
-    with start_mesh(2, worker_args=WORKER_ARGS, scheduler_args=FAST_FAILURE_ARGS, log_dir=str(tmp_path)) as m:
+    # With --stream-interval 3 the dead worker's requests hold tokens back when it dies: they
+    # reach the callers before the requests move, and nothing is lost or sent twice.
+    args = [*FAST_FAILURE_ARGS, "--stream-interval", "3"]
+    with start_mesh(2, worker_args=WORKER_ARGS, scheduler_args=args, log_dir=str(tmp_path)) as m:
         threads, results, errors, received = start_streams(m.scheduler.address, PROMPTS, max_tokens=16)
         assert received.acquire(timeout=240)  # generation is under way
         busy = max(stats(m.scheduler.address).workers, key=lambda w: w.running)

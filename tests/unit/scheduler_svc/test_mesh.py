@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -154,3 +155,64 @@ async def test_a_plan_that_breaks_the_worker_every_time_is_not_replayed_forever(
         tokens.extend(delta.new_token_ids)
     assert len(tokens) == 4  # the worker serves others after its poisoned request is failed
     await mesh.remove_worker("w")
+
+
+async def deltas_of(mesh: Mesh, max_tokens: int) -> dict[str, list[list[int]]]:
+    """Every request's deltas (token lists), in order."""
+
+    async def one(rid: str, prompt: list[int]) -> list[list[int]]:
+        sp = SamplingParams(max_tokens=max_tokens)
+        return [list(d.new_token_ids) async for d in mesh.generate(rid, prompt, sp)]
+
+    outs = await asyncio.gather(*(one(rid, p) for rid, p in PROMPTS.items()))
+    return dict(zip(PROMPTS, outs, strict=True))
+
+
+async def test_stream_interval_batches_tokens_and_loses_none():
+    reference = await run_mesh(False)
+    for interval in (1, 3, 8):
+        mesh = Mesh(mesh_config(stream_interval=interval))
+        mesh.add_worker("w", INFO, local(CountingWorker()))
+        got = await deltas_of(mesh, 30)
+        await mesh.remove_worker("w")
+        assert {rid: [t for d in ds for t in d] for rid, ds in got.items()} == reference
+        for ds in got.values():
+            assert len(ds[0]) == 1  # the first token is never held (time to first token)
+            # between the first and the last delta, each carries at least `interval` tokens
+            assert all(len(d) >= interval for d in ds[1:-1])
+        if interval > 1:
+            assert max(len(ds) for ds in got.values()) <= 2 + 30 // interval
+
+
+class SlowWorker(CountingWorker):
+    def execute(self, plan):
+        time.sleep(0.002)
+        return super().execute(plan)
+
+
+async def test_stream_interval_flushes_held_tokens_on_abort_and_failover():
+    # Abort: what was held goes out before the last delta.
+    mesh = Mesh(mesh_config(stream_interval=1000))
+    mesh.add_worker("w", INFO, local(SlowWorker()))
+    queue = mesh.submit("a", PROMPTS["r1"], SamplingParams(max_tokens=400, ignore_eos=True))
+    assert len((await queue.get()).new_token_ids) == 1
+    await asyncio.sleep(0.05)  # steps run; their tokens are held
+    assert queue.empty()
+    assert mesh.abort("a")
+    held = await asyncio.wait_for(queue.get(), 5)
+    assert len(held.new_token_ids) > 0 and not held.finished
+    await mesh.remove_worker("w")
+    # Failover: a dying worker's held tokens reach the caller, the rest come from the other worker.
+    reference = await run_mesh(False)
+    mesh = Mesh(mesh_config(worker_dead_after_s=0.5, failover_after_s=0.1, stream_interval=4))
+    mesh.add_worker("dying", INFO, DeadLink(CountingWorker(), die_after=6))
+    mesh.add_worker("healthy", INFO, local(CountingWorker()))
+    assert await collect(mesh) == reference
+    assert mesh.num_failovers > 0
+    await mesh.remove_worker("healthy")
+    await mesh.remove_worker("dying")
+
+
+def test_stream_interval_must_be_positive():
+    with pytest.raises(ValueError, match="stream_interval"):
+        MeshConfig(stream_interval=0)

@@ -55,6 +55,10 @@ def test_gateway_flags_reach_the_gateway():
     assert kw["worker_args"] == []
 
 
+def test_stream_interval_reaches_the_scheduler():
+    assert up("--stream-interval", "4")["scheduler_args"] == ["--stream-interval", "4"]
+
+
 def test_api_key_travels_in_the_gateways_environment_not_its_argv():
     kw = up("--api-key", "sekret")
     # The scheduler's public gRPC API takes the same key as the gateway's HTTP API.
