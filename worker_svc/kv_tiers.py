@@ -25,12 +25,15 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from services.step import KVTransfers, StoreLoad, store_fingerprint
 from worker_svc.kv_cache import KVCacheSpec
+
+if TYPE_CHECKING:
+    from worker_svc.kv_shards import KVShardExchange
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +78,12 @@ class WorkerKVTiers:
         num_host_blocks: int,
         store: KVStoreLink | None,
         chunk_blocks: int,
+        shards: KVShardExchange | None = None,
     ) -> None:
+        """`spec` describes whole blocks (every KV head); with tensor parallelism `kv_caches`
+        holds this rank's heads and `shards` moves the others' to and from rank 0."""
         self.kv_caches = kv_caches
+        self.shards = shards
         self.spec = spec
         self.device = kv_caches[0].device
         self.num_host_blocks = num_host_blocks
@@ -102,19 +109,17 @@ class WorkerKVTiers:
 
     # ----- block gather / scatter -----
     def _gather(self, block_ids: list[int]) -> torch.Tensor:
-        """[n, layers, 2, block_size, heads, head_dim] copy of blocks, on the cache's device."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        out = torch.empty((len(block_ids), *self.block_shape), dtype=self.spec.dtype, device=self.device)
-        for layer, cache in enumerate(self.kv_caches):  # one gather per layer, straight into place
-            out[:, layer].copy_(cache.index_select(1, idx).transpose(0, 1))
-        return out
+        """[n, layers, 2, block_size, heads, head_dim] copy of blocks, on the cache's device
+        (every rank's heads with tensor parallelism)."""
+        local = gather_blocks(self.kv_caches, block_ids)
+        return self.shards.gather(local, block_ids) if self.shards is not None else local
 
     def _scatter(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Write [n, layers, 2, ...] into blocks `block_ids` (data on any device)."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         data = data.to(self.device, non_blocking=True)
-        for layer, cache in enumerate(self.kv_caches):
-            cache.index_copy_(1, idx, data[:, layer].transpose(0, 1))
+        if self.shards is not None:
+            data = self.shards.scatter(data, block_ids)  # this rank's heads; the others get theirs
+        scatter_blocks(self.kv_caches, block_ids, data)
 
     # ----- a plan's transfers -----
     def apply(self, kv: KVTransfers, block_index: Callable[[str, int], int]) -> dict[str, int]:
@@ -278,6 +283,24 @@ class WorkerKVTiers:
     def close(self) -> None:
         if self._sender is not None:
             self._puts.put(None)
+
+
+def gather_blocks(kv_caches: list[torch.Tensor], block_ids: list[int]) -> torch.Tensor:
+    """[n, layers, 2, block_size, heads, head_dim] copy of this cache's blocks, on its device."""
+    first = kv_caches[0]  # [2, num_blocks, block_size, heads, head_dim]
+    idx = torch.tensor(block_ids, dtype=torch.long, device=first.device)
+    shape = (len(block_ids), len(kv_caches), first.shape[0], *first.shape[2:])
+    out = torch.empty(shape, dtype=first.dtype, device=first.device)
+    for layer, cache in enumerate(kv_caches):  # one gather per layer, straight into place
+        out[:, layer].copy_(cache.index_select(1, idx).transpose(0, 1))
+    return out
+
+
+def scatter_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], data: torch.Tensor) -> None:
+    """Write [n, layers, 2, ...] (on the cache's device) into blocks `block_ids`."""
+    idx = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0].device)
+    for layer, cache in enumerate(kv_caches):
+        cache.index_copy_(1, idx, data[:, layer].transpose(0, 1))
 
 
 def _runs(slots: list[int]) -> list[tuple[int, int, int]]:

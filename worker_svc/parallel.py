@@ -60,13 +60,18 @@ class TensorParallel:
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
         """Every rank's `x` concatenated along the last dim, on rank 0; None on the others."""
+        return self.gather_dim(x, -1)
+
+    def gather_dim(self, x: torch.Tensor, dim: int) -> torch.Tensor | None:
+        """Every rank's `x` (same shapes) concatenated along `dim` in rank order, on rank 0;
+        None on the others."""
         if self.size == 1:
             return x
         x = x.contiguous()
         if self.is_first:
             parts = [torch.empty_like(x) for _ in range(self.size)]
             self.group.gather([parts], [x], _gather_options()).wait()  # type: ignore[union-attr]
-            return torch.cat(parts, dim=-1)
+            return torch.cat(parts, dim=dim)
         self.group.gather([], [x], _gather_options()).wait()  # type: ignore[union-attr]
         return None
 

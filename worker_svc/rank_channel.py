@@ -21,6 +21,9 @@ import numpy as np
 
 STEP = 1
 STOP = 2
+# KV tiers (worker_svc.kv_shards): gather these blocks' heads to rank 0 / take them from it.
+KV_GATHER = 3
+KV_SCATTER = 4
 
 _CODES = {np.dtype(np.int64): 0, np.dtype(np.int32): 1}
 _DTYPES = {code: dtype for dtype, code in _CODES.items()}

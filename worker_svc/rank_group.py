@@ -31,6 +31,7 @@ import time
 import weakref
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -147,16 +148,22 @@ class RankGroup:
 
     def send(self, inputs: ForwardInputs, patch: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Give every rank this step's inputs, then the in-flight token ids `patch` refers to."""
+        self._write(inputs.encode())
+        if patch is not None:
+            self.tp.broadcast_from_first(patch[1])
+
+    def announce(self, kind: int, arrays: list[np.ndarray]) -> None:
+        """Tell every rank what rank 0 does next besides a step (a KV gather or scatter)."""
+        self._write(encode(kind, arrays))
+
+    def _write(self, message: bytes) -> None:
         self.check_alive()
-        message = inputs.encode()
         for rank, proc in enumerate(self.procs, start=1):
             try:
                 proc.stdin.write(message)  # type: ignore[union-attr]
             except (BrokenPipeError, OSError) as e:
                 self._fail(f"rank {rank} is gone ({e})")
                 self.check_alive()
-        if patch is not None:
-            self.tp.broadcast_from_first(patch[1])
 
     # ----- failure -----
     def _fail(self, why: str) -> None:

@@ -25,9 +25,10 @@ import torch
 from worker_svc.attention.base import AttentionMetadata
 from worker_svc.config import WorkerConfig
 from worker_svc.kv_cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
+from worker_svc.kv_shards import serve_gather, serve_scatter
 from worker_svc.loader import load_model
 from worker_svc.parallel import TensorParallel, backend_for, open_group
-from worker_svc.rank_channel import STEP, ForwardInputs, read_message
+from worker_svc.rank_channel import KV_GATHER, KV_SCATTER, STEP, STOP, ForwardInputs, read_message
 from worker_svc.rank_group import joined_key
 from worker_svc.runner import _round16, make_backend, pack_to_device
 
@@ -154,9 +155,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         while True:
             msg = read_message(channel)
-            if msg is None or msg[0] != STEP:
-                break  # STOP, or rank 0 is gone
-            shard.step(ForwardInputs.decode(msg[1]))
+            if msg is None or msg[0] == STOP:
+                break  # or rank 0 is gone
+            kind, arrays = msg
+            if kind == STEP:
+                shard.step(ForwardInputs.decode(arrays))
+            elif kind == KV_GATHER:
+                with torch.inference_mode():
+                    serve_gather(tp, shard.kv_caches, arrays[0])
+            elif kind == KV_SCATTER:
+                with torch.inference_mode():
+                    serve_scatter(tp, shard.kv_caches, arrays[0])
+            else:
+                raise ValueError(f"unknown rank message kind {kind}")
     finally:
         tp.close()
     return 0

@@ -12,7 +12,6 @@ the sampler's copy of the sampled ids.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import sys
@@ -22,12 +21,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from services.config import ByteSize
 from services.sampling_params import SamplingParams
 from services.step import NewSequence, StepPlan, StepResult, TokenLogprobs, WorkerInfo
 from worker_svc.attention.base import AttentionMetadata
 from worker_svc.config import WorkerConfig
 from worker_svc.kv_cache import KVCacheSpec, allocate_kv_cache
+from worker_svc.kv_shards import KVShardExchange
 from worker_svc.kv_tiers import KVStoreLink, WorkerKVTiers
 from worker_svc.loader import load_model, load_tokenizer, model_fingerprint
 from worker_svc.model_files import resolve_model
@@ -256,23 +255,21 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.allocate(self.num_kv_blocks, self.device)
         # Blocks are only interchangeable between workers with the same weights and cache layout.
+        # The tiers hold whole blocks in size 1's layout whatever the tensor-parallel size (the
+        # ranks' heads joined in order), so workers of every size share the store's chunks.
         layout = f"{config.block_size}:{self.dtype}:{mc.num_layers}:{mc.num_kv_heads}:{mc.head_dim}"
-        if self.tp.size > 1:
-            layout += f":tp{self.tp.size}"
-            if kv_store is not None or config.kv_offload_bytes:
-                # Each rank holds part of every block: a tier would need every rank's share.
-                log.warning("tensor parallelism: the host KV tier and the KV store are off for this worker")
-                kv_store, config = None, dataclasses.replace(config, kv_offload_bytes=ByteSize(0))
         self.fingerprint = hashlib.sha256(model_fingerprint(self.model_path) + layout.encode()).digest()
         if kv_store is not None and (config.kv_chunk_tokens < bs or config.kv_chunk_tokens % bs):
             raise ValueError(f"kv_chunk_tokens {config.kv_chunk_tokens} is not a multiple of block_size {bs}")
+        whole = KVCacheSpec.of(mc, bs, self.dtype)
         self.kv_tiers = WorkerKVTiers(
             self.kv_caches,
-            spec,
+            whole,
             self.fingerprint,
-            num_host_blocks=config.kv_offload_bytes // spec.bytes_per_block,
+            num_host_blocks=config.kv_offload_bytes // whole.bytes_per_block,
             store=kv_store,
             chunk_blocks=config.kv_chunk_tokens // bs,
+            shards=self._kv_shards(),
         )
         self.sampler = Sampler(mc.vocab_size, self.device, seed=config.seed)
         self.proposer = self._make_proposer(self.spec)
@@ -302,6 +299,13 @@ class ModelRunner:
             )
             self._verify_graphs.capture()
         log.info("model runner ready", extra={"blocks": self.num_kv_blocks, "device": str(self.device)})
+
+    def _kv_shards(self) -> KVShardExchange | None:
+        """With tensor parallelism, how the tiers reach the other ranks' heads of each block."""
+        if self.ranks is None:
+            return None
+        ranks = self.ranks
+        return KVShardExchange(self.tp, lambda kind, block_ids: ranks.announce(kind, [block_ids]))
 
     def _kv_budget(self, spec: KVCacheSpec) -> int:
         if self.device.type != "cuda":

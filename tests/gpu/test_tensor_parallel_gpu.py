@@ -72,3 +72,36 @@ def _greedy(path: str, size: int) -> list[list[int]]:
 def test_two_gpus_greedy_equals_one(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(SHAPE))
     assert _greedy(str(tmp_path), 2) == _greedy(str(tmp_path), 1)
+
+
+def test_two_gpus_host_tier_gives_the_computed_tokens(tmp_path):
+    """Saves gather both GPUs' heads into pinned memory on the copy stream; loads broadcast them."""
+    (tmp_path / "config.json").write_text(json.dumps(SHAPE))
+    prompts = [{"prompt_token_ids": list(range(30 + 7 * i, 30 + 7 * i + 100))} for i in range(2)]
+    flood = [{"prompt_token_ids": list(range(1000 + 7 * i, 1000 + 7 * i + 100))} for i in range(6)]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outs = []
+    for size in (1, 2):
+        llm = LLM(
+            str(tmp_path),
+            tensor_parallel_size=size,
+            load_format="dummy",
+            dtype="float32",
+            max_model_len=1024,
+            max_num_seqs=16,
+            num_kv_blocks=24,
+            kv_offload_bytes=64 << 20,
+        )
+        try:
+            first = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+            llm.generate(flood, sp, use_tqdm=False)  # evicts the first prompts' blocks
+            again = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+            assert again == first
+            assert llm.engine.mesh.stats()["workers"]["local"]["host_hit_tokens"] >= 2 * 96
+            outs.append(first)
+        finally:
+            llm.engine.close()
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+    assert outs[0] == outs[1]

@@ -155,3 +155,62 @@ def test_ranks_exit_with_their_worker(models, tmp_path):
     finally:
         if worker.poll() is None:
             worker.kill()
+
+
+def _tokens(llm: LLM, batch: list[list[int]]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
+
+
+def _tier_stats(llm: LLM) -> dict:
+    return llm.engine.mesh.stats()["workers"]["local"]
+
+
+def _prompts(seed: int, n: int, length: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 200) for _ in range(length)] for _ in range(n)]
+
+
+def test_host_tier_at_size_2_gives_the_computed_tokens(models):
+    # Rank 0's host tier holds whole blocks: saving gathers every rank's heads, loading hands
+    # each rank its heads back (worker_svc.kv_shards).
+    path, first, flood = models["llama"], _prompts(1, 2, 100), _prompts(2, 6, 100)
+    reference = _tokens(LLM(path, num_kv_blocks=24, enable_prefix_caching=False), first)
+    llm = LLM(path, tensor_parallel_size=2, num_kv_blocks=24, kv_offload_bytes=8 << 20)
+    try:
+        assert _tokens(llm, first) == reference
+        _tokens(llm, flood)  # evicts the first prompts' blocks from the 24-block GPU cache
+        assert _tokens(llm, first) == reference
+        stats = _tier_stats(llm)
+        assert stats["saved_blocks"] > 0 and stats["host_hit_tokens"] >= 2 * 96
+    finally:
+        llm.engine.close()
+
+
+def test_store_chunks_are_shared_by_workers_of_every_size(models):
+    from llmesh.kv_store import open_kv_store
+
+    path, batch = models["llama"], _prompts(3, 2, 100)
+    reference = _tokens(LLM(path, enable_prefix_caching=False, **ENGINE), batch)
+    store = open_kv_store("memory:64000000")
+    writer = LLM(path, tensor_parallel_size=2, kv_store=store, kv_chunk_tokens=32, **ENGINE)
+    try:
+        assert _tokens(writer, batch) == reference
+        writer.engine.flush_kv()
+        assert _tier_stats(writer)["stored_chunks"] >= 2 * 3
+    finally:
+        writer.engine.close()
+    # Size 1 loads what size 2 computed (whole blocks, size 1's layout) ...
+    one = LLM(path, kv_store=store, kv_chunk_tokens=32, **ENGINE)
+    assert _tokens(one, batch) == reference
+    assert _tier_stats(one)["store_hit_tokens"] == 2 * 96
+    one.engine.close()
+    # ... and size 2 loads it too: every rank gets its heads of each loaded block.
+    two = LLM(path, tensor_parallel_size=2, kv_store=store, kv_chunk_tokens=32, **ENGINE)
+    try:
+        assert _tokens(two, batch) == reference
+        assert _tier_stats(two)["store_hit_tokens"] == 2 * 96
+        assert two.engine.runner.kv_tiers.counters.store_loaded_blocks == 2 * 6
+    finally:
+        two.engine.close()
