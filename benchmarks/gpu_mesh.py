@@ -28,6 +28,7 @@ import os
 import sys
 import tempfile
 import time
+from functools import partial
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -148,7 +149,7 @@ def generate_from_processes(address: str, reqs, procs: int) -> tuple[float, list
     return max(dt for dt, _ in parts), outs
 
 
-def run_mesh(path: str, reqs, args, async_scheduling: bool) -> dict[str, Any]:
+def run_mesh(path: str, reqs, args, async_scheduling: bool, stream_interval: int = 1) -> dict[str, Any]:
     from services.launcher import start_mesh
 
     kw = engine_settings(args)
@@ -158,6 +159,8 @@ def run_mesh(path: str, reqs, args, async_scheduling: bool) -> dict[str, Any]:
         "--no-tokenizer",
         *flags({k: kw[k] for k in ("max_model_len", "max_num_seqs", "max_num_batched_tokens")}),
         "--async-scheduling" if async_scheduling else "--no-async-scheduling",
+        "--stream-interval",
+        str(stream_interval),
     ]
     with tempfile.TemporaryDirectory() as logs:
         with start_mesh(1, model=path, worker_args=worker_args, scheduler_args=sched_args, log_dir=logs) as m:
@@ -186,12 +189,16 @@ def model_section(name: str, cfg: dict[str, Any], root: str, args, copy_bw: floa
             args.num_requests, cfg["vocab_size"], args.seed, tuple(args.prompt_len), tuple(args.output_len)
         )
     results: dict[str, dict[str, Any]] = {}
-    for label, fn, on in (
+    paths: list[tuple[str, Any, bool]] = [
         ("in-process async", run_in_process, True),
         ("in-process sync", run_in_process, False),
         ("mesh async", run_mesh, True),
         ("mesh sync", run_mesh, False),
-    ):
+    ]
+    if args.stream_interval > 1:  # the same mesh, its streams handed N tokens at a time
+        interval = args.stream_interval
+        paths.append((f"mesh async si{interval}", partial(run_mesh, stream_interval=interval), True))
+    for label, fn, on in paths:
         if args.paths and label not in args.paths.split(","):
             continue
         log(f"== {name}: {label}")
@@ -218,15 +225,15 @@ def model_section(name: str, cfg: dict[str, Any], root: str, args, copy_bw: floa
 
 def table() -> str:
     lines = [
-        f"{'model':<14}{'path':<18}{'out tok/s':>11}{'vs in-proc async':>18}{'b1 ms/tok':>11}"
+        f"{'model':<14}{'path':<20}{'out tok/s':>11}{'vs in-proc async':>18}{'b1 ms/tok':>11}"
         f"{'floor ms':>10}{'b1/floor':>10}{'greedy=':>9}"
     ]
     for r in ROWS:
         if "error" in r:
-            lines.append(f"{r['model']:<14}{r['path']:<18}  ERROR {r['error'][:80]}")
+            lines.append(f"{r['model']:<14}{r['path']:<20}  ERROR {r['error'][:80]}")
             continue
         lines.append(
-            f"{r['model']:<14}{r['path']:<18}{r['tok_s']:>11,.0f}{r['vs_in_process_async']:>18.1%}"
+            f"{r['model']:<14}{r['path']:<20}{r['tok_s']:>11,.0f}{r['vs_in_process_async']:>18.1%}"
             f"{r['b1_ms']:>11.2f}{r['floor_ms']:>10.2f}{r['b1_vs_floor']:>10.2f}{str(r['greedy_equal']):>9}"
         )
     return "\n".join(lines)
@@ -248,7 +255,13 @@ def main() -> None:
     ap.add_argument("--b1-tokens", type=int, default=256)
     ap.add_argument("--copy-mib", type=int, default=2048)
     ap.add_argument("--matmul-n", type=int, default=8192)
-    ap.add_argument("--paths", default="", help="comma-separated subset of the four paths (default all)")
+    ap.add_argument("--paths", default="", help="comma-separated subset of the paths (default all)")
+    ap.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="N > 1 adds a path: the async mesh with the scheduler's --stream-interval N",
+    )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (checks every path, also on CPU)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
