@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -31,6 +31,7 @@ from kvstore_svc import shm
 from kvstore_svc.config import PIECE_BYTES
 from kvstore_svc.entry import CorruptEntry, EntryHeader, check_payload
 from kvstore_svc.shared_client import Consume, SharedPath, SharedRefused, wants_shared
+from kvstore_svc.shm import Segment
 from kvstore_svc.wire import Assembled, EntryAssembler, EntryIn, check_entry_keys, entries_of, put_requests
 from llmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
 from services.grpc_server import (
@@ -134,6 +135,12 @@ class KVStoreClient:
             if wants_shared(shared_memory, address, shm_root)
             else None
         )
+
+    def on_segments(self, made: Callable[[Segment], None], closing: Callable[[Segment], None]) -> None:
+        """Call `made(segment)` for each shared memory segment once it exists, `closing(segment)`
+        before it is unmapped (the worker page-locks them for its device). Set before first use."""
+        if self.shared is not None:
+            self.shared.pool.on_create, self.shared.pool.on_close = made, closing
 
     def _stop_sharing(self, shared: SharedPath, why: object) -> None:
         """The store refused our segments: stream from now on (for this store, i.e. this client)."""

@@ -1,7 +1,8 @@
 """The KV store an offline engine uses: `LLM(kv_store=...)`.
 
 `kv_store` may be "host:port" (a running `llmesh kvstore` service, shared with
-any other engine or mesh; on its host, through shared memory: `kv_store_shared_memory`), "memory" or "memory:<bytes>" (the store's core in
+any other engine or mesh; on its host, reached through shared memory: see
+`kv_store_shared_memory`), "memory" or "memory:<bytes>" (the store's core in
 this process: the tiers without the service), or an object with the client's
 `lookup`/`get`/`put` (a `KVStoreClient`, an `InProcessKVStore`).
 """

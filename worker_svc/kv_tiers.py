@@ -18,6 +18,7 @@ The store client is passed in (`KVStoreLink`), so this module knows no transport
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import queue
 import threading
@@ -92,6 +93,10 @@ class WorkerKVTiers:
         self.host = torch.empty((num_host_blocks, *block_shape), dtype=spec.dtype, pin_memory=pin)
         wants_copies = num_host_blocks > 0 or store is not None
         self.copy_stream = torch.cuda.Stream(self.device) if pin and wants_copies else None
+        if pin and store is not None and hasattr(store, "on_segments"):
+            # The store client's shared memory segments, page-locked: chunks loaded from them
+            # reach the device by DMA, with no staging copy.
+            store.on_segments(_page_lock, _page_unlock)
         self._puts: queue.Queue = queue.Queue()
         self._pending_put_bytes = 0
         self._lock = threading.Lock()
@@ -307,6 +312,25 @@ class WorkerKVTiers:
     def close(self) -> None:
         if self._sender is not None:
             self._puts.put(None)
+
+
+def _segment_address(segment) -> int:
+    buf = ctypes.c_char.from_buffer(segment.view)
+    try:
+        return ctypes.addressof(buf)
+    finally:
+        del buf  # no buffer export outlives this: the segment can still be unmapped
+
+
+def _page_lock(segment) -> None:
+    """cudaHostRegister a shared memory segment (CUDA only; failure leaves it pageable)."""
+    err = torch.cuda.cudart().cudaHostRegister(_segment_address(segment), segment.size, 0)
+    if int(err) != 0:
+        log.warning("could not page-lock a shared memory segment", extra={"error": int(err)})
+
+
+def _page_unlock(segment) -> None:
+    torch.cuda.cudart().cudaHostUnregister(_segment_address(segment))
 
 
 def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
