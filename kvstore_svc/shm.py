@@ -121,6 +121,9 @@ class Segment:
             raise
         finally:
             os.close(fd)
+        # Set when a call on it ended without its answer (a deadline, a dead store): the store may
+        # still be writing into it, so it is never handed out again (see SegmentPool.lease).
+        self.spoiled = False
         # Unlinked even if the owner forgets close() or the interpreter exits first.
         self._finalizer = weakref.finalize(self, _unlink, self.path)
         self.view = memoryview(self._mm)
@@ -191,11 +194,17 @@ class SegmentPool:
     def lease(self) -> Iterator[Segment]:
         """A segment for this caller alone until the block ends (waits while all are leased).
 
+        A block that raises spoils its segment: it is unlinked and never handed out again (the
+        store may still be copying into it for a call the caller gave up on).
+
         OSError when a new segment cannot be made (e.g. /dev/shm is full).
         """
         segment = self._take()
         try:
             yield segment
+        except BaseException:
+            segment.spoiled = True  # a call that failed may leave the store writing into it
+            raise
         finally:
             self._give_back(segment)
 
@@ -229,11 +238,13 @@ class SegmentPool:
 
     def _give_back(self, segment: Segment) -> None:
         with self._cond:
-            closed = self._closed
-            if not closed:
+            drop = self._closed or segment.spoiled
+            if drop:
+                self._all.remove(segment)  # a spoiled one: a fresh one is made for the next caller
+            else:
                 self._free.append(segment)
-                self._cond.notify()
-        if closed:
+            self._cond.notify()
+        if drop:
             self._close_one(segment)
 
     def _close_one(self, segment: Segment) -> None:
@@ -255,6 +266,7 @@ class SegmentPool:
             self._closed = True
             free, self._free = self._free, []
             leased = [s for s in self._all if s is not None and s not in free]
+            self._all = [s for s in self._all if s not in free]
             self._cond.notify_all()
         for segment in leased:
             segment._finalizer()  # unlink now; unmapped by _give_back

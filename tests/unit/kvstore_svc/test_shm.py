@@ -149,7 +149,12 @@ def test_the_pool_leases_one_segment_per_caller_and_unlinks_all_on_close(root):
     with pool.lease() as a, pool.lease() as b:
         assert a is not b
         got = []
-        t = threading.Thread(target=lambda: got.append(pool.lease().__enter__()))
+
+        def third() -> None:
+            with pool.lease() as c:
+                got.append(c)
+
+        t = threading.Thread(target=third)
         t.start()
         t.join(0.2)
         assert t.is_alive()  # a third caller waits for one of the two
@@ -171,6 +176,17 @@ def test_a_leased_segment_is_unlinked_at_close_and_unmapped_at_release(root):
         seg.view[0:1] = b"y"  # still mapped for the holder
     with pytest.raises(ValueError):  # unmapped once the lease ended
         seg.view[0:1] = b"z"
+
+
+def test_a_segment_whose_call_failed_is_never_handed_out_again(root):
+    pool = SegmentPool(4096, count=1, root=root)
+    with pytest.raises(TimeoutError), pool.lease() as seg:
+        raise TimeoutError("the store did not answer: it may still write into the segment")
+    assert not os.path.exists(seg.path)
+    with pool.lease() as fresh:
+        assert fresh is not seg and os.path.exists(fresh.path)
+    pool.close()
+    assert os.listdir(root) == []
 
 
 def test_segments_of_dead_processes_are_swept(root):
