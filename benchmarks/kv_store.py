@@ -7,7 +7,8 @@ Workloads (greedy; every path is checked to give the recompute path's tokens):
     recompute         nothing below the GPU cache
     worker CPU tier   the same engine, its GPU cache too small to keep the document
     store (process)   the store's core in this process (no gRPC: the floor of the store path)
-    store (memory)    a `llmesh kvstore` service on loopback, memory tier
+    store (memory)    a `llmesh kvstore` service on loopback, memory tier, payloads streamed
+                      over gRPC, then through shared memory segments (GetShared/PutShared)
     store (redis)     a `llmesh kvstore` service whose only tier is a real redis-server
 - multi-round chat: users whose histories grow every round, served by two
   engines in turn (as a router without stickiness would): out tok/s with and
@@ -152,21 +153,26 @@ def document_rows(args, engine_kw: dict, vocab: int, stack: ExitStack) -> list[t
     del host
     release()
 
-    stores = [("store (in process)", lambda: open_kv_store(f"memory:{args.store_bytes}"))]
-    stores.append(("store (memory, gRPC)", lambda: start_kvstore(stack, args.store_bytes)))
+    # (row, the store, how the engine reaches a service: streamed over gRPC or through shared memory)
+    stores = [("store (in process)", lambda: open_kv_store(f"memory:{args.store_bytes}"), "off")]
+    stores.append(("store (memory, gRPC)", lambda: start_kvstore(stack, args.store_bytes), "off"))
+    stores.append(("store (memory, shared memory)", lambda: start_kvstore(stack, args.store_bytes), "on"))
     if not args.no_redis:
-        stores.append(("store (redis, gRPC)", lambda: start_kvstore(stack, 0, start_redis(stack))))
-    for name, make in stores:
+        stores.append(("store (redis, gRPC)", lambda: start_kvstore(stack, 0, start_redis(stack)), "off"))
+    for name, make, shared in stores:
         store = make()
-        writer = LLM(kv_store=store, **kw)
+        path_kw = dict(kw, kv_store_shared_memory=shared, kv_store_segment_bytes=args.segment_bytes)
+        writer = LLM(kv_store=store, **path_kw)
         for d in docs:
             ttft(writer, d)
         writer.engine.flush_kv()
+        writer.engine.close()
         del writer
         release()
-        asker = LLM(kv_store=store, **kw)
+        asker = LLM(kv_store=store, **path_kw)
         ttft(asker, random_tokens(rng, args.chunk_tokens + 32, vocab))  # connects; a miss
         measure(name, asker)
+        asker.engine.close()
         del asker
         release()
     return rows
@@ -253,6 +259,7 @@ def main() -> None:
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--host-bytes", type=int, default=2 << 30)
     ap.add_argument("--store-bytes", type=int, default=4 << 30)
+    ap.add_argument("--segment-bytes", type=int, default=128 << 20, help="each shared memory segment")
     ap.add_argument("--no-redis", action="store_true")
     ap.add_argument("--chat-users", type=int, default=4)
     ap.add_argument("--chat-rounds", type=int, default=4)

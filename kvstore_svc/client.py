@@ -6,6 +6,12 @@
         for key, header, payload in kv.get(fingerprint, keys[:n]):
             ...
 
+On the store's own host (`shared_memory="auto"` and a loopback address, or "on") payloads
+move through shared memory segments this client owns (GetShared / PutShared,
+kvstore_svc/shared_client.py); a store that cannot open them makes the client stream
+(Get / Put) from then on. `get_each` hands each payload over as a view (of the segment,
+no copy) valid while the callback runs; `get` returns copies.
+
 A store that is down, slow or shutting down raises `KVStoreUnavailable`:
 treat it as a miss and recompute. Other failures (the store refused the call
 as malformed) raise `KVStoreError`, its base class, so `except KVStoreError`
@@ -17,12 +23,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 
+from kvstore_svc import shm
 from kvstore_svc.config import PIECE_BYTES
 from kvstore_svc.entry import CorruptEntry, EntryHeader, check_payload
+from kvstore_svc.shared_client import Consume, SharedPath, SharedRefused, wants_shared
+from kvstore_svc.shm import Segment
 from kvstore_svc.wire import Assembled, EntryAssembler, EntryIn, check_entry_keys, entries_of, put_requests
 from llmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
 from services.grpc_server import (
@@ -77,9 +86,10 @@ class _Collector:
         self.fingerprint = fingerprint
         self.keys = keys
         self.entries: list[EntryOut] = []
+        self.count = 0  # entries that passed
 
     def check(self, entry: Assembled) -> EntryOut | None:
-        i = len(self.entries)
+        i = self.count
         try:
             if i >= len(self.keys) or entry.key != self.keys[i]:
                 raise CorruptEntry(f"entry {i} is not key {i} of the request")
@@ -90,11 +100,17 @@ class _Collector:
         except CorruptEntry as e:
             log.warning("kvstore sent an entry that fails validation", extra={"reason": str(e)})
             return None
+        self.count += 1
         return entry.key, entry.header, payload
 
 
 class KVStoreClient:
-    """Blocking client; thread-safe (one gRPC channel, any number of threads)."""
+    """Blocking client; thread-safe (one gRPC channel, any number of threads).
+
+    shared_memory: "auto" (segments when the address is this host's), "on" (whenever
+    /dev/shm exists; still streams if the store refuses them) or "off";
+    segment_bytes: the size of each of its (two) segments, made when first used.
+    """
 
     def __init__(
         self,
@@ -105,12 +121,33 @@ class KVStoreClient:
         keepalive_s: float = DEFAULT_KEEPALIVE_S,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         security: ChannelSecurity | None = None,
+        shared_memory: str = "auto",
+        segment_bytes: int = shm.DEFAULT_SEGMENT_BYTES,
+        shm_root: str = shm.SHM_DIR,
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.piece_bytes = piece_bytes
         self._channel = open_sync_channel(address, security, max_message_bytes, keepalive_s)
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
+        self.shared: SharedPath | None = (
+            SharedPath(segment_bytes, root=shm_root)
+            if wants_shared(shared_memory, address, shm_root)
+            else None
+        )
+
+    def on_segments(self, made: Callable[[Segment], None], closing: Callable[[Segment], None]) -> None:
+        """Call `made(segment)` for each shared memory segment once it exists, `closing(segment)`
+        before it is unmapped (the worker page-locks them for its device). Set before first use."""
+        if self.shared is not None:
+            self.shared.pool.on_create, self.shared.pool.on_close = made, closing
+
+    def _stop_sharing(self, shared: SharedPath, why: object) -> None:
+        """The store refused our segments: stream from now on (for this store, i.e. this client)."""
+        if self.shared is shared:
+            self.shared = None
+            log.info("kvstore cannot share memory with this client: streaming", extra={"reason": str(why)})
+        shared.close()
 
     def lookup(self, fingerprint: bytes, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
         """How many leading keys the store holds (0 for no keys)."""
@@ -131,37 +168,79 @@ class KVStoreClient:
         if not entries:
             return 0
         check_entry_keys(entries, fingerprint)
+        timeout = timeout_s or self.timeout_s
+        stored = 0
+        shared = self.shared
+        if shared is not None:
+            try:
+                stored, entries = shared.put(self._stub, fingerprint, entries, timeout)
+            except SharedRefused as e:
+                self._stop_sharing(shared, e)  # entries stored before the refusal are stored again: a no-op
+            except grpc.RpcError as e:
+                raise _error(e, "put") from None
+            if not entries:
+                return stored
         try:
-            resp = self._stub.Put(
-                put_requests(fingerprint, entries, self.piece_bytes), timeout=timeout_s or self.timeout_s
-            )
+            resp = self._stub.Put(put_requests(fingerprint, entries, self.piece_bytes), timeout=timeout)
         except grpc.RpcError as e:
             raise _error(e, "put") from None
-        return resp.num_stored
+        return stored + resp.num_stored
 
     def get(
         self, fingerprint: bytes, keys: Sequence[bytes], *, timeout_s: float | None = None
     ) -> list[EntryOut]:
         """The entries of the leading present keys, validated, in order (stops at a miss or a bad entry)."""
+        out: list[EntryOut] = []
+        self.get_each(fingerprint, keys, lambda k, h, p: out.append((k, h, bytes(p))), timeout_s=timeout_s)
+        return out
+
+    def get_each(
+        self, fingerprint: bytes, keys: Sequence[bytes], consume: Consume, *, timeout_s: float | None = None
+    ) -> int:
+        """Give each entry of the leading present keys, validated, in order, to `consume(key, header,
+        payload)`; how many it took. Stops at a miss, a bad entry, or when `consume` returns False.
+
+        `payload` may be a read-only view of a shared segment: valid only until `consume` returns
+        (copy what must outlive it; wait for asynchronous copies from it before returning).
+        """
         if not keys:
-            return []
+            return 0
+        timeout = timeout_s or self.timeout_s
+        done = 0
+        shared = self.shared
+        if shared is not None:
+            try:
+                done, finished = shared.get_each(self._stub, fingerprint, keys, consume, timeout)
+                if finished:
+                    return done
+            except SharedRefused as e:
+                self._stop_sharing(shared, e)
+            except grpc.RpcError as e:
+                raise _error(e, "get") from None
+        return done + self._stream_each(fingerprint, keys[done:], consume, timeout)
+
+    def _stream_each(
+        self, fingerprint: bytes, keys: Sequence[bytes], consume: Consume, timeout: float
+    ) -> int:
         collector = _Collector(fingerprint, keys)
-        call = self._stub.Get(
-            kvstore_pb2.GetRequest(fingerprint=fingerprint, keys=keys), timeout=timeout_s or self.timeout_s
-        )
+        call = self._stub.Get(kvstore_pb2.GetRequest(fingerprint=fingerprint, keys=keys), timeout=timeout)
+        n = 0
         try:
             for entry in entries_of(call):
                 checked = collector.check(entry)
                 if checked is None:
                     call.cancel()
                     break
-                collector.entries.append(checked)
+                n += 1
+                if consume(*checked) is False:
+                    call.cancel()
+                    break
         except CorruptEntry as e:  # broken framing: keep what was whole before it
             log.warning("kvstore Get stream broke its framing", extra={"reason": str(e)})
             call.cancel()
         except grpc.RpcError as e:
             raise _error(e, "get") from None
-        return collector.entries
+        return n
 
     def delete(self, fingerprint: bytes, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
         if not keys:
@@ -179,6 +258,9 @@ class KVStoreClient:
             raise _error(e, "stats") from None
 
     def close(self) -> None:
+        shared, self.shared = self.shared, None
+        if shared is not None:
+            shared.close()  # unlinks the segments
         self._channel.close()
 
     def __enter__(self) -> KVStoreClient:

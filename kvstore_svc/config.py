@@ -44,6 +44,12 @@ class KVStoreConfig(ServerConfig):
         ByteSize("256MiB"), help="write-behind queue bound; writes beyond it are dropped (counted)"
     )
     max_entry_bytes: ByteSize = option(ByteSize("64MiB"), help="largest entry payload Put accepts")
+    shared_memory: bool = option(
+        True,
+        help="serve GetShared/PutShared: clients on this host move payloads through their shared memory "
+        "segments (/dev/shm/llmesh-kv-*) instead of gRPC; --no-shared-memory refuses them "
+        "(FAILED_PRECONDITION: clients stream)",
+    )
     io_threads: int = option(8, help="threads for tier I/O (disk, Redis), off the event loop")
     log_level: str = option("info", help="debug | info | warning | error")
 

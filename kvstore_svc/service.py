@@ -13,8 +13,10 @@ import logging
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+from kvstore_svc import shm
 from kvstore_svc.config import KVStoreConfig, kvstore_environ
 from kvstore_svc.servicer import KVStoreServicer
+from kvstore_svc.shm import SegmentMaps
 from kvstore_svc.store import TieredKVStore
 from kvstore_svc.tiers.redis_tier import redact_url
 from llmesh.v1 import kvstore_pb2_grpc
@@ -25,7 +27,8 @@ log = logging.getLogger(__name__)
 
 async def run(config: KVStoreConfig) -> None:
     executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kv-io")
-    servicer = KVStoreServicer(executor)
+    segments = SegmentMaps() if config.shared_memory and shm.available() else None
+    servicer = KVStoreServicer(executor, segments=segments)
 
     async def on_started(server: GrpcServer) -> None:
         servicer.store = await asyncio.to_thread(TieredKVStore.from_config, config)
@@ -40,6 +43,7 @@ async def run(config: KVStoreConfig) -> None:
                 "disk_bytes": config.disk_bytes if config.disk_dir else None,
                 "redis": redact_url(config.redis_url) if config.redis_url else None,
                 "write_behind": config.write_behind,
+                "shared_memory": segments is not None,
             },
         )
         print(f"llmesh kvstore listening on {address}", flush=True)
@@ -52,6 +56,8 @@ async def run(config: KVStoreConfig) -> None:
         if servicer.store is not None:
             await asyncio.to_thread(servicer.store.close, config.shutdown_grace_s)
         executor.shutdown(wait=False, cancel_futures=True)
+        if segments is not None:
+            segments.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,11 @@ The store blocks (disk reads, Redis round trips, hashing megabytes), so every
 call into it runs on a thread pool: one caller's 64 MiB Put must not hold up
 another's Lookup on the event loop. Malformed input is INVALID_ARGUMENT with
 a message naming what is wrong; a miss is never an error.
+
+GetShared / PutShared move payloads through a client's shared memory segment
+(`shm.SegmentMaps`, `shared_transfer`); a store made without segment maps
+(`--no-shared-memory`) or one that cannot open the segment answers
+FAILED_PRECONDITION, and the client streams instead.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvstore_svc.entry import CorruptEntry, encode_entry
-from kvstore_svc.store import StoreStats, TieredKVStore, check_key, check_keys
+from kvstore_svc.entry import CorruptEntry, encode_entry, header_from_proto, header_to_proto
+from kvstore_svc.shared_transfer import SharedEntry, copy_out, ingest
+from kvstore_svc.shm import Region, SegmentMaps, SegmentUnavailable
+from kvstore_svc.store import MAX_KEYS_PER_REQUEST, StoreStats, TieredKVStore, check_key, check_keys
 from kvstore_svc.wire import Assembled, EntryAssembler, get_responses
 from llmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
 
@@ -42,10 +49,42 @@ def _ingest(store: TieredKVStore, fingerprint: bytes, entry: Assembled) -> bool:
     return store.put(fingerprint, entry.key, blob)
 
 
+def _region(msg: kvstore_pb2.SharedRegion) -> Region:
+    region = Region(msg.segment, msg.segment_bytes, msg.offset, msg.length)
+    region.check()
+    return region
+
+
+def _get_shared(
+    store: TieredKVStore, segments: SegmentMaps, fingerprint: bytes, keys: list[bytes], region: Region
+) -> tuple[list[SharedEntry], bool]:
+    with segments.open(region) as segment:
+        return copy_out(store, fingerprint, keys, segment, region)
+
+
+def _put_shared(
+    store: TieredKVStore,
+    segments: SegmentMaps,
+    fingerprint: bytes,
+    entries: list[SharedEntry],
+    region: Region,
+) -> tuple[int, int]:
+    with segments.open(region) as segment:
+        return ingest(store, fingerprint, entries, segment, region)
+
+
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
-    def __init__(self, executor: ThreadPoolExecutor, store: TieredKVStore | None = None) -> None:
+    def __init__(
+        self,
+        executor: ThreadPoolExecutor,
+        store: TieredKVStore | None = None,
+        segments: SegmentMaps | None = None,
+    ) -> None:
         self.store = store  # None until the service has built it (the disk scan runs after bind)
+        self.segments = segments  # None: shared memory refused (FAILED_PRECONDITION)
         self._executor = executor
+        self.shared_bytes_in = 0
+        self.shared_bytes_out = 0
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -123,6 +162,73 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                 return  # the chain ends at its first miss
             keys = keys[len(run) :]
 
+    async def _segments(self, context: grpc.aio.ServicerContext) -> SegmentMaps:
+        if self.segments is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this store serves no shared memory (--no-shared-memory): use Get / Put",
+            )
+        return self.segments  # type: ignore[return-value]
+
+    async def _checked_region(
+        self, context: grpc.aio.ServicerContext, msg: kvstore_pb2.SharedRegion
+    ) -> Region:
+        try:
+            return _region(msg)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"region: {e}")
+            raise  # unreachable: abort raises
+
+    async def GetShared(
+        self, request: kvstore_pb2.GetSharedRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.GetSharedResponse:
+        store = await self._ready_store(context)
+        segments = await self._segments(context)
+        await self._check_keys(context, request.fingerprint, request.keys)
+        region = await self._checked_region(context, request.region)
+        try:
+            entries, full = await self._run(
+                _get_shared, store, segments, request.fingerprint, list(request.keys), region
+            )
+        except SegmentUnavailable as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        self.shared_bytes_out += sum(e.header.payload_length for e in entries)
+        return kvstore_pb2.GetSharedResponse(
+            entries=[
+                kvstore_pb2.SharedEntry(key=e.key, header=header_to_proto(e.header), offset=e.offset)
+                for e in entries
+            ],
+            region_full=full,
+        )
+
+    async def PutShared(
+        self, request: kvstore_pb2.PutSharedRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.PutResponse:
+        store = await self._ready_store(context)
+        segments = await self._segments(context)
+        region = await self._checked_region(context, request.region)
+        try:
+            check_keys(request.fingerprint, [])
+            if len(request.entries) > MAX_KEYS_PER_REQUEST:
+                raise ValueError(f"at most {MAX_KEYS_PER_REQUEST} entries per request")
+            entries = []
+            for i, e in enumerate(request.entries):
+                try:
+                    header = header_from_proto(e.header, store.max_entry_bytes)
+                except CorruptEntry as err:
+                    raise CorruptEntry(f"entry {i} (key {e.key.hex()[:16]}): {err}") from None
+                entries.append(SharedEntry(e.key, header, e.offset))
+            stored, rejected = await self._run(
+                _put_shared, store, segments, request.fingerprint, entries, region
+            )
+        except SegmentUnavailable as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except (CorruptEntry, ValueError) as e:
+            log.info("put refused", extra={"reason": str(e), "peer": context.peer()})
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self.shared_bytes_in += sum(e.header.payload_length for e in entries[: stored + rejected])
+        return kvstore_pb2.PutResponse(num_stored=stored, num_rejected=rejected)
+
     async def Delete(
         self, request: kvstore_pb2.DeleteRequest, context: grpc.aio.ServicerContext
     ) -> kvstore_pb2.DeleteResponse:
@@ -135,4 +241,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self, request: kvstore_pb2.StatsRequest, context: grpc.aio.ServicerContext
     ) -> kvstore_pb2.StatsResponse:
         store = await self._ready_store(context)
-        return stats_to_proto(await self._run(store.stats))
+        out = stats_to_proto(await self._run(store.stats))
+        out.shared_bytes_in, out.shared_bytes_out = self.shared_bytes_in, self.shared_bytes_out
+        out.shared_segments = len(self.segments) if self.segments is not None else 0
+        return out

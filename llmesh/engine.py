@@ -76,7 +76,15 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         shorten_gil_switch_interval()  # the runner steps on a thread of its own (LocalWorkerLink)
-        self.kv_store = open_kv_store(config.kv_store) if config.kv_store is not None else None
+        self.kv_store = (
+            open_kv_store(
+                config.kv_store,
+                shared_memory=config.worker.kv_store_shared_memory,
+                segment_bytes=config.worker.kv_store_segment_bytes,
+            )
+            if config.kv_store is not None
+            else None
+        )
         self.runner = ModelRunner(config.worker, kv_store=self.kv_store)
         info = self.runner.info
         self.info = info
@@ -199,6 +207,9 @@ class LLMEngine:
         finally:
             _stop_loop(self._loop, self._thread)
             self.runner.close()  # the other tensor-parallel ranks, if any
+            if isinstance(self.config.kv_store, str) and self.kv_store is not None:
+                self.runner.kv_tiers.close()
+                self.kv_store.close()  # opened here: its shared memory segments go with it
 
 
 

@@ -1,7 +1,8 @@
 """The KV store an offline engine uses: `LLM(kv_store=...)`.
 
 `kv_store` may be "host:port" (a running `llmesh kvstore` service, shared with
-any other engine or mesh), "memory" or "memory:<bytes>" (the store's core in
+any other engine or mesh; on its host, reached through shared memory: see
+`kv_store_shared_memory`), "memory" or "memory:<bytes>" (the store's core in
 this process: the tiers without the service), or an object with the client's
 `lookup`/`get`/`put` (a `KVStoreClient`, an `InProcessKVStore`).
 """
@@ -44,6 +45,18 @@ class InProcessKVStore:
             out.append((key, header, payload))
         return out
 
+    def get_each(self, fingerprint: bytes, keys: list[bytes], consume) -> int:
+        """`KVStoreClient.get_each`: each payload a view of the store's memory (no copy)."""
+        n = 0
+        for key in keys:
+            hit = self.store.get(fingerprint, key)
+            if hit is None:
+                break
+            n += 1
+            if consume(key, *hit) is False:
+                break
+        return n
+
     def close(self) -> None:
         self.store.close()
 
@@ -58,8 +71,12 @@ class ThreadedLookup:
         return await asyncio.to_thread(self.client.lookup, fingerprint, keys)
 
 
-def open_kv_store(spec: Any) -> Any:
-    """A store client from `LLM(kv_store=...)`'s value (see the module docstring)."""
+def open_kv_store(spec: Any, *, shared_memory: str = "auto", segment_bytes: int = 128 << 20) -> Any:
+    """A store client from `LLM(kv_store=...)`'s value (see the module docstring).
+
+    For a service, `shared_memory` / `segment_bytes` are the client's (`KVStoreClient`): on its
+    own host the payloads go through shared memory segments.
+    """
     if not isinstance(spec, str):
         return spec
     if spec == "memory" or spec.startswith("memory:"):
@@ -67,4 +84,4 @@ def open_kv_store(spec: Any) -> Any:
         return InProcessKVStore(TieredKVStore(memory=MemoryTier(size)))
     from kvstore_svc.client import KVStoreClient  # gRPC only when a service is named
 
-    return KVStoreClient(spec)
+    return KVStoreClient(spec, shared_memory=shared_memory, segment_bytes=segment_bytes)

@@ -254,6 +254,13 @@ def _add_up_flags(p: argparse.ArgumentParser) -> None:
     k.add_argument("--no-kvstore", action="store_true", help="do not start the KV store")
     k.add_argument("--kvstore-port", type=int, default=0, help="KV store gRPC port (default: any free port)")
     k.add_argument(
+        "--kv-store-shared-memory",
+        choices=("auto", "on", "off"),
+        default=None,
+        help="workers move KV payloads to and from the store through shared memory (/dev/shm) instead of "
+        "gRPC (default auto: the store is on this host, so on)",
+    )
+    k.add_argument(
         "--redis-url",
         default=None,
         help="redis://[:password@]host:port/db: Redis as the KV store's shared tier (default $REDIS_URL); "
@@ -308,6 +315,8 @@ def up_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     worker = list(common)
     if args.tensor_parallel_size is not None:
         worker += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+    if args.kv_store_shared_memory is not None:
+        worker += ["--kv-store-shared-memory", args.kv_store_shared_memory]
     spec = ["--speculative-config", args.speculative_config] if args.speculative_config else []
     env = {}
     if args.api_key:  # the gateway's clients and the scheduler's public API take the same key

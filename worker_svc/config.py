@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -30,6 +31,17 @@ class WorkerConfig:
     # number of blocks (LMCache's 256: few entries and round trips per prompt).
     kvstore_address: str | None = None
     kv_chunk_tokens: int = 256
+    kv_store_shared_memory: Literal["auto", "on", "off"] = option(
+        "auto",
+        help="move KV payloads to and from the store through shared memory segments (/dev/shm) instead "
+        "of gRPC: auto = when --kvstore-address is this host's (loopback); the worker streams if the "
+        "store cannot open them",
+    )
+    kv_store_segment_bytes: ByteSize = option(
+        ByteSize("128MiB"),
+        help="size of each of the worker's two shared memory segments (made when first used); a load "
+        "or put of more goes in rounds",
+    )
     speculative_config: str | None = option(
         None,
         help='speculative decoding, as vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '

@@ -53,7 +53,9 @@ class KVShardExchange:
     def scatter(self, whole: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
         """Rank 0's heads of whole blocks; every other rank gets and writes its own."""
         self.announce(KV_SCATTER, np.asarray(block_ids, dtype=np.int64))
-        whole = whole.contiguous()
+        # A broadcast may write its root's buffer too: never hand it a view of the store's
+        # bytes (read-only, or a shared segment the store reuses). On a GPU it is a device copy.
+        whole = whole.clone() if whole.device.type == "cpu" else whole.contiguous()
         self.tp.broadcast_from_first(whole)
         return heads_of(whole, self.tp)
 

@@ -18,6 +18,7 @@ The store client is passed in (`KVStoreLink`), so this module knows no transport
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import queue
 import threading
@@ -99,6 +100,10 @@ class WorkerKVTiers:
         self.host = torch.empty((num_host_blocks, *block_shape), dtype=spec.dtype, pin_memory=pin)
         wants_copies = num_host_blocks > 0 or store is not None
         self.copy_stream = torch.cuda.Stream(self.device) if pin and wants_copies else None
+        if pin and store is not None and hasattr(store, "on_segments"):
+            # The store client's shared memory segments, page-locked: chunks loaded from them
+            # reach the device by DMA, with no staging copy.
+            store.on_segments(_page_lock, _page_unlock)
         self._puts: queue.Queue = queue.Queue()
         self._pending_put_bytes = 0
         self._lock = threading.Lock()
@@ -196,28 +201,57 @@ class WorkerKVTiers:
             torch.cuda.current_stream(self.device).synchronize()
 
     def _load_from_store(self, load: StoreLoad) -> int | None:
-        """Fill the blocks of `load`; the first block id not filled, or None when all were."""
+        """Fill the blocks of `load`; the first block id not filled, or None when all were.
+
+        Each chunk goes from the store's bytes (a view of a shared memory segment, or of the
+        in-process store's memory) to the cache in one copy, while the store hands it over.
+        """
         c = self.chunk_blocks
         if not c or len(load.block_ids) != len(load.keys) * c:
             raise ValueError(f"store load for {load.seq_id!r}: {len(load.block_ids)} blocks, chunk size {c}")
+        loaded = 0
+        copy_seconds = 0.0
+
+        def consume(key: bytes, header, payload) -> bool:
+            nonlocal loaded, copy_seconds
+            started = time.perf_counter()
+            chunk = self._chunk_tensor((key, header, payload), load.keys[loaded])
+            if chunk is None:
+                return False
+            self._load_chunk(load.block_ids[loaded * c : (loaded + 1) * c], chunk)
+            loaded += 1
+            copy_seconds += time.perf_counter() - started
+            return True
+
         started = time.perf_counter()
         try:
-            entries = self.store.get(self.store_fingerprint, list(load.keys)) if self.store else []
-        except Exception as e:  # the store is down or slow: compute instead
+            get_each = getattr(self.store, "get_each", None)
+            if get_each is not None:
+                get_each(self.store_fingerprint, list(load.keys), consume)
+            elif self.store is not None:
+                for entry in self.store.get(self.store_fingerprint, list(load.keys)):
+                    if not consume(*entry):
+                        break
+        except Exception as e:  # the store is down or slow: compute the rest instead
             log.warning("kv store get failed", extra={"seq_id": load.seq_id, "error": repr(e)})
-            entries = []
-        self.counters.store_get_seconds += time.perf_counter() - started
-        for i, key in enumerate(load.keys):
-            targets = load.block_ids[i * c : (i + 1) * c]
-            chunk = self._chunk_tensor(entries[i], key) if i < len(entries) else None
-            if chunk is None:
-                return next((b for b in load.block_ids[i * c :] if b >= 0), None)
-            keep = [j for j, b in enumerate(targets) if b >= 0]
-            if keep:
-                self._scatter([targets[j] for j in keep], chunk[keep])
-                self.counters.store_loaded_blocks += len(keep)
-                self.counters.store_loaded_bytes += len(keep) * self.spec.bytes_per_block
-        return None
+        self.counters.store_get_seconds += time.perf_counter() - started - copy_seconds
+        if loaded == len(load.keys):
+            return None
+        return next((b for b in load.block_ids[loaded * c :] if b >= 0), None)
+
+    def _load_chunk(self, targets: list[int], chunk: torch.Tensor) -> None:
+        """Copy one chunk (a view of bytes valid only until this returns) into its target blocks."""
+        keep = [j for j, b in enumerate(targets) if b >= 0]
+        if not keep:
+            return
+        if len(keep) < len(targets):  # blocks the GPU cache already holds are skipped
+            self._scatter([targets[j] for j in keep], chunk[keep])
+        else:
+            self._scatter(targets, chunk)  # straight from the view: no intermediate copy
+        if self.device.type == "cuda":
+            self._sync()  # the view's memory is the store's again once we return
+        self.counters.store_loaded_blocks += len(keep)
+        self.counters.store_loaded_bytes += len(keep) * self.spec.bytes_per_block
 
     def _chunk_tensor(self, entry: tuple, key: bytes) -> torch.Tensor | None:
         """The chunk's KV as [chunk_blocks, layers, 2, ...], or None if it is not what we expect."""
@@ -301,6 +335,25 @@ def scatter_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], data: to
     idx = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0].device)
     for layer, cache in enumerate(kv_caches):
         cache.index_copy_(1, idx, data[:, layer].transpose(0, 1))
+
+
+def _segment_address(segment) -> int:
+    buf = ctypes.c_char.from_buffer(segment.view)
+    try:
+        return ctypes.addressof(buf)
+    finally:
+        del buf  # no buffer export outlives this: the segment can still be unmapped
+
+
+def _page_lock(segment) -> None:
+    """cudaHostRegister a shared memory segment (CUDA only; failure leaves it pageable)."""
+    err = torch.cuda.cudart().cudaHostRegister(_segment_address(segment), segment.size, 0)
+    if int(err) != 0:
+        log.warning("could not page-lock a shared memory segment", extra={"error": int(err)})
+
+
+def _page_unlock(segment) -> None:
+    torch.cuda.cudart().cudaHostUnregister(_segment_address(segment))
 
 
 def _runs(slots: list[int]) -> list[tuple[int, int, int]]:

@@ -127,14 +127,22 @@ async def run(config: WorkerServiceConfig) -> None:
     step_token = config.step_token or (secrets.token_hex(16) if config.scheduler else None)
     servicer = WorkerServicer(worker_id, step_token)
     background: list[asyncio.Task] = []  # keeps the registration task referenced
+    kv_clients: list[KVStoreClient] = []  # closed at exit: unlinks its shared memory segments
 
     async def on_started(server: GrpcServer) -> None:
         # Health stays NOT_SERVING until the model is loaded and the KV cache allocated.
         kv_store = (
-            KVStoreClient(config.kvstore_address, security=ChannelSecurity.of(config, config.internal_key))
+            KVStoreClient(
+                config.kvstore_address,
+                security=ChannelSecurity.of(config, config.internal_key),
+                shared_memory=config.kv_store_shared_memory,
+                segment_bytes=config.kv_store_segment_bytes,
+            )
             if config.kvstore_address
             else None
         )
+        if kv_store is not None:
+            kv_clients.append(kv_store)
         servicer.runner = await asyncio.to_thread(ModelRunner, config, kv_store, exit_on_rank_failure)
         # The model's imports leave many long-lived objects; frozen, a full collection (which
         # stops the Step stream's loop) skips them.
@@ -154,6 +162,8 @@ async def run(config: WorkerServiceConfig) -> None:
             task.cancel()
         if servicer.runner is not None:
             servicer.runner.close()  # the other tensor-parallel ranks, if any
+        for client in kv_clients:
+            client.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,3 +57,34 @@ def test_store_put_then_load_round_trips_exactly() -> None:
     assert failed == {}
     got = blocks_of(tiers, [t for t in targets if t >= 0])
     assert torch.equal(got, torch.cat([want[:4], want[5:]]))
+
+
+def test_store_put_then_load_through_page_locked_shared_memory(tmp_path) -> None:
+    """A real store service on loopback: chunks go through the client's segments, which the tiers
+    page-lock (cudaHostRegister), and come back exactly."""
+    from kvstore_svc.client import KVStoreClient
+    from tests.integration.test_kvstore import StoreProcess
+
+    store = StoreProcess(tmp_path, "--memory-bytes", "256MiB")
+    client = KVStoreClient(store.address, timeout_s=30, shared_memory="on", segment_bytes=8 << 20)
+    try:
+        tiers = make_tiers(client, chunk_blocks=4)
+        ids = [1, 2, 3, 4, 10, 11, 12, 13]
+        want = blocks_of(tiers, ids).clone()
+        tiers.apply(
+            KVTransfers(store_puts=[StorePut(b"c" * 32, ids[:4]), StorePut(b"d" * 32, ids[4:])]),
+            lambda s, b: 0,
+        )
+        tiers.flush()
+        for c in tiers.kv_caches:
+            c[:, ids] = 0
+        targets = [30, 31, 32, 33, 34, 35, 36, 37]
+        failed = tiers.apply(
+            KVTransfers(store_loads=[StoreLoad("s", [b"c" * 32, b"d" * 32], targets)]), lambda s, b: 0
+        )
+        assert failed == {} and client.shared is not None and client.shared.bytes_in > 0
+        assert torch.equal(blocks_of(tiers, targets), want)
+        tiers.close()
+    finally:
+        client.close()
+        store.stop()
