@@ -20,8 +20,11 @@ tokens, are not scheduled again.
 
 Speculative decoding (`scheduler_svc.spec_decode`): a plan may ask the worker to
 propose draft tokens after a sequence's sample, and the next plan then schedules
-them as extra tokens to verify. Such a sequence waits for each result before it
-is planned again; `update()` sets its computed length from the tokens it gained.
+them as extra tokens to verify. Its next position depends on how many drafts are
+accepted: with drafts made ahead (n-gram) the next plan chains one more verification
+behind the one in flight (the worker, which applies each result before the next plan,
+resolves the positions); otherwise it waits for the result. `update()` sets its computed
+length from the tokens it gained.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.kv_tiers import KVTierPlanner
@@ -58,6 +62,18 @@ class PlannerConfig:
 def tokens_of(req: Request):
     """The request's token list, built only if the block manager needs it (a block fills)."""
     return lambda: req.all_token_ids
+
+
+class SpecEntry(NamedTuple):
+    """A sequence's speculation in one plan in flight."""
+
+    drafts: int  # drafts it verifies
+    propose: int  # drafts it asks the worker to propose after sampling
+    num_new: int  # tokens the plan computes for it
+    holds: bool  # its next position depends on this plan's result
+    # Of `drafts`, those the worker proposed (a chained plan counts on a proposal not yet
+    # reported; the worker fills a shorter one up with repeats, which are no evidence).
+    proposed: int
 
 
 class RequestRejected(ValueError):
@@ -90,8 +106,8 @@ class Planner:
         # Sequences each plan in flight samples for, with their incarnation (a preempted request's
         # old plans must not touch its new life).
         self._sampling_by_step: dict[int, dict[str, int]] = {}
-        # Per plan in flight: sequences that verify drafts or propose them, with (drafts, proposals).
-        self._spec_by_step: dict[int, dict[str, tuple[int, int]]] = {}
+        # Per plan in flight: sequences that verify drafts or propose them (SpecEntry).
+        self._spec_by_step: dict[int, dict[str, SpecEntry]] = {}
         # Running sequences per group (a caller's request with its n choices), for fair admission.
         self._group_running: Counter[str] = Counter()
         self._groups: Counter[str] = Counter()  # unfinished sequences per group
@@ -158,7 +174,9 @@ class Planner:
         """Most running sequences await a plan's result (speculative decoding): a plan made now
         would hold only the rest, and the two groups would then alternate, each in every other
         step. Better to wait for the result and plan them all together."""
-        awaiting = sum(1 for r in self.running if r.awaiting_result)
+        awaiting = sum(
+            1 for r in self.running if r.awaiting_result and self._chained_drafts(r, 1 << 30) is None
+        )
         return awaiting > 0 and 2 * awaiting >= len(self.running) and not self.waiting
 
     def has_work_for_worker(self) -> bool:
@@ -178,16 +196,24 @@ class Planner:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.awaiting_result or self._needs_no_more(req):
+            chained = req.awaiting_result and self._chained_drafts(req, budget)
+            if chained is None or (not req.awaiting_result and self._needs_no_more(req)):
                 # Its next position depends on a result in flight (drafts), or its last token
                 # is in flight: it finishes when that result is applied.
                 i += 1
                 continue
-            num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget, chunk)
-            drafts = 0
-            if req.num_drafts and num_new == 1 and req.num_pending <= 1:
-                drafts = self.spec.drafts_to_verify(req, budget, cfg.max_model_len)
-                num_new += drafts
+            if req.awaiting_result:
+                # Chained behind the verification in flight: one more token after whatever it
+                # accepts, plus the drafts the worker proposes then (it resolves the positions).
+                drafts = int(chained)
+                num_new = 1 + drafts
+                self.spec.stats.num_chained += 1
+            else:
+                num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget, chunk)
+                drafts = 0
+                if req.num_drafts and num_new == 1 and req.num_pending <= 1:
+                    drafts = self.spec.drafts_to_verify(req, budget, cfg.max_model_len)
+                    num_new += drafts
             new_blocks = self.blocks.allocate(
                 req.request_id, tokens_of(req), req.num_computed_tokens, num_new, req.num_tokens
             )
@@ -202,7 +228,7 @@ class Planner:
                 )
             if new_blocks is None:
                 continue  # req itself was preempted; running[i] is now the next one
-            self._add_to_plan(plan, req, num_new, new_blocks, drafts)
+            self._add_to_plan(plan, req, num_new, new_blocks, drafts, chained=req.awaiting_result)
             budget -= num_new
             i += 1
 
@@ -318,20 +344,32 @@ class Planner:
     ) -> None:
         """Drafts verified and proposed by a plan: computed lengths, the worker's drafts, the policy."""
         proposed = dict(zip(result.draft_seq_ids, result.num_draft_tokens, strict=True))
-        for seq_id, (drafts, propose) in speculating.items():
+        for seq_id, entry in speculating.items():
             req = self.requests.get(seq_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # finished or aborted meanwhile
             if sampled.get(seq_id) != req.incarnation:
                 continue  # restarted (preempted) since this plan was made
-            if drafts or not self.spec.drafts_ahead:  # this plan held it back: nothing else is in flight
-                req.awaiting_result = False
-                # The KV of every token but the newest is written (rejected drafts' slots lie past it).
-                req.num_computed_tokens = req.num_tokens - 1
-            if drafts:
-                self.spec.verified(req, drafts, len(new_tokens.get(seq_id, ())) - 1)
-            if propose:
-                self.spec.proposed(req, proposed.get(seq_id, 0))
+            later = {
+                step_id: e
+                for step_id, step in self._spec_by_step.items()
+                if (e := step.get(seq_id)) is not None
+            }
+            if entry.holds:  # this plan held it back: only plans chained behind it are in flight
+                req.awaiting_result = any(e.holds for e in later.values())
+                # The KV of every token but the newest is written (rejected drafts' slots lie past
+                # it), and the chained plans compute from the newest on.
+                req.num_computed_tokens = req.num_tokens - 1 + sum(e.num_new for e in later.values())
+            if entry.proposed:
+                accepted = len(new_tokens.get(seq_id, ())) - 1
+                self.spec.verified(req, entry.proposed, min(accepted, entry.proposed))
+            if entry.propose:
+                num_proposed = proposed.get(seq_id, 0)
+                self.spec.proposed(req, num_proposed)
+                if later:  # the plan chained behind this one verifies this proposal
+                    first = min(later)
+                    e = later[first]
+                    self._spec_by_step[first][seq_id] = e._replace(proposed=min(e.drafts, num_proposed))
 
     def delta(self, req: Request, num_new: int) -> RequestDelta:
         return RequestDelta(
@@ -402,8 +440,36 @@ class Planner:
             return True
         return req.num_tokens + req.num_pending >= self.config.max_model_len
 
+    def _chained_drafts(self, req: Request, budget: int) -> int | None:
+        """Drafts a plan may verify for `req` behind the verification in flight (None: it waits).
+
+        Only with drafts made ahead (n-gram: the worker proposes from the tokens it accepted,
+        before this plan reaches it), and only while it still speculates. Room is counted as if
+        every draft in flight were accepted: a plan never schedules past max_tokens or the
+        context, whatever the verification in flight gives.
+        """
+        if not self.spec.drafts_ahead or req.spec_skip > 0:
+            return None
+        inflight = [e for step in self._spec_by_step.values() if (e := step.get(req.request_id)) is not None]
+        if not any(e.holds for e in inflight):
+            return None
+        most = req.num_tokens + req.num_pending + sum(e.drafts for e in inflight)
+        room = self.config.max_model_len - most
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - (most - len(req.prompt_token_ids)))
+        if room < 1:
+            return None  # its last token may be in flight: that result decides
+        return max(0, min(self.spec.k, room - 1, budget - 1))
+
     def _add_to_plan(
-        self, plan: StepPlan, req: Request, num_new: int, new_blocks: list[int], drafts: int = 0
+        self,
+        plan: StepPlan,
+        req: Request,
+        num_new: int,
+        new_blocks: list[int],
+        drafts: int = 0,
+        chained: bool = False,
     ) -> None:
         # Counted as computed now, so that the next plan can follow before this result is back.
         start = req.num_computed_tokens
@@ -417,11 +483,13 @@ class Planner:
                 # Waiting requests count: a burst being admitted is a big batch from its first plan.
                 batch = len(self.running) + len(self.waiting)
                 propose = self.spec.drafts_to_propose(req, self.config.max_model_len, batch)
-            if drafts or propose:
+            if drafts or propose or chained:
                 # Its next position depends on a verification's result; a proposal's, unless
                 # the worker proposes ahead (then a later plan verifies the drafts a token late).
-                req.awaiting_result = bool(drafts) or not self.spec.drafts_ahead
-                self._spec[req.request_id] = (drafts, propose)
+                holds = bool(drafts) or chained or not self.spec.drafts_ahead
+                req.awaiting_result = req.awaiting_result or holds
+                proposal = 0 if chained else drafts  # a chained plan's: once its proposal is reported
+                self._spec[req.request_id] = SpecEntry(drafts, propose, num_new, holds, proposal)
         if req.request_id in self._on_worker:
             plan.scheduled.append(ScheduledSequence(req.request_id, num_new, new_blocks, propose))
             return

@@ -2,12 +2,13 @@
 
 The worker proposes draft tokens after it samples (`max_draft_tokens` on the plan); a later
 plan schedules them as extra tokens of the sequence and the worker verifies them in one
-forward. A sequence that verifies cannot be planned again before that result is back (its next
-position depends on how many drafts are accepted), so a verification costs it the overlap of
-asynchronous scheduling: it pays only where drafts are accepted. N-gram proposals
-(`drafts_ahead`) hold nothing back: their drafts arrive with the result of the proposing step
-while the next step is already in flight, and are verified one token late (the first draft was
-for the token sampled meanwhile). A draft model's proposal waits for its result.
+forward. A sequence's next position depends on how many of its drafts are accepted. With n-gram
+proposals (`drafts_ahead`: the worker proposes from the tokens it has, without waiting for the
+scheduler) the next plan chains another verification behind the one in flight, as if every
+draft were accepted for the room it reserves; the worker applies the first result before it
+starts the next plan, so it knows the real positions and verifies the drafts it has just
+proposed. Nothing waits on the round trip to the scheduler. A draft model's proposal, and a
+sequence backing off, wait for the result instead.
 
 Adaptive, per sequence: a verification that accepts nothing, or a proposal that found nothing,
 quadruples how many steps the sequence then decodes without speculating (1, 4,
@@ -33,6 +34,8 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    # Verifications planned behind one still in flight (not one of vLLM's counters).
+    num_chained: int = 0
 
     @property
     def acceptance_rate(self) -> float:

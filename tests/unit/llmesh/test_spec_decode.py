@@ -59,6 +59,18 @@ def test_greedy_tokens_are_identical_with_ngram_drafts(smollm2, reference, async
     assert_no_leaks(llm)
 
 
+def test_verifications_chain_behind_the_one_in_flight(smollm2, reference) -> None:
+    # One copying sequence: each plan verifies again behind the verification in flight (the
+    # worker resolves the positions once that one is done), and max_tokens stays exact.
+    llm = LLM(smollm2, kv_cache_memory=64 << 20, speculative_config=NGRAM)
+    assert token_ids(llm, PROMPTS[:1]) == reference[:1]
+    assert spec_stats(llm).num_chained > 0
+    for n in (1, 2, 3, 6):
+        out = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        assert out[0].outputs[0].token_ids == reference[0][:n]
+    assert_no_leaks(llm)
+
+
 def test_preemption_stop_tokens_and_max_tokens_with_drafts(smollm2, reference) -> None:
     # 8 blocks of 16 tokens hold the longest sequence (~100 tokens), not all three at once.
     llm = LLM(smollm2, num_kv_blocks=8, speculative_config=NGRAM, max_num_seqs=3)
