@@ -44,16 +44,27 @@ def _two_gpus() -> None:
         pytest.skip("needs two CUDA devices")
 
 
-def _greedy(path: str, size: int) -> list[list[int]]:
-    llm = LLM(
+def _engine(path: str, size: int, **kw) -> LLM:
+    return LLM(
         path,
         tensor_parallel_size=size,
         load_format="dummy",
         dtype="float32",
         max_model_len=1024,
         max_num_seqs=16,
-        gpu_memory_utilization=0.5,
+        **kw,
     )
+
+
+def _release(llm: LLM) -> None:
+    llm.engine.close()
+    del llm
+    gc.collect()  # the next engine sizes its KV cache from the memory this one leaves free
+    torch.cuda.empty_cache()
+
+
+def _greedy(path: str, size: int) -> list[list[int]]:
+    llm = _engine(path, size, gpu_memory_utilization=0.5)
     try:
         prompts = [
             {"prompt_token_ids": list(range(10 + 3 * i, 10 + 3 * i + n))}
@@ -63,10 +74,7 @@ def _greedy(path: str, size: int) -> list[list[int]]:
         assert llm.engine.runner._graphs is not None  # decodes replay graphs with all-reduces inside
         return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     finally:
-        llm.engine.close()
-        del llm
-        gc.collect()  # the next engine sizes its KV cache from the memory this one leaves free
-        torch.cuda.empty_cache()
+        _release(llm)
 
 
 def test_two_gpus_greedy_equals_one(tmp_path):
@@ -82,16 +90,7 @@ def test_two_gpus_host_tier_gives_the_computed_tokens(tmp_path):
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     outs = []
     for size in (1, 2):
-        llm = LLM(
-            str(tmp_path),
-            tensor_parallel_size=size,
-            load_format="dummy",
-            dtype="float32",
-            max_model_len=1024,
-            max_num_seqs=16,
-            num_kv_blocks=24,
-            kv_offload_bytes=64 << 20,
-        )
+        llm = _engine(str(tmp_path), size, num_kv_blocks=24, kv_offload_bytes=64 << 20)
         try:
             first = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
             llm.generate(flood, sp, use_tqdm=False)  # evicts the first prompts' blocks
@@ -100,8 +99,5 @@ def test_two_gpus_host_tier_gives_the_computed_tokens(tmp_path):
             assert llm.engine.mesh.stats()["workers"]["local"]["host_hit_tokens"] >= 2 * 96
             outs.append(first)
         finally:
-            llm.engine.close()
-            del llm
-            gc.collect()
-            torch.cuda.empty_cache()
+            _release(llm)
     assert outs[0] == outs[1]
