@@ -56,10 +56,9 @@ def _engine(path: str, size: int, **kw) -> LLM:
     )
 
 
-def _release(llm: LLM) -> None:
-    llm.engine.close()
-    del llm
-    gc.collect()  # the next engine sizes its KV cache from the memory this one leaves free
+def _free_memory() -> None:
+    """After `llm.engine.close(); del llm`: the next engine sizes its KV cache from what is free."""
+    gc.collect()
     torch.cuda.empty_cache()
 
 
@@ -74,7 +73,9 @@ def _greedy(path: str, size: int) -> list[list[int]]:
         assert llm.engine.runner._graphs is not None  # decodes replay graphs with all-reduces inside
         return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     finally:
-        _release(llm)
+        llm.engine.close()
+        del llm
+        _free_memory()
 
 
 def test_two_gpus_greedy_equals_one(tmp_path):
@@ -99,5 +100,7 @@ def test_two_gpus_host_tier_gives_the_computed_tokens(tmp_path):
             assert llm.engine.mesh.stats()["workers"]["local"]["host_hit_tokens"] >= 2 * 96
             outs.append(first)
         finally:
-            _release(llm)
+            llm.engine.close()
+            del llm
+            _free_memory()
     assert outs[0] == outs[1]
