@@ -30,7 +30,7 @@ from scheduler_svc.mesh import Mesh, MeshConfig
 from scheduler_svc.planner import Planner, PlannerConfig
 from scheduler_svc.request import Request, RequestDelta
 from services.sampling_params import SamplingParams
-from worker_svc.config import WorkerConfig
+from worker_svc.config import WorkerConfig, default_batch_limits
 from worker_svc.pipeline import StepPipeline
 from worker_svc.runner import ModelRunner, shorten_gil_switch_interval
 
@@ -88,8 +88,10 @@ class LLMEngine:
         self.runner = ModelRunner(config.worker, kv_store=self.kv_store)
         info = self.runner.info
         self.info = info
+        # Limits left unset: the runner's batch, and vLLM's offline token budget for the device.
+        offline_tokens = default_batch_limits(self.runner.device, offline=True)[1]
         planner_cfg = dataclasses.replace(
-            config.planner,
+            config.planner.for_worker(info.max_num_seqs, offline_tokens),
             max_model_len=min(config.planner.max_model_len or info.max_model_len, info.max_model_len),
         )
         self.mesh = Mesh(

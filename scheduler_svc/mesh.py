@@ -178,7 +178,8 @@ class Mesh:
             raise ValueError(f"worker {worker_id!r} is already registered")
         cfg = self.config.planner
         planner_cfg = replace(
-            cfg, max_model_len=min(cfg.max_model_len or info.max_model_len, info.max_model_len)
+            cfg.for_worker(info.max_num_seqs, info.max_num_batched_tokens),
+            max_model_len=min(cfg.max_model_len or info.max_model_len, info.max_model_len),
         )
         blocks = BlockManager(
             info.num_kv_blocks, info.block_size, info.fingerprint, self.config.enable_prefix_caching

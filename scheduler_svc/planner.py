@@ -30,6 +30,7 @@ length from the tokens it gained.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -39,13 +40,18 @@ from scheduler_svc.kv_tiers import KVTierPlanner
 from scheduler_svc.prefix_hash import extend_block_keys
 from scheduler_svc.request import FinishReason, Request, RequestDelta, RequestStatus
 from scheduler_svc.spec_decode import SpecDecodePolicy
+from services.config import option
 from services.step import NewSequence, ScheduledSequence, StepPlan, StepResult
 
 
 @dataclass
 class PlannerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = option(
+        0, help="most sequences in one step (0: the worker's, vLLM's default for its device; else 64)"
+    )
+    max_num_batched_tokens: int = option(
+        0, help="most tokens in one step (0: the worker's suggestion for its device; else 2048)"
+    )
     max_model_len: int = 0  # 0 = the worker's (model's) context length
     # Longest prefill chunk one request may take in a step (0 = the whole budget).
     long_prefill_token_threshold: int = 0
@@ -55,8 +61,16 @@ class PlannerConfig:
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.max_num_seqs < 0 or self.max_num_batched_tokens < 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive (0: the worker's)")
+
+    def for_worker(self, max_num_seqs: int, max_num_batched_tokens: int) -> PlannerConfig:
+        """These limits, the unset ones (0) taken from a worker's suggestion (or 64 and 2048)."""
+        return dataclasses.replace(
+            self,
+            max_num_seqs=self.max_num_seqs or max_num_seqs or 64,
+            max_num_batched_tokens=self.max_num_batched_tokens or max_num_batched_tokens or 2048,
+        )
 
 
 def tokens_of(req: Request):
@@ -88,7 +102,7 @@ class Planner:
         tiers: KVTierPlanner | None = None,
         spec: SpecDecodePolicy | None = None,
     ) -> None:
-        self.config = config
+        self.config = config.for_worker(0, 0)  # limits left unset and no worker's: 64 and 2048
         self.blocks = blocks
         # Speculative decoding with the worker's num_speculative_tokens (0: off).
         self.spec = spec if spec is not None else SpecDecodePolicy(0)

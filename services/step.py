@@ -172,6 +172,7 @@ class WorkerInfo:
     # True: the worker's proposals (n-gram) need no last token on the host, so a plan may follow
     # a proposing one before its result, and verify the drafts a token later.
     spec_drafts_ahead: bool = False
+    max_num_batched_tokens: int = 0
 
 
 def store_fingerprint(fingerprint: bytes, chunk_blocks: int) -> bytes:

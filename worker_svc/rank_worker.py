@@ -63,7 +63,7 @@ class RankShard:
         if self.device.type == "cuda" and self.backend.name == "triton" and not config.enforce_eager:
             from worker_svc.cuda_graphs import DecodeGraphs, capture_sizes
 
-            self._graphs = DecodeGraphs(self, capture_sizes(config.max_num_seqs))  # type: ignore[arg-type]
+            self._graphs = DecodeGraphs(self, capture_sizes(config.resolved_max_num_seqs()))  # type: ignore[arg-type]
             self._graphs.capture()
 
     def _kv_budget(self) -> int:

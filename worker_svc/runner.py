@@ -24,7 +24,7 @@ import torch
 from services.sampling_params import SamplingParams
 from services.step import NewSequence, StepPlan, StepResult, TokenLogprobs, WorkerInfo
 from worker_svc.attention.base import AttentionMetadata
-from worker_svc.config import WorkerConfig
+from worker_svc.config import WorkerConfig, default_batch_limits
 from worker_svc.kv_cache import KVCacheSpec, allocate_kv_cache
 from worker_svc.kv_shards import KVShardExchange
 from worker_svc.kv_tiers import KVStoreLink, WorkerKVTiers
@@ -282,20 +282,21 @@ class ModelRunner:
         # table's row stride among them) on divisibility by 16, so varying widths would compile
         # new kernel variants mid-run.
         self.max_blocks_per_seq = _round16((self.max_model_len + bs - 1) // bs)
-        self._tables = _BlockTableRows(self.max_blocks_per_seq, rows=max(config.max_num_seqs, 1))
+        self.max_num_seqs = config.resolved_max_num_seqs()
+        self._tables = _BlockTableRows(self.max_blocks_per_seq, rows=self.max_num_seqs)
         self._eos = list(mc.eos_token_ids)
         self._graphs = None
         if self.device.type == "cuda" and self.backend.name == "triton" and not config.enforce_eager:
             from worker_svc.cuda_graphs import DecodeGraphs, capture_sizes
 
-            self._graphs = DecodeGraphs(self, capture_sizes(config.max_num_seqs))
+            self._graphs = DecodeGraphs(self, capture_sizes(self.max_num_seqs))
             self._graphs.capture()
         # Verification steps (speculative decoding) replay graphs of 1 + num_speculative_tokens
         # query rows per sequence: eager, a small model's verification costs several decode steps.
         self._verify_graphs = None
         if self._graphs is not None and self.spec is not None and self.tp.size == 1:
             self._verify_graphs = DecodeGraphs(
-                self, capture_sizes(config.max_num_seqs), query_len=1 + self.spec.num_speculative_tokens
+                self, capture_sizes(self.max_num_seqs), query_len=1 + self.spec.num_speculative_tokens
             )
             self._verify_graphs.capture()
         log.info("model runner ready", extra={"blocks": self.num_kv_blocks, "device": str(self.device)})
@@ -330,7 +331,8 @@ class ModelRunner:
             max_model_len=self.max_model_len,
             vocab_size=self.model_config.vocab_size,
             eos_token_ids=list(self.model_config.eos_token_ids),
-            max_num_seqs=self.config.max_num_seqs,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=default_batch_limits(self.device)[1],
             num_host_blocks=self.kv_tiers.num_host_blocks,
             kv_chunk_blocks=self.kv_tiers.chunk_blocks,
             num_speculative_tokens=self.spec.num_speculative_tokens if self.spec else 0,
