@@ -99,7 +99,8 @@ def test_an_arena_of_a_killed_store_is_removed_by_the_next(tmp_path):
         "import os, sys; from kvstore_svc.arena import ArenaFile; a = ArenaFile(4096, sys.argv[1]); "
         "print(a.name, flush=True); os._exit(0)"  # dies without unlinking (as a killed store)
     )
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
+    cmd = [sys.executable, "-c", code, str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     orphan = out.stdout.strip()
     assert os.path.exists(tmp_path / orphan)
     arena = ArenaFile(4096, str(tmp_path))
