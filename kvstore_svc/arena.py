@@ -5,9 +5,11 @@ user may open it, so workers must run as that user to read in place; others fall
 GetShared / Get). Workers on the same host map it read-only and copy entries straight out of
 it (GetInPlace, kvstore.proto), so a load costs one pass over the bytes instead of three.
 
-- `ArenaFile`: the file and its writable mapping (pages committed up front with
-  posix_fallocate: a full /dev/shm is an error at start, never a SIGBUS mid-copy);
-  unlinked on close, at exit, or by the next store of the same user if this one was killed.
+- `ArenaFile`: the file and its writable mapping; pages are committed (posix_fallocate) in
+  64 MiB steps as the allocator first reaches them, before any byte is written there, so a
+  store's budget costs memory only once it is used, and a full /dev/shm refuses a put
+  instead of raising SIGBUS in the middle of a copy. Unlinked on close, at exit, or by the
+  next store of the same user if this one was killed.
 - `FreeSpace`: the allocator over [0, size): free runs indexed by start and by end (O(1)
   coalescing) and by power-of-two size class (first fit within a class, O(number of classes)
   per op). Entries of one fingerprint are mostly one size, so runs rarely fragment.
@@ -22,6 +24,7 @@ import mmap
 import os
 import re
 import secrets
+import threading
 import weakref
 from itertools import islice
 
@@ -30,6 +33,8 @@ from kvstore_svc.shm import ALIGN, SHM_DIR, align, sweep_orphans
 ARENA_PREFIX = "llmesh-kvstore-"
 ARENA_NAME = re.compile(r"llmesh-kvstore-(\d+)-[0-9a-f]{16}")
 _CLASSES = 64
+# Pages of the arena are committed this many bytes at a time as the allocator reaches them.
+COMMIT_STEP = 64 << 20
 # Runs of the request's own class looked at before a larger class is split (first fit, bounded).
 _SCAN = 16
 
@@ -57,19 +62,46 @@ class ArenaFile:
         self.path = os.path.join(root, self.name)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            os.posix_fallocate(fd, 0, size)
+            os.ftruncate(fd, size)  # sparse: pages are committed by `commit` as they are first used
             self._mm = mmap.mmap(fd, size)
         except BaseException:
+            os.close(fd)
             _unlink(self.path)
             raise
-        finally:
-            os.close(fd)
+        self._fd = fd
+        self._committed = 0  # [0, committed) has its pages
+        self._commit_lock = threading.Lock()
         self._finalizer = weakref.finalize(self, _unlink, self.path)
         self.view = memoryview(self._mm)
+
+    def commit(self, end: int) -> bool:
+        """Make sure the pages of [0, end) exist; False when /dev/shm has no room for them."""
+        if end <= self._committed:
+            return True
+        with self._commit_lock:
+            if end <= self._committed:
+                return True
+            target = min(self.size, -(-end // COMMIT_STEP) * COMMIT_STEP)
+            try:
+                os.posix_fallocate(self._fd, self._committed, target - self._committed)
+            except OSError:
+                try:  # no room for a whole step: just what was asked for
+                    os.posix_fallocate(self._fd, self._committed, end - self._committed)
+                    target = end
+                except OSError:
+                    return False
+            self._committed = target
+            return True
+
+    @property
+    def committed(self) -> int:
+        return self._committed
 
     def close(self) -> None:
         """Unlink (workers' mappings stay valid until they drop them) and unmap."""
         self._finalizer()
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
         self.view.release()
         try:
             self._mm.close()

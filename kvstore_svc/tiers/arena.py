@@ -141,6 +141,10 @@ class ArenaMemoryTier:
             slot = None if offset is None else Slot(key, header, offset, pins=1)  # pinned until commit
         if evicted:
             self._counters.add("evictions", evicted)
+        if slot is not None and not self.arena.commit(slot.offset + slot.size):
+            self.abort(slot)  # /dev/shm is full: no SIGBUS, a put the tier cannot keep
+            self._counters.add("errors")
+            return None
         return slot
 
     def view(self, slot: Slot) -> memoryview:

@@ -244,3 +244,8 @@ def test_a_store_killed_mid_load_costs_the_engine_nothing_but_time(tmp_path):
     finally:
         if s.proc.poll() is None:
             s.proc.kill()
+    # A killed store cannot unlink its arena: the next store of this user does.
+    leftover = [n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"llmesh-kvstore-{s.proc.pid}-")]
+    assert len(leftover) == 1
+    StoreProcess(tmp_path, "--memory-bytes", "1MiB").stop()
+    assert not os.path.exists(os.path.join(shm.SHM_DIR, leftover[0]))

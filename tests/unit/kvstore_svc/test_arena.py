@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from kvstore_svc.arena import ARENA_PREFIX, ArenaFile, FreeSpace, check_arena_name
+from kvstore_svc.arena import ARENA_PREFIX, COMMIT_STEP, ArenaFile, FreeSpace, check_arena_name
 from kvstore_svc.shm import ALIGN
 
 
@@ -106,5 +106,17 @@ def test_an_arena_of_a_killed_store_is_removed_by_the_next(tmp_path):
     arena = ArenaFile(4096, str(tmp_path))
     try:
         assert not os.path.exists(tmp_path / orphan)
+    finally:
+        arena.close()
+
+
+def test_pages_are_committed_as_the_allocator_reaches_them(tmp_path):
+    arena = ArenaFile(3 * COMMIT_STEP, str(tmp_path))
+    try:
+        assert arena.committed == 0 and os.stat(arena.path).st_blocks == 0  # sparse at start
+        assert arena.commit(100) and arena.committed == COMMIT_STEP
+        assert arena.commit(COMMIT_STEP) and arena.committed == COMMIT_STEP
+        assert arena.commit(COMMIT_STEP + 1) and arena.committed == 2 * COMMIT_STEP
+        assert os.stat(arena.path).st_blocks * 512 >= 2 * COMMIT_STEP
     finally:
         arena.close()
