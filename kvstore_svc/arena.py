@@ -20,6 +20,7 @@ Plain Python (os, mmap); the tier that uses it (LRU, leases) is kvstore_svc/tier
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import re
@@ -57,6 +58,11 @@ class ArenaFile:
         if size < ALIGN:
             raise ValueError(f"arena size must be >= {ALIGN} bytes, got {size}")
         sweep_orphans(root, ARENA_NAME)  # arenas of killed stores of this user
+        st = os.statvfs(root)
+        if st.f_bavail * st.f_frsize < size:  # e.g. a container's 64 MiB /dev/shm: keep to the heap
+            raise OSError(
+                errno.ENOSPC, f"{root} has {st.f_bavail * st.f_frsize} bytes free, the arena needs {size}"
+            )
         self.name = f"{ARENA_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         self.size = size
         self.path = os.path.join(root, self.name)

@@ -120,3 +120,10 @@ def test_pages_are_committed_as_the_allocator_reaches_them(tmp_path):
         assert os.stat(arena.path).st_blocks * 512 >= 2 * COMMIT_STEP
     finally:
         arena.close()
+
+
+def test_an_arena_larger_than_the_free_space_is_refused_up_front(tmp_path):
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    with pytest.raises(OSError, match="free"):
+        ArenaFile(free + (1 << 30), str(tmp_path))
+    assert os.listdir(tmp_path) == []
