@@ -120,6 +120,21 @@ def test_a_reader_killed_holding_a_lease_leaks_nothing(tmp_path):
         assert s.stop() == 0
 
 
+def test_a_chain_longer_than_one_lease_may_pin_is_read_in_several(tmp_path):
+    s = StoreProcess(tmp_path, "--memory-bytes", "4MiB")  # leases pin at most 2 MiB
+    fp = fresh_fp("inplace-long-chain")
+    ents = [entry(i, 512 * KiB, fp) for i in range(6)]
+    try:
+        with KVStoreClient(s.address, timeout_s=30, segment_bytes=MiB) as c:
+            assert c.put(fp, ents) == 6
+            assert c.get(fp, [k for k, _, _ in ents]) == ents
+            stats = c.stats()
+            assert stats.leases == 2 and stats.active_leases == 0  # 4 entries, then 2
+            assert stats.inplace_bytes_out == 3 * MiB and stats.shared_bytes_out == 0
+    finally:
+        assert s.stop() == 0
+
+
 def test_entries_whose_lease_ran_out_are_read_another_way(tmp_path):
     s = StoreProcess(tmp_path, "--memory-bytes", "8MiB", "--lease-timeout-s", "0.2")
     fp = fresh_fp("inplace-slow-reader")
