@@ -8,7 +8,9 @@ Workloads (greedy; every path is checked to give the recompute path's tokens):
     worker CPU tier   the same engine, its GPU cache too small to keep the document
     store (process)   the store's core in this process (no gRPC: the floor of the store path)
     store (memory)    a `llmesh kvstore` service on loopback, memory tier, payloads streamed
-                      over gRPC, then through shared memory segments (GetShared/PutShared)
+                      over gRPC; then through the worker's shared memory segments
+                      (GetShared/PutShared, a store without an arena); then read in place
+                      from the store's shared memory arena (GetInPlace, the default)
     store (redis)     a `llmesh kvstore` service whose only tier is a real redis-server
 - multi-round chat: users whose histories grow every round, served by two
   engines in turn (as a router without stickiness would): out tok/s with and
@@ -63,10 +65,10 @@ def ttft(llm: LLM, prompt: list[int]) -> tuple[float, list[int]]:
     return time.perf_counter() - started, out.outputs[0].token_ids
 
 
-def start_kvstore(stack: ExitStack, memory_bytes: int, redis_url: str = "") -> str:
+def start_kvstore(stack: ExitStack, memory_bytes: int, redis_url: str = "", *extra: str) -> str:
     port = free_port()
     cmd = [sys.executable, "-m", "services.cli", "kvstore", "--port", str(port)]
-    cmd += ["--memory-bytes", str(memory_bytes)]
+    cmd += ["--memory-bytes", str(memory_bytes), *extra]
     if redis_url:
         cmd += ["--redis-url", redis_url]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -156,7 +158,15 @@ def document_rows(args, engine_kw: dict, vocab: int, stack: ExitStack) -> list[t
     # (row, the store, how the engine reaches a service: streamed over gRPC or through shared memory)
     stores = [("store (in process)", lambda: open_kv_store(f"memory:{args.store_bytes}"), "off")]
     stores.append(("store (memory, gRPC)", lambda: start_kvstore(stack, args.store_bytes), "off"))
-    stores.append(("store (memory, shared memory)", lambda: start_kvstore(stack, args.store_bytes), "on"))
+    stores.append(
+        (
+            "store (memory, shared memory segments)",
+            lambda: start_kvstore(stack, args.store_bytes, "", "--no-memory-arena"),
+            "on",
+        )
+    )
+    arena_store = lambda: start_kvstore(stack, args.store_bytes)  # noqa: E731
+    stores.append(("store (memory, in place: shared arena)", arena_store, "on"))
     if not args.no_redis:
         stores.append(("store (redis, gRPC)", lambda: start_kvstore(stack, 0, start_redis(stack)), "off"))
     for name, make, shared in stores:

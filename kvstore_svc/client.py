@@ -6,11 +6,13 @@
         for key, header, payload in kv.get(fingerprint, keys[:n]):
             ...
 
-On the store's own host (`shared_memory="auto"` and a loopback address, or "on") payloads
-move through shared memory segments this client owns (GetShared / PutShared,
-kvstore_svc/shared_client.py); a store that cannot open them makes the client stream
-(Get / Put) from then on. `get_each` hands each payload over as a view (of the segment,
-no copy) valid while the callback runs; `get` returns copies.
+On the store's own host (`shared_memory="auto"` and a loopback address, or "on") gets read
+entries where they lie in the store's shared memory arena (GetInPlace, a read-only mapping,
+kvstore_svc/inplace_client.py) and puts move payloads through shared memory segments this
+client owns (PutShared; GetShared for gets when the store keeps no arena,
+kvstore_svc/shared_client.py); whatever the store or host refuses, the client stops asking
+for and streams (Get / Put) instead. `get_each` hands each payload over as a view (of the
+arena or segment, no copy) valid while the callback runs; `get` returns copies.
 
 A store that is down, slow or shutting down raises `KVStoreUnavailable`:
 treat it as a miss and recompute. Other failures (the store refused the call
@@ -30,6 +32,7 @@ import grpc
 from kvstore_svc import shm
 from kvstore_svc.config import PIECE_BYTES
 from kvstore_svc.entry import CorruptEntry, EntryHeader, check_payload
+from kvstore_svc.inplace_client import ArenaMap, InPlacePath
 from kvstore_svc.shared_client import Consume, SharedPath, SharedRefused, wants_shared
 from kvstore_svc.shm import Segment
 from kvstore_svc.wire import Assembled, EntryAssembler, EntryIn, check_entry_keys, entries_of, put_requests
@@ -109,7 +112,8 @@ class KVStoreClient:
 
     shared_memory: "auto" (segments when the address is this host's), "on" (whenever
     /dev/shm exists; still streams if the store refuses them) or "off";
-    segment_bytes: the size of each of its (two) segments, made when first used.
+    segment_bytes: the size of each of its (two) segments, made when first used;
+    in_place: read from the store's arena when it offers one (off: GetShared, for comparisons).
     """
 
     def __init__(
@@ -124,6 +128,7 @@ class KVStoreClient:
         shared_memory: str = "auto",
         segment_bytes: int = shm.DEFAULT_SEGMENT_BYTES,
         shm_root: str = shm.SHM_DIR,
+        in_place: bool = True,
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
@@ -135,12 +140,28 @@ class KVStoreClient:
             if wants_shared(shared_memory, address, shm_root)
             else None
         )
+        self.in_place: InPlacePath | None = (
+            InPlacePath(shm_root) if self.shared is not None and in_place else None
+        )
 
     def on_segments(self, made: Callable[[Segment], None], closing: Callable[[Segment], None]) -> None:
         """Call `made(segment)` for each shared memory segment once it exists, `closing(segment)`
         before it is unmapped (the worker page-locks them for its device). Set before first use."""
         if self.shared is not None:
             self.shared.pool.on_create, self.shared.pool.on_close = made, closing
+
+    def on_arena(self, mapped: Callable[[ArenaMap], None], unmapping: Callable[[ArenaMap], None]) -> None:
+        """Call `mapped(arena)` for each store arena once it is mapped (read-only), `unmapping(arena)`
+        before it is unmapped (the worker page-locks it for its device). Set before first use."""
+        if self.in_place is not None:
+            self.in_place.on_map, self.in_place.on_unmap = mapped, unmapping
+
+    def _stop_in_place(self, path: InPlacePath, why: object) -> None:
+        """The store keeps no arena, or we cannot map it: GetShared / Get from now on."""
+        if self.in_place is path:
+            self.in_place = None
+            log.info("kvstore entries cannot be read in place here", extra={"reason": str(why)})
+        path.close()
 
     def _stop_sharing(self, shared: SharedPath, why: object) -> None:
         """The store refused our segments: stream from now on (for this store, i.e. this client)."""
@@ -207,10 +228,22 @@ class KVStoreClient:
             return 0
         timeout = timeout_s or self.timeout_s
         done = 0
-        shared = self.shared
-        if shared is not None:
+        in_place = self.in_place
+        if in_place is not None:
             try:
-                done, finished = shared.get_each(self._stub, fingerprint, keys, consume, timeout)
+                done, finished = in_place.get_each(self._stub, fingerprint, keys, consume, timeout)
+                if finished:
+                    return done
+            except SharedRefused as e:
+                done = getattr(e, "done", 0)
+                self._stop_in_place(in_place, e)
+            except grpc.RpcError as e:
+                raise _error(e, "get") from None
+        shared = self.shared
+        if shared is not None and done < len(keys):
+            try:
+                n, finished = shared.get_each(self._stub, fingerprint, keys[done:], consume, timeout)
+                done += n
                 if finished:
                     return done
             except SharedRefused as e:
@@ -258,6 +291,9 @@ class KVStoreClient:
             raise _error(e, "stats") from None
 
     def close(self) -> None:
+        in_place, self.in_place = self.in_place, None
+        if in_place is not None:
+            in_place.close()
         shared, self.shared = self.shared, None
         if shared is not None:
             shared.close()  # unlinks the segments

@@ -50,6 +50,15 @@ class KVStoreConfig(ServerConfig):
         "segments (/dev/shm/llmesh-kv-*) instead of gRPC; --no-shared-memory refuses them "
         "(FAILED_PRECONDITION: clients stream)",
     )
+    memory_arena: bool = option(
+        True,
+        help="with shared memory on, keep the memory tier in one arena file the store owns "
+        "(/dev/shm/llmesh-kvstore-*, mode 0600, committed at start): workers of the same user on this "
+        "host read entries where they lie (GetInPlace); --no-memory-arena keeps it in the heap",
+    )
+    lease_timeout_s: float = option(
+        10.0, help="an in-place read's lease not released within this long expires (its worker died)"
+    )
     io_threads: int = option(8, help="threads for tier I/O (disk, Redis), off the event loop")
     log_level: str = option("info", help="debug | info | warning | error")
 
@@ -71,6 +80,8 @@ class KVStoreConfig(ServerConfig):
             raise ValueError("write_behind_bytes must be > 0 with write_behind")
         if self.max_entry_bytes <= 0:
             raise ValueError(f"max_entry_bytes must be > 0, got {self.max_entry_bytes}")
+        if self.lease_timeout_s <= 0:
+            raise ValueError(f"lease_timeout_s must be > 0, got {self.lease_timeout_s}")
         if self.io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {self.io_threads}")
         if not (self.memory_bytes or self.disk_dir or self.redis_url):

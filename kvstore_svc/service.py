@@ -44,6 +44,7 @@ async def run(config: KVStoreConfig) -> None:
                 "redis": redact_url(config.redis_url) if config.redis_url else None,
                 "write_behind": config.write_behind,
                 "shared_memory": segments is not None,
+                "arena": servicer.store.arena.arena.name if servicer.store.arena is not None else None,
             },
         )
         print(f"llmesh kvstore listening on {address}", flush=True)

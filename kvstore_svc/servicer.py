@@ -8,7 +8,9 @@ a message naming what is wrong; a miss is never an error.
 GetShared / PutShared move payloads through a client's shared memory segment
 (`shm.SegmentMaps`, `shared_transfer`); a store made without segment maps
 (`--no-shared-memory`) or one that cannot open the segment answers
-FAILED_PRECONDITION, and the client streams instead.
+FAILED_PRECONDITION, and the client streams instead. GetInPlace / ReleaseInPlace lease
+entries of the store's own arena (`TieredKVStore.lease_in_place`); FAILED_PRECONDITION
+without one.
 """
 
 from __future__ import annotations
@@ -228,6 +230,42 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         self.shared_bytes_in += sum(e.header.payload_length for e in entries[: stored + rejected])
         return kvstore_pb2.PutResponse(num_stored=stored, num_rejected=rejected)
+
+    async def _arena_store(self, context: grpc.aio.ServicerContext) -> TieredKVStore:
+        store = await self._ready_store(context)
+        if store.arena is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this store keeps no shared memory arena (--no-shared-memory, --no-memory-arena, "
+                "/dev/shm too small or no memory tier): use GetShared / Get",
+            )
+        return store
+
+    async def GetInPlace(
+        self, request: kvstore_pb2.GetInPlaceRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.GetInPlaceResponse:
+        store = await self._arena_store(context)
+        await self._check_keys(context, request.fingerprint, request.keys)
+        grant = await self._run(store.lease_in_place, request.fingerprint, list(request.keys))
+        # A client that gave up before this answer never releases it: the lease expires.
+        return kvstore_pb2.GetInPlaceResponse(
+            arena=grant.arena,
+            arena_bytes=grant.arena_bytes,
+            entries=[
+                kvstore_pb2.InPlaceEntry(key=e.key, header=header_to_proto(e.header), offset=e.offset)
+                for e in grant.entries
+            ],
+            lease_id=grant.lease_id,
+            lease_timeout_ms=int(grant.lease_timeout_s * 1000),
+            more=grant.more,
+        )
+
+    async def ReleaseInPlace(
+        self, request: kvstore_pb2.ReleaseInPlaceRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.ReleaseInPlaceResponse:
+        store = await self._arena_store(context)
+        released = await self._run(store.release_in_place, request.lease_id)
+        return kvstore_pb2.ReleaseInPlaceResponse(released=released)
 
     async def Delete(
         self, request: kvstore_pb2.DeleteRequest, context: grpc.aio.ServicerContext

@@ -2,9 +2,10 @@
 
 No transport: the servicer opens the segment (`shm.SegmentMaps`) and converts protobuf;
 these functions move the bytes between a region of it and the store, one copy each way
-(tier -> segment for a get; segment -> a private blob, then checked, for a put: the
-checksum is taken on the store's own copy, so a client that rewrites its segment during
-the call can spoil only its own entry's check, never a stored entry).
+(tier -> segment for a get; segment -> the arena slot, or a private blob without an arena,
+then checked, for a put: the checksum is taken on the store's own copy, so a client that
+rewrites its segment during the call can spoil only its own entry's check, never a stored
+entry).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstore_svc.entry import CorruptEntry, EntryHeader, encode_entry
+from kvstore_svc.entry import CorruptEntry, EntryHeader
 from kvstore_svc.shm import Region, align
 from kvstore_svc.store import TieredKVStore, check_key, check_keys
 
@@ -79,8 +80,8 @@ def ingest(
                     f"payload [{e.offset}, {e.offset + n}) lies outside the region "
                     f"[{region.offset}, {region.end})"
                 )
-            blob = encode_entry(e.header, segment[e.offset : e.offset + n], verify=False)  # the one copy
-            ok = store.put(fingerprint, e.key, blob)  # validates the blob, checksum included
+            # The one copy: into the arena slot (or a private blob), checksummed there.
+            ok = store.put_payload(fingerprint, e.key, e.header, segment[e.offset : e.offset + n])
         except (CorruptEntry, ValueError) as err:
             raise CorruptEntry(
                 f"entry {i} (key {e.key.hex()[:16]}): {err} ({stored + rejected} earlier entries "

@@ -140,8 +140,9 @@ class Segment:
             pass
 
 
-def sweep_orphans(root: str = SHM_DIR) -> int:
-    """Unlink this user's segments whose creating process is gone (it was killed): how many."""
+def sweep_orphans(root: str = SHM_DIR, pattern: re.Pattern[str] = _OWN_NAME) -> int:
+    """Unlink this user's files named by `pattern` (group 1: the creating pid) whose creating
+    process is gone (it was killed): how many. Segments by default; the store's arenas too."""
     removed = 0
     uid = os.getuid()
     try:
@@ -149,7 +150,7 @@ def sweep_orphans(root: str = SHM_DIR) -> int:
     except OSError:
         return 0
     for name in names:
-        m = _OWN_NAME.fullmatch(name)
+        m = pattern.fullmatch(name)
         if m is None or int(m.group(1)) == os.getpid():
             continue
         path = os.path.join(root, name)

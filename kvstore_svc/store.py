@@ -18,8 +18,17 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvstore_svc import shm
 from kvstore_svc.config import KVStoreConfig
-from kvstore_svc.entry import MAX_FINGERPRINT_BYTES, CorruptEntry, EntryHeader, decode_entry
+from kvstore_svc.entry import (
+    MAX_FINGERPRINT_BYTES,
+    CorruptEntry,
+    EntryHeader,
+    check_payload,
+    decode_entry,
+    encode_entry,
+)
+from kvstore_svc.tiers.arena import ArenaMemoryTier
 from kvstore_svc.tiers.base import EntryKey, Tier, TierStats
 from kvstore_svc.tiers.disk import DiskTier
 from kvstore_svc.tiers.memory import MemoryTier
@@ -62,13 +71,58 @@ class StoreStats:
     write_behind_pending_bytes: int = 0
     redis_errors: int = 0
     redis_circuit_open: bool = False
+    # The arena (memory tier in shared memory): in-place reads and their leases.
+    arena: str = ""
+    arena_bytes: int = 0
+    inplace_bytes_out: int = 0
+    leases: int = 0
+    lease_expiries: int = 0
+    active_leases: int = 0
+    leased_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class InPlaceEntry:
+    """An entry whose payload lies at [offset, offset + header.payload_length) of the arena."""
+
+    key: bytes
+    header: EntryHeader
+    offset: int
+
+
+@dataclass(frozen=True)
+class InPlaceGrant:
+    """What GetInPlace answers: leased entries of the leading keys (kvstore.proto GetInPlaceResponse)."""
+
+    arena: str
+    arena_bytes: int
+    lease_id: int  # 0 with no entries
+    lease_timeout_s: float
+    entries: list[InPlaceEntry]
+    more: bool  # stopped before a present entry it could not lease, not at a miss
+
+
+def memory_tier(config: KVStoreConfig) -> MemoryTier | ArenaMemoryTier | None:
+    """The config's memory tier: in a shared memory arena when the store shares memory (its
+    default) and /dev/shm takes it; else in this process's heap."""
+    if not config.memory_bytes:
+        return None
+    if config.shared_memory and config.memory_arena and shm.available():
+        try:
+            return ArenaMemoryTier(config.memory_bytes, lease_timeout_s=config.lease_timeout_s)
+        except OSError as e:  # e.g. a container's 64 MiB /dev/shm: no in-place reads, same store
+            log.warning(
+                "cannot place the memory tier in shared memory; keeping it in the heap",
+                extra={"memory_bytes": config.memory_bytes, "error": str(e)},
+            )
+    return MemoryTier(config.memory_bytes)
 
 
 class TieredKVStore:
     def __init__(
         self,
         *,
-        memory: MemoryTier | None = None,
+        memory: MemoryTier | ArenaMemoryTier | None = None,
         disk: DiskTier | None = None,
         redis: RedisTier | None = None,
         write_behind_bytes: int = 0,
@@ -93,7 +147,7 @@ class TieredKVStore:
     def from_config(cls, config: KVStoreConfig) -> TieredKVStore:
         """The tiers the config names (the disk tier scans its directory: call it off the event loop)."""
         return cls(
-            memory=MemoryTier(config.memory_bytes) if config.memory_bytes else None,
+            memory=memory_tier(config),
             disk=DiskTier(config.disk_dir, config.disk_bytes) if config.disk_dir else None,
             redis=RedisTier(
                 config.redis_url,
@@ -172,10 +226,13 @@ class TieredKVStore:
 
     def _read(self, ek: EntryKey) -> tuple[EntryHeader, memoryview] | None:
         if self.memory is not None:
-            blob = self.memory.get(ek)
-            if blob is not None:
-                # Checked on the way in, and memory does not rot: sizes only, no payload hash.
-                return decode_entry(blob, verify_checksum=False)
+            # Checked on the way in, and memory does not rot: sizes only, no payload hash.
+            found = self.memory.get_entry(ek)
+            if found is not None:
+                return found
+        return self._read_slower(ek)
+
+    def _read_slower(self, ek: EntryKey) -> tuple[EntryHeader, memoryview] | None:
         if self._write_behind is not None:
             blob = self._write_behind.pending(ek)
             if blob is not None:
@@ -243,6 +300,54 @@ class TieredKVStore:
                 stored = tier.put(ek, blob) or stored
         return stored
 
+    def put_payload(self, fingerprint: bytes, key: bytes, header: EntryHeader, payload: memoryview) -> bool:
+        """Store an entry whose payload lies in a buffer another process may still write (a
+        client's shared memory segment): copied once, into the arena slot itself when the memory
+        tier is an arena, and checked on that copy (a client rewriting its segment meanwhile spoils
+        only its own put). Raises and returns as `put`; `header` is already validated."""
+        check_keys(fingerprint, [key])
+        try:
+            if header.fingerprint != fingerprint:
+                raise CorruptEntry("header fingerprint differs from the request's")
+            if header.payload_length > self.max_entry_bytes:
+                raise CorruptEntry(
+                    f"payload of {header.payload_length} bytes exceeds --max-entry-bytes "
+                    f"{self.max_entry_bytes}"
+                )
+            if len(payload) != header.payload_length:
+                raise CorruptEntry(f"payload is {len(payload)} bytes, header says {header.payload_length}")
+        except CorruptEntry:
+            self._count(invalid_entries=1)
+            raise
+        ek = EntryKey(fingerprint, key)
+        arena = self.memory if isinstance(self.memory, ArenaMemoryTier) else None
+        slot = None
+        if arena is not None and not arena.contains(ek):
+            slot = arena.reserve(ek, header)
+        if slot is None:  # no arena, already held, or no room in it: a private blob as Put makes
+            return self.put(fingerprint, key, encode_entry(header, payload, verify=False))
+        assert arena is not None
+        blob = None
+        try:
+            copy = arena.view(slot)
+            copy[:] = payload  # the one copy
+            check_payload(header, copy)
+            if self._slower:  # while the slot is still ours alone
+                blob = encode_entry(header, copy, verify=False)
+        except BaseException as e:
+            arena.abort(slot)
+            if isinstance(e, CorruptEntry):
+                self._count(invalid_entries=1)
+            raise
+        arena.commit(slot)
+        self._count(bytes_in=header.payload_length)
+        if blob is not None:
+            if self._write_behind is not None:
+                self._write_behind.offer(ek, blob)
+            else:
+                self._write_slower(ek, blob)
+        return True
+
     def _write_slower(self, ek: EntryKey, blob: bytes) -> None:
         for tier in self._slower:
             tier.put(ek, blob)
@@ -261,6 +366,49 @@ class TieredKVStore:
             removed += found
         return removed
 
+    # -- in-place reads (the memory tier is an arena) ------------------------------
+
+    @property
+    def arena(self) -> ArenaMemoryTier | None:
+        return self.memory if isinstance(self.memory, ArenaMemoryTier) else None
+
+    def lease_in_place(self, fingerprint: bytes, keys: Sequence[bytes]) -> InPlaceGrant:
+        """Lease the arena slots of the leading present keys (an entry only in a slower tier is
+        promoted into the arena first). ValueError for bad keys; RuntimeError without an arena."""
+        check_keys(fingerprint, keys)
+        arena = self.arena
+        if arena is None:
+            raise RuntimeError("this store keeps no arena")
+        lease_id = arena.open_lease()
+        entries: list[InPlaceEntry] = []
+        more = lease_id is None  # MAX_LEASES outstanding: the client reads another way
+        for key in [] if lease_id is None else keys:
+            ek = EntryKey(fingerprint, key)
+            got = arena.pin(lease_id, ek)  # type: ignore[arg-type]
+            if got is None and self._read_slower(ek) is not None:  # promoted into the arena
+                got = arena.pin(lease_id, ek)  # type: ignore[arg-type]
+                if got is None:
+                    got = False  # held elsewhere but no room in the arena
+            if got is None:
+                break  # a miss ends the chain
+            if got is False:
+                more = True
+                break
+            entries.append(InPlaceEntry(key, got.header, got.offset))
+        if lease_id is not None and not entries:
+            arena.release(lease_id)
+            lease_id = None
+        out_bytes = sum(e.header.payload_length for e in entries)
+        self._count(bytes_out=out_bytes, inplace_bytes_out=out_bytes)
+        return InPlaceGrant(
+            arena.arena.name, arena.capacity_bytes, lease_id or 0, arena.lease_timeout_s, entries, more
+        )
+
+    def release_in_place(self, lease_id: int) -> bool:
+        """End a lease of lease_in_place; False when unknown or expired (or no arena)."""
+        arena = self.arena
+        return arena is not None and arena.release(lease_id)
+
     # -- the rest ----------------------------------------------------------------
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -274,6 +422,10 @@ class TieredKVStore:
         if self._write_behind is not None:
             out.write_behind_dropped = self._write_behind.dropped
             out.write_behind_pending_bytes = self._write_behind.pending_bytes
+        if (arena := self.arena) is not None:
+            out.arena, out.arena_bytes = arena.arena.name, arena.capacity_bytes
+            out.leases, out.lease_expiries = arena.lease_count, arena.lease_expiries
+            out.active_leases, out.leased_bytes = arena.active_leases, arena.leased_bytes
         if self.redis is not None:
             out.redis_errors = out.tiers[-1].errors
             out.redis_circuit_open = self.redis.breaker.is_open

@@ -104,6 +104,10 @@ class WorkerKVTiers:
             # The store client's shared memory segments, page-locked: chunks loaded from them
             # reach the device by DMA, with no staging copy.
             store.on_segments(_page_lock, _page_unlock)
+        if pin and store is not None and hasattr(store, "on_arena"):
+            # The store's arena, mapped read-only: page-locked once per mapping (the read-only
+            # flag: the pages are never written from here), so in-place loads are one DMA each.
+            store.on_arena(_page_lock_arena, _page_unlock_arena)
         self._puts: queue.Queue = queue.Queue()
         self._pending_put_bytes = 0
         self._lock = threading.Lock()
@@ -203,8 +207,9 @@ class WorkerKVTiers:
     def _load_from_store(self, load: StoreLoad) -> int | None:
         """Fill the blocks of `load`; the first block id not filled, or None when all were.
 
-        Each chunk goes from the store's bytes (a view of a shared memory segment, or of the
-        in-process store's memory) to the cache in one copy, while the store hands it over.
+        Each chunk goes from the store's bytes (a view of the store's arena read in place, of a
+        shared memory segment, or of the in-process store's memory) to the cache in one copy,
+        while the store hands it over.
         """
         c = self.chunk_blocks
         if not c or len(load.block_ids) != len(load.keys) * c:
@@ -354,6 +359,25 @@ def _page_lock(segment) -> None:
 
 def _page_unlock(segment) -> None:
     torch.cuda.cudart().cudaHostUnregister(_segment_address(segment))
+
+
+# cudaHostRegisterReadOnly: the device only reads the pages (a PROT_READ mapping cannot be pinned
+# for writing).
+_HOST_REGISTER_READ_ONLY = 0x08
+
+
+def _page_lock_arena(arena) -> None:
+    """cudaHostRegister the store's read-only arena mapping (failure leaves it pageable: slower
+    copies, same bytes)."""
+    err = torch.cuda.cudart().cudaHostRegister(arena.address, arena.size, _HOST_REGISTER_READ_ONLY)
+    arena.page_locked = int(err) == 0
+    if not arena.page_locked:
+        log.warning("could not page-lock the KV store's arena", extra={"error": int(err)})
+
+
+def _page_unlock_arena(arena) -> None:
+    if getattr(arena, "page_locked", False):
+        torch.cuda.cudart().cudaHostUnregister(arena.address)
 
 
 def _runs(slots: list[int]) -> list[tuple[int, int, int]]:

@@ -12,6 +12,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from kvstore_svc.entry import EntryHeader, decode_entry
 from kvstore_svc.tiers.base import Counters, EntryKey, TierStats
 
 
@@ -34,6 +35,11 @@ class MemoryTier:
                 self._entries.move_to_end(key)
         self._counters.add("hits" if blob is not None else "misses")
         return blob
+
+    def get_entry(self, key: EntryKey) -> tuple[EntryHeader, memoryview] | None:
+        """(header, payload view into the blob): checked on the way in, sizes only here."""
+        blob = self.get(key)
+        return None if blob is None else decode_entry(blob, verify_checksum=False)
 
     def put(self, key: EntryKey, blob: bytes) -> bool:
         size = len(blob)

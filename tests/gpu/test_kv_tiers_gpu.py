@@ -65,7 +65,7 @@ def test_store_put_then_load_through_page_locked_shared_memory(tmp_path) -> None
     from kvstore_svc.client import KVStoreClient
     from tests.integration.test_kvstore import StoreProcess
 
-    store = StoreProcess(tmp_path, "--memory-bytes", "256MiB")
+    store = StoreProcess(tmp_path, "--memory-bytes", "256MiB", "--no-memory-arena")  # gets: GetShared
     client = KVStoreClient(store.address, timeout_s=30, shared_memory="on", segment_bytes=8 << 20)
     try:
         tiers = make_tiers(client, chunk_blocks=4)
@@ -87,4 +87,34 @@ def test_store_put_then_load_through_page_locked_shared_memory(tmp_path) -> None
         tiers.close()
     finally:
         client.close()
+        store.stop()
+
+
+def test_store_load_in_place_from_the_page_locked_arena(tmp_path) -> None:
+    """A real store service on loopback with its memory tier in an arena: the tiers page-lock
+    the read-only mapping (cudaHostRegister, read-only flag) and chunks come back exactly."""
+    from kvstore_svc.client import KVStoreClient
+    from tests.integration.test_kvstore import StoreProcess
+
+    store = StoreProcess(tmp_path, "--memory-bytes", "256MiB")
+    client = KVStoreClient(store.address, timeout_s=30, shared_memory="on", segment_bytes=8 << 20)
+    try:
+        tiers = make_tiers(client, chunk_blocks=4)
+        ids = [1, 2, 3, 4, 10, 11, 12, 13]
+        want = blocks_of(tiers, ids).clone()
+        tiers.apply(
+            KVTransfers(store_puts=[StorePut(b"e" * 32, ids[:4]), StorePut(b"f" * 32, ids[4:])]),
+            lambda s, b: 0,
+        )
+        tiers.flush()
+        targets = [30, 31, 32, 33, 34, 35, 36, 37]
+        failed = tiers.apply(
+            KVTransfers(store_loads=[StoreLoad("s", [b"e" * 32, b"f" * 32], targets)]), lambda s, b: 0
+        )
+        assert failed == {} and client.in_place is not None and client.in_place.bytes_in > 0
+        assert client.in_place._map is not None and client.in_place._map.page_locked
+        assert torch.equal(blocks_of(tiers, targets), want)
+        tiers.close()
+    finally:
+        client.close()  # unmaps (and unregisters) the arena
         store.stop()

@@ -26,6 +26,17 @@ def service_logs(log_dir: pathlib.Path, tail: int = 3000) -> str:
     )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _sweep_killed_stores_arenas():
+    """Tests kill KV stores (SIGKILL); a killed store's arena stays in /dev/shm until the next
+    store of this user starts, so the session removes those of dead processes when it ends."""
+    yield
+    from kvstore_svc.arena import ARENA_NAME
+    from kvstore_svc.shm import SHM_DIR, sweep_orphans
+
+    sweep_orphans(SHM_DIR, ARENA_NAME)
+
+
 @pytest.fixture(scope="session")
 def gateway_mesh(tmp_path_factory) -> LocalMesh:
     log_dir = tmp_path_factory.mktemp("gateway-mesh")

@@ -1,5 +1,8 @@
 """The KV store's same-host path: payloads through the client's shared memory segments (real store process).
 
+These stores keep no arena (--no-memory-arena), so gets take GetShared as well; reads in place
+from the store's arena are tests/integration/test_kvstore_in_place.py.
+
 A client on loopback moves entries with GetShared / PutShared; hostile regions are refused
 with the protocol's codes; a store that refuses shared memory, or cannot open the client's
 segment (as from another container), is streamed to instead; a store killed mid-call costs
@@ -34,7 +37,8 @@ KiB, MiB = 1 << 10, 1 << 20
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    s = StoreProcess(tmp_path_factory.mktemp("kvstore-shm"), "--memory-bytes", "256MiB")
+    # No arena: gets use the client's segments too (reads in place: test_kvstore_in_place.py).
+    s = StoreProcess(tmp_path_factory.mktemp("kvstore-shm"), "--memory-bytes", "256MiB", "--no-memory-arena")
     yield s
     assert s.stop() == 0, s.log.read_text()[-3000:]
 
@@ -206,10 +210,11 @@ def test_a_segment_the_store_cannot_open_falls_back_to_streaming(store):
 
 @pytest.mark.parametrize("call", ["get", "put"])
 def test_a_store_killed_mid_call_is_a_miss_and_leaks_no_segment(tmp_path, call):
-    s = StoreProcess(tmp_path, "--memory-bytes", "64MiB")
+    s = StoreProcess(tmp_path, "--memory-bytes", "64MiB", "--no-memory-arena")
     fp = fresh_fp("shm-killed")
     ents = [entry(i, 256 * KiB, fp) for i in range(4)]
-    c = KVStoreClient(s.address, timeout_s=30, segment_bytes=MiB)
+    # in_place=False: the get goes straight to GetShared (this store has no arena to read in place).
+    c = KVStoreClient(s.address, timeout_s=30, segment_bytes=MiB, in_place=False)
     try:
         assert c.put(fp, ents[:2]) == 2  # the segment exists and the store maps it
         names = c.shared.pool.names

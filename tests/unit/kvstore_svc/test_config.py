@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kvstore_svc.config import KVStoreConfig, kvstore_environ
@@ -48,3 +50,23 @@ def test_bad_values_are_usage_errors(argv):
     with pytest.raises(SystemExit) as e:
         load(argv)
     assert e.value.code == 2
+
+
+def test_the_memory_tier_is_an_arena_unless_told_or_unable():
+    from kvstore_svc import shm
+    from kvstore_svc.store import memory_tier
+    from kvstore_svc.tiers.arena import ArenaMemoryTier
+    from kvstore_svc.tiers.memory import MemoryTier
+
+    if not shm.available():
+        pytest.skip("no /dev/shm")
+    tier = memory_tier(load(["--memory-bytes", "1MiB", "--lease-timeout-s", "3"]))
+    assert isinstance(tier, ArenaMemoryTier) and tier.lease_timeout_s == 3
+    tier.close()
+    for argv in (["--no-memory-arena"], ["--no-shared-memory"]):
+        assert isinstance(memory_tier(load(["--memory-bytes", "1MiB", *argv])), MemoryTier)
+    st = os.statvfs(shm.SHM_DIR)
+    too_big = str(st.f_bavail * st.f_frsize + (1 << 30))  # more than /dev/shm holds: the heap
+    assert isinstance(memory_tier(load(["--memory-bytes", too_big])), MemoryTier)
+    with pytest.raises(SystemExit):  # a usage error naming the flag
+        load(["--lease-timeout-s", "0"])
