@@ -187,10 +187,16 @@ class Planner:
     def waits_for_result(self) -> bool:
         """Most running sequences await a plan's result (speculative decoding): a plan made now
         would hold only the rest, and the two groups would then alternate, each in every other
-        step. Better to wait for the result and plan them all together."""
-        awaiting = sum(
-            1 for r in self.running if r.awaiting_result and self._chained_drafts(r, 1 << 30) is None
+        step. Better to wait for the result and plan them all together, unless they can chain
+        behind it (then nobody waits)."""
+        if not self._most_await():
+            return False
+        return not any(
+            r.awaiting_result and self._chained_drafts(r, 1 << 30) is not None for r in self.running
         )
+
+    def _most_await(self) -> bool:
+        awaiting = sum(1 for r in self.running if r.awaiting_result)
         return awaiting > 0 and 2 * awaiting >= len(self.running) and not self.waiting
 
     def has_work_for_worker(self) -> bool:
@@ -207,11 +213,15 @@ class Planner:
         self._spec = self._spec_by_step[plan.step_id] = {}
         preempted = False
 
+        # Verifications chain behind those in flight only where the plan would otherwise wait
+        # for their result: a chained plan makes the worker finish the step before it (it needs
+        # the accepted counts), which costs every other sequence in the batch its overlap.
+        chain = self._most_await()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            chained = req.awaiting_result and self._chained_drafts(req, budget)
-            if chained is None or (not req.awaiting_result and self._needs_no_more(req)):
+            chained = self._chained_drafts(req, budget) if req.awaiting_result and chain else None
+            if (req.awaiting_result and chained is None) or self._needs_no_more(req):
                 # Its next position depends on a result in flight (drafts), or its last token
                 # is in flight: it finishes when that result is applied.
                 i += 1
