@@ -189,7 +189,10 @@ class SegmentPool:
         self._all: list[Segment] = []
         self._cond = threading.Condition()
         self._closed = False
-        self._swept = False
+        # Now, not at the first segment: a worker restarted after a crash may not load or put
+        # for a long time, and its dead self's segments hold memory until someone sweeps them.
+        if available(root) and (n := sweep_orphans(root)):
+            log.info("removed shared memory segments of dead processes", extra={"segments": n})
 
     @contextlib.contextmanager
     def lease(self) -> Iterator[Segment]:
@@ -221,10 +224,6 @@ class SegmentPool:
                     break
                 self._cond.wait()
         try:
-            if not self._swept:
-                self._swept = True
-                if n := sweep_orphans(self.root):
-                    log.info("removed shared memory segments of dead processes", extra={"segments": n})
             segment = Segment(self.size, self.root)
             if self.on_create is not None:
                 self.on_create(segment)
