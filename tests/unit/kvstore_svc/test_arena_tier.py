@@ -8,17 +8,10 @@ from kvstore_svc.entry import CorruptEntry, encode_entry
 from kvstore_svc.store import TieredKVStore
 from kvstore_svc.tiers.arena import ArenaMemoryTier
 from kvstore_svc.tiers.base import EntryKey
+from tests.helpers.clock import Clock
 from tests.helpers.kv_entries import FP, OTHER_FP, entry
 
 KiB = 1 << 10
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture

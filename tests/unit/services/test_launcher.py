@@ -8,6 +8,7 @@ import pytest
 
 from services import launcher
 from services.launcher import Backoff, Child, LocalMesh, Supervisor
+from tests.helpers.clock import Clock
 
 
 class FakeProc:
@@ -25,14 +26,6 @@ class FakeProc:
 
     def die(self, code: int) -> None:
         self.returncode = code
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
