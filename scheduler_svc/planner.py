@@ -374,11 +374,7 @@ class Planner:
                 continue  # finished or aborted meanwhile
             if sampled.get(seq_id) != req.incarnation:
                 continue  # restarted (preempted) since this plan was made
-            later = {
-                step_id: e
-                for step_id, step in self._spec_by_step.items()
-                if (e := step.get(seq_id)) is not None
-            }
+            later = self._spec_in_flight(seq_id)  # this plan's entry is popped: the ones after it
             if entry.holds:  # this plan held it back: only plans chained behind it are in flight
                 req.awaiting_result = any(e.holds for e in later.values())
                 # The KV of every token but the newest is written (rejected drafts' slots lie past
@@ -464,6 +460,12 @@ class Planner:
             return True
         return req.num_tokens + req.num_pending >= self.config.max_model_len
 
+    def _spec_in_flight(self, seq_id: str) -> dict[int, SpecEntry]:
+        """{step id: entry} of the plans in flight that speculate for `seq_id` (two at most)."""
+        return {
+            step_id: e for step_id, step in self._spec_by_step.items() if (e := step.get(seq_id)) is not None
+        }
+
     def _chained_drafts(self, req: Request, budget: int) -> int | None:
         """Drafts a plan may verify for `req` behind the verification in flight (None: it waits).
 
@@ -474,7 +476,7 @@ class Planner:
         """
         if not self.spec.drafts_ahead or req.spec_skip > 0:
             return None
-        inflight = [e for step in self._spec_by_step.values() if (e := step.get(req.request_id)) is not None]
+        inflight = self._spec_in_flight(req.request_id).values()
         if not any(e.holds for e in inflight):
             return None
         most = req.num_tokens + req.num_pending + sum(e.drafts for e in inflight)
