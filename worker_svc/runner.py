@@ -283,6 +283,8 @@ class ModelRunner:
         # new kernel variants mid-run.
         self.max_blocks_per_seq = _round16((self.max_model_len + bs - 1) // bs)
         self.max_num_seqs = config.resolved_max_num_seqs()
+        # vLLM's token budget for this device: a suggestion to schedulers that set none (WorkerInfo).
+        self.suggested_batched_tokens = default_batch_limits(self.device)[1]
         self._tables = _BlockTableRows(self.max_blocks_per_seq, rows=self.max_num_seqs)
         self._eos = list(mc.eos_token_ids)
         self._graphs = None
@@ -332,7 +334,7 @@ class ModelRunner:
             vocab_size=self.model_config.vocab_size,
             eos_token_ids=list(self.model_config.eos_token_ids),
             max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=default_batch_limits(self.device)[1],
+            max_num_batched_tokens=self.suggested_batched_tokens,
             num_host_blocks=self.kv_tiers.num_host_blocks,
             kv_chunk_blocks=self.kv_tiers.chunk_blocks,
             num_speculative_tokens=self.spec.num_speculative_tokens if self.spec else 0,
