@@ -59,6 +59,22 @@ def test_store_put_then_load_round_trips_exactly() -> None:
     assert torch.equal(got, torch.cat([want[:4], want[5:]]))
 
 
+def put_then_load(tiers, first: bytes, second: bytes):
+    """Put blocks as two chunks keyed `first`/`second`, zero them, load both into other blocks:
+    (failed loads, the loaded blocks, the blocks as they were put)."""
+    ids = [1, 2, 3, 4, 10, 11, 12, 13]
+    want = blocks_of(tiers, ids).clone()
+    keys = [first * 32, second * 32]
+    puts = [StorePut(keys[0], ids[:4]), StorePut(keys[1], ids[4:])]
+    tiers.apply(KVTransfers(store_puts=puts), lambda s, b: 0)
+    tiers.flush()
+    for c in tiers.kv_caches:
+        c[:, ids] = 0
+    targets = [30, 31, 32, 33, 34, 35, 36, 37]
+    failed = tiers.apply(KVTransfers(store_loads=[StoreLoad("s", keys, targets)]), lambda s, b: 0)
+    return failed, blocks_of(tiers, targets), want
+
+
 def test_store_put_then_load_through_page_locked_shared_memory(tmp_path) -> None:
     """A real store service on loopback: chunks go through the client's segments, which the tiers
     page-lock (cudaHostRegister), and come back exactly."""
@@ -69,21 +85,9 @@ def test_store_put_then_load_through_page_locked_shared_memory(tmp_path) -> None
     client = KVStoreClient(store.address, timeout_s=30, shared_memory="on", segment_bytes=8 << 20)
     try:
         tiers = make_tiers(client, chunk_blocks=4)
-        ids = [1, 2, 3, 4, 10, 11, 12, 13]
-        want = blocks_of(tiers, ids).clone()
-        tiers.apply(
-            KVTransfers(store_puts=[StorePut(b"c" * 32, ids[:4]), StorePut(b"d" * 32, ids[4:])]),
-            lambda s, b: 0,
-        )
-        tiers.flush()
-        for c in tiers.kv_caches:
-            c[:, ids] = 0
-        targets = [30, 31, 32, 33, 34, 35, 36, 37]
-        failed = tiers.apply(
-            KVTransfers(store_loads=[StoreLoad("s", [b"c" * 32, b"d" * 32], targets)]), lambda s, b: 0
-        )
+        failed, loaded, want = put_then_load(tiers, b"c", b"d")
         assert failed == {} and client.shared is not None and client.shared.bytes_in > 0
-        assert torch.equal(blocks_of(tiers, targets), want)
+        assert torch.equal(loaded, want)
         tiers.close()
     finally:
         client.close()
@@ -100,20 +104,10 @@ def test_store_load_in_place_from_the_page_locked_arena(tmp_path) -> None:
     client = KVStoreClient(store.address, timeout_s=30, shared_memory="on", segment_bytes=8 << 20)
     try:
         tiers = make_tiers(client, chunk_blocks=4)
-        ids = [1, 2, 3, 4, 10, 11, 12, 13]
-        want = blocks_of(tiers, ids).clone()
-        tiers.apply(
-            KVTransfers(store_puts=[StorePut(b"e" * 32, ids[:4]), StorePut(b"f" * 32, ids[4:])]),
-            lambda s, b: 0,
-        )
-        tiers.flush()
-        targets = [30, 31, 32, 33, 34, 35, 36, 37]
-        failed = tiers.apply(
-            KVTransfers(store_loads=[StoreLoad("s", [b"e" * 32, b"f" * 32], targets)]), lambda s, b: 0
-        )
+        failed, loaded, want = put_then_load(tiers, b"e", b"f")
         assert failed == {} and client.in_place is not None and client.in_place.bytes_in > 0
         assert client.in_place._map is not None and client.in_place._map.page_locked
-        assert torch.equal(blocks_of(tiers, targets), want)
+        assert torch.equal(loaded, want)
         tiers.close()
     finally:
         client.close()  # unmaps (and unregisters) the arena
