@@ -361,6 +361,12 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="GPUs (ranks) each engine splits the model over"
     )
+    ap.add_argument(
+        "--tp-all-reduce",
+        default="auto",
+        choices=["auto", "nccl"],
+        help="the worker's tp_all_reduce (auto: peer-to-peer one-shot for small messages)",
+    )
 
 
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -373,6 +379,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        tp_all_reduce=getattr(args, "tp_all_reduce", "auto"),
     )
 
 

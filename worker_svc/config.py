@@ -57,6 +57,12 @@ class WorkerConfig:
     # model's heads, MLP and vocabulary.
     tensor_parallel_size: int = 1  # ranks splitting the model; must divide its query and KV heads
     tp_timeout_s: float = 600.0  # longest wait on a tensor-parallel collective before a step fails
+    tp_all_reduce: Literal["auto", "nccl"] = option(
+        "auto",
+        help="tensor-parallel all-reduce on CUDA: auto = a one-shot peer-to-peer all-reduce over "
+        "PyTorch symmetric memory for messages up to 8 MiB (decode steps; no NVLink multicast), "
+        "NCCL above and wherever it cannot start; nccl = NCCL for every message",
+    )
 
     def resolved_max_num_seqs(self) -> int:
         return self.max_num_seqs or default_batch_limits(self.torch_device())[0]

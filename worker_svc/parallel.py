@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from worker_svc.p2p_all_reduce import P2PAllReduce
+
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # the models import this module: only the type, no import loop
@@ -40,6 +42,7 @@ class TensorParallel:
     size: int = 1
     group: object | None = None  # a torch ProcessGroup (None at size 1)
     store: object | None = None  # the TCPStore the group met through (kept alive with it)
+    p2p: P2PAllReduce | None = None  # small CUDA messages' all-reduce (None: NCCL/gloo for all)
 
     @property
     def is_first(self) -> bool:
@@ -55,7 +58,10 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of `x` over the ranks, in place."""
         if self.size > 1:
-            self.group.allreduce([x]).wait()  # type: ignore[union-attr]
+            if self.p2p is not None and self.p2p.fits(x):
+                self.p2p.all_reduce(x)
+            else:
+                self.group.allreduce([x]).wait()  # type: ignore[union-attr]
         return x
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -99,7 +105,7 @@ class TensorParallel:
         Bounded: a teardown that waits on a rank that is gone (NCCL's does, seen on two H200s)
         is left to a daemon thread after `timeout_s`, so that closing an engine never hangs.
         """
-        group, self.group, self.store = self.group, None, None
+        group, self.group, self.store, self.p2p = self.group, None, None, None
         if group is not None and not run_bounded(group.shutdown, timeout_s):  # type: ignore[attr-defined]
             log.warning("tensor-parallel group did not close within %.0f s; left behind", timeout_s)
 
@@ -139,11 +145,16 @@ def open_group(
     timeout_s: float,
     device: torch.device | None = None,
     store: dist.TCPStore | None = None,
+    all_reduce: str = "nccl",
+    dtype: torch.dtype = torch.float32,
 ) -> TensorParallel:
     """Join the `size`-rank group that meets at 127.0.0.1:`store_port` (rank 0 passes its store).
 
-    Blocks until every rank has joined (at most `timeout_s`).
+    Blocks until every rank has joined (at most `timeout_s`). `all_reduce` "auto" adds the
+    peer-to-peer all-reduce for small messages of `dtype` on CUDA (`worker_svc.p2p_all_reduce`).
     """
+    if all_reduce not in ("auto", "nccl"):
+        raise ValueError(f"tp_all_reduce must be auto or nccl, got {all_reduce!r}")
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
         store = dist.TCPStore("127.0.0.1", store_port, size, is_master=False, timeout=timeout)
@@ -163,7 +174,17 @@ def open_group(
             group.eager_connect_single_device(torch.device(device))
     else:
         raise ValueError(f"tensor-parallel backend must be gloo or nccl, got {backend!r}")
-    return TensorParallel(rank=rank, size=size, group=group, store=store)
+    tp = TensorParallel(rank=rank, size=size, group=group, store=store)
+    if backend == "nccl" and all_reduce == "auto" and device is not None:
+        tp.p2p = P2PAllReduce.open(
+            rank,
+            size,
+            dist.PrefixStore("llmesh-p2p", store),
+            torch.device(device),
+            dtype,
+            agree=lambda ok: tp.min_int(int(ok), device) == 1,
+        )
+    return tp
 
 
 def backend_for(device: torch.device) -> str:

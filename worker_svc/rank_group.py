@@ -103,7 +103,15 @@ class RankGroup:
                 self.procs.append(self._spawn(config, rank, store.port))
             self._wait_joined(store, startup_timeout_s)
             self.tp: TensorParallel = open_group(
-                0, self.size, store.port, backend_for(self.device), config.tp_timeout_s, self.device, store
+                0,
+                self.size,
+                store.port,
+                backend_for(self.device),
+                config.tp_timeout_s,
+                self.device,
+                store,
+                all_reduce=config.tp_all_reduce,
+                dtype=config.torch_dtype(),
             )
         except BaseException:
             self._kill()

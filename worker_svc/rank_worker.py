@@ -149,7 +149,17 @@ def main(argv: list[str] | None = None) -> int:
         "127.0.0.1", args.store_port, args.size, is_master=False, timeout=timedelta(seconds=timeout_s)
     )
     store.set(joined_key(args.rank), "1")
-    tp = open_group(args.rank, args.size, args.store_port, backend_for(device), timeout_s, device, store)
+    tp = open_group(
+        args.rank,
+        args.size,
+        args.store_port,
+        backend_for(device),
+        timeout_s,
+        device,
+        store,
+        all_reduce=config.tp_all_reduce,
+        dtype=config.torch_dtype(),
+    )
     shard = RankShard(config, tp)
     channel = sys.stdin.buffer
     try:

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import gc
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,8 +65,8 @@ def _free_memory() -> None:
     torch.cuda.empty_cache()
 
 
-def _greedy(path: str, size: int) -> list[list[int]]:
-    llm = _engine(path, size, gpu_memory_utilization=0.5)
+def _greedy(path: str, size: int, **kw) -> list[list[int]]:
+    llm = _engine(path, size, gpu_memory_utilization=0.5, **kw)
     try:
         prompts = [
             {"prompt_token_ids": list(range(10 + 3 * i, 10 + 3 * i + n))}
@@ -78,9 +81,23 @@ def _greedy(path: str, size: int) -> list[list[int]]:
         _free_memory()
 
 
-def test_two_gpus_greedy_equals_one(tmp_path):
+@pytest.mark.parametrize("all_reduce", ["auto", "nccl"])
+def test_two_gpus_greedy_equals_one(tmp_path, all_reduce):
+    """auto: decode steps all-reduce peer to peer (symmetric memory), prefills through NCCL."""
     (tmp_path / "config.json").write_text(json.dumps(SHAPE))
-    assert _greedy(str(tmp_path), 2) == _greedy(str(tmp_path), 1)
+    two = _greedy(str(tmp_path), 2, tp_all_reduce=all_reduce)
+    assert two == _greedy(str(tmp_path), 1)
+
+
+def test_p2p_all_reduce_equals_nccl():
+    """The one-shot peer-to-peer all-reduce against its twin, NCCL: equal sums on both ranks,
+    also inside CUDA graphs (benchmarks/tp_all_reduce.py exits 1 on a mismatch)."""
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "tp_all_reduce.py"
+    for dtype in ("float32", "bfloat16"):
+        done = subprocess.run(
+            [sys.executable, str(script), "--dtype", dtype, "--kib", "16,1024,16384"], timeout=240
+        )
+        assert done.returncode == 0, dtype
 
 
 def test_two_gpus_host_tier_gives_the_computed_tokens(tmp_path):

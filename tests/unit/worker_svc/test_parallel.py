@@ -11,7 +11,8 @@ import torch
 
 from worker_svc.loader import load_model
 from worker_svc.models.config import ModelConfig
-from worker_svc.parallel import TensorParallel, check_shardable
+from worker_svc.p2p_all_reduce import P2PAllReduce
+from worker_svc.parallel import TensorParallel, check_shardable, open_group
 from worker_svc.rank_channel import STEP, STOP, ForwardInputs, encode, read_message
 from worker_svc.rank_group import start_rank_group
 
@@ -38,6 +39,20 @@ def test_sizes_that_do_not_divide_the_heads_are_refused_with_the_reason():
         check_shardable(_config(4, 2), 3)
     with pytest.raises(ValueError, match=">= 1"):
         check_shardable(_config(4, 2), 0)
+
+
+def test_the_p2p_all_reduce_stays_off_where_it_cannot_run():
+    votes: list[bool] = []
+
+    def agree(ok: bool) -> bool:
+        votes.append(ok)
+        return ok
+
+    p2p = P2PAllReduce.open(0, 2, None, torch.device("cpu"), torch.float32, agree=agree)
+    assert p2p is None
+    assert votes == [False]  # the ranks agree to stay off before anyone enters a rendezvous
+    with pytest.raises(ValueError, match="tp_all_reduce must be auto or nccl"):
+        open_group(0, 2, 0, "gloo", 5.0, all_reduce="fast")
 
 
 def test_a_refused_size_starts_no_process(tiny_model_dirs):
