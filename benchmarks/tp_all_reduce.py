@@ -71,7 +71,7 @@ def run_rank(rank: int, size: int, port: int, dtype: torch.dtype, kib: list[int]
         import torch.distributed as dist
 
         store = dist.TCPStore("127.0.0.1", port, size, is_master=True, timeout=timedelta(seconds=120))
-    tp = open_group(rank, size, port, "nccl", 120.0, device, store, all_reduce="auto", dtype=dtype)
+    tp = open_group(rank, size, port, "nccl", 120.0, device, store, all_reduce="auto")
     failed = tp.p2p is None
     rows = []
     for k in kib:

@@ -2,16 +2,17 @@
 
 Why: a decode step of a tensor-parallel model all-reduces twice per layer, a few KiB each
 (160 messages of 16 KiB a step for a 70B shape at batch 1). NCCL's latency for such a message,
-even replayed inside a CUDA graph, is ~10-15 us: about 2 ms of a 22 ms step on two H200s. A
+even replayed inside a CUDA graph, is ~16 us on two H200s: 2.5 ms of a 22 ms step. A
 one-shot all-reduce is one kernel in which every rank reads every peer's copy of the message
 straight over NVLink (peer-to-peer loads) and sums them; vLLM's custom all-reduce is the same
 idea. NVLink multicast is not used (it stays off on shared hosts): PyTorch's `one_shot_all_reduce`
 reads peers through their mapped buffers and meets them through signal pads.
 
-Each rank owns one symmetric buffer of `max_bytes`; a message is copied into it and reduced
-from it into the caller's tensor. Larger messages (prefill chunks) go to NCCL, which moves them
-at link bandwidth. Every failure to set up leaves the group on NCCL alone (`open` returns None),
-and the ranks agree on it, so no rank waits in a collective another rank skipped.
+Each rank owns one symmetric buffer of `max_bytes` (bytes, viewed as each message's dtype); a
+message is copied into it and reduced from it into the caller's tensor. Larger messages
+(prefill chunks) go to NCCL, which moves them at link bandwidth. Every failure to set up
+leaves the group on NCCL alone (`open` returns None), and the ranks agree on it, so no rank
+waits in a collective another rank skipped.
 """
 
 from __future__ import annotations
@@ -28,21 +29,32 @@ DEFAULT_MAX_BYTES = 8 << 20  # vLLM's symmetric-memory limit for two ranks
 _NAME_KEY = "llmesh-p2p-all-reduce-name"
 
 
+DTYPES = (torch.float32, torch.bfloat16)  # what PyTorch's one-shot kernel sums
+
+
 class P2PAllReduce:
     """Sums a contiguous CUDA tensor over the ranks in place, through the symmetric buffer."""
 
-    def __init__(self, buffer: torch.Tensor, group_name: str) -> None:
-        self.buffer = buffer  # this rank's symmetric buffer (flat, the model's dtype)
+    def __init__(self, buffer: torch.Tensor, group_name: str, group: object) -> None:
+        self.buffer = buffer  # this rank's symmetric buffer (flat bytes)
         self.group_name = group_name
+        self._group = group  # the ProcessGroup registered under group_name (unregistered at close)
 
     def fits(self, x: torch.Tensor) -> bool:
-        return x.dtype == self.buffer.dtype and x.numel() <= self.buffer.numel() and x.is_contiguous()
+        return x.dtype in DTYPES and x.numel() * x.element_size() <= self.buffer.numel() and x.is_contiguous()
 
     def all_reduce(self, x: torch.Tensor) -> None:
         flat = x.view(-1)
-        staged = self.buffer[: flat.numel()]
+        staged = self.buffer.view(x.dtype)[: flat.numel()]
         staged.copy_(flat)
         torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, flat)
+
+    def close(self) -> None:
+        if self._group is not None:
+            from torch._C._distributed_c10d import _unregister_process_group
+
+            _unregister_process_group(self.group_name)
+            self._group = None
 
     @classmethod
     def open(
@@ -50,40 +62,63 @@ class P2PAllReduce:
         rank: int,
         size: int,
         store: object,
+        backend: object,
         device: torch.device,
-        dtype: torch.dtype,
         agree: Callable[[bool], bool],
         max_bytes: int = DEFAULT_MAX_BYTES,
     ) -> P2PAllReduce | None:
         """Set up the buffer on every rank (a collective), or None on every rank.
 
-        `agree(ok)` is True only when every rank's `ok` is (a MIN over the NCCL group): once
-        before the rendezvous (so that no rank enters it alone) and once after it.
+        `backend` is the group's ProcessGroupNCCL; symmetric memory finds groups by name, so a
+        ProcessGroup over it is registered under a name of its own. `agree(ok)` is True only
+        when every rank's `ok` is (a MIN over the NCCL group): once before the rendezvous (so
+        that no rank enters it alone) and once after it.
         """
         try:
             import torch.distributed._symmetric_memory as symm_mem
-            from torch._C._distributed_c10d import _SymmetricMemory
+            from torch._C._distributed_c10d import ProcessGroup, _register_process_group
 
             ready = hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out")
         except (ImportError, AttributeError) as e:
-            log.info("peer-to-peer all-reduce unavailable (%s); NCCL only", e)
+            log.info("peer-to-peer all-reduce unavailable (%s); NCCL only", str(e))
             ready = False
         if not agree(ready and device.type == "cuda"):
             return None
+        group = None
         try:
             # One name for the group on every rank, new for every engine: a process may open
-            # several engines in turn, and a group name is registered once per process.
+            # several engines in turn, and a name is registered once per process.
             if rank == 0:
                 store.set(_NAME_KEY, f"llmesh-tp-{uuid.uuid4().hex[:12]}")  # type: ignore[attr-defined]
             name = store.get(_NAME_KEY).decode()  # type: ignore[attr-defined]
-            _SymmetricMemory.set_group_info(name, rank, size, store)
-            buffer = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
+            group = ProcessGroup(store, rank, size)
+            group._register_backend(device, ProcessGroup.BackendType.NCCL, backend)
+            group._set_default_backend(ProcessGroup.BackendType.NCCL)
+            group._set_group_name(name)
+            _register_process_group(name, group)
+            buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
             symm_mem.rendezvous(buffer, name)
-            ok = True
+            made: P2PAllReduce | None = cls(buffer, name, group)
         except Exception as e:  # noqa: BLE001 - any failure here means NCCL alone, on every rank
-            log.warning("peer-to-peer all-reduce could not start (%s); NCCL only", e)
-            ok = False
-        if not agree(ok):
+            # str(e), not e: a log record holding the exception holds its traceback's frames,
+            # and with them the engine being built (its weights and KV cache) for as long as
+            # a handler keeps the record.
+            log.warning("peer-to-peer all-reduce could not start (%s); NCCL only", str(e))
+            made = None
+            if group is not None:
+                _unregister_quietly(name)
+        if not agree(made is not None):
+            if made is not None:
+                made.close()
             return None
         log.info("tensor-parallel all-reduce: peer-to-peer one-shot up to %d bytes, NCCL above", max_bytes)
-        return cls(buffer, name)
+        return made
+
+
+def _unregister_quietly(name: str) -> None:
+    try:
+        from torch._C._distributed_c10d import _unregister_process_group
+
+        _unregister_process_group(name)
+    except Exception:  # noqa: BLE001 - it was never registered
+        pass

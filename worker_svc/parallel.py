@@ -105,6 +105,8 @@ class TensorParallel:
         Bounded: a teardown that waits on a rank that is gone (NCCL's does, seen on two H200s)
         is left to a daemon thread after `timeout_s`, so that closing an engine never hangs.
         """
+        if self.p2p is not None:
+            self.p2p.close()
         group, self.group, self.store, self.p2p = self.group, None, None, None
         if group is not None and not run_bounded(group.shutdown, timeout_s):  # type: ignore[attr-defined]
             log.warning("tensor-parallel group did not close within %.0f s; left behind", timeout_s)
@@ -146,12 +148,11 @@ def open_group(
     device: torch.device | None = None,
     store: dist.TCPStore | None = None,
     all_reduce: str = "nccl",
-    dtype: torch.dtype = torch.float32,
 ) -> TensorParallel:
     """Join the `size`-rank group that meets at 127.0.0.1:`store_port` (rank 0 passes its store).
 
     Blocks until every rank has joined (at most `timeout_s`). `all_reduce` "auto" adds the
-    peer-to-peer all-reduce for small messages of `dtype` on CUDA (`worker_svc.p2p_all_reduce`).
+    peer-to-peer all-reduce for small messages on CUDA (`worker_svc.p2p_all_reduce`).
     """
     if all_reduce not in ("auto", "nccl"):
         raise ValueError(f"tp_all_reduce must be auto or nccl, got {all_reduce!r}")
@@ -180,8 +181,8 @@ def open_group(
             rank,
             size,
             dist.PrefixStore("llmesh-p2p", store),
+            group,
             torch.device(device),
-            dtype,
             agree=lambda ok: tp.min_int(int(ok), device) == 1,
         )
     return tp

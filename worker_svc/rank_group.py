@@ -111,7 +111,6 @@ class RankGroup:
                 self.device,
                 store,
                 all_reduce=config.tp_all_reduce,
-                dtype=config.torch_dtype(),
             )
         except BaseException:
             self._kill()

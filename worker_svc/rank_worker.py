@@ -158,7 +158,6 @@ def main(argv: list[str] | None = None) -> int:
         device,
         store,
         all_reduce=config.tp_all_reduce,
-        dtype=config.torch_dtype(),
     )
     shard = RankShard(config, tp)
     channel = sys.stdin.buffer

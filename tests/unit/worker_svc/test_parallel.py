@@ -48,7 +48,7 @@ def test_the_p2p_all_reduce_stays_off_where_it_cannot_run():
         votes.append(ok)
         return ok
 
-    p2p = P2PAllReduce.open(0, 2, None, torch.device("cpu"), torch.float32, agree=agree)
+    p2p = P2PAllReduce.open(0, 2, None, None, torch.device("cpu"), agree=agree)
     assert p2p is None
     assert votes == [False]  # the ranks agree to stay off before anyone enters a rendezvous
     with pytest.raises(ValueError, match="tp_all_reduce must be auto or nccl"):
