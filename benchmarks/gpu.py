@@ -504,7 +504,9 @@ def llmesh_throughput(llm, reqs, name: str) -> float:
 def greedy_outputs(llm, prompts: list[list[int]], n: int) -> list[tuple[list[int], list[Any]]]:
     from llmesh import SamplingParams
 
-    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2)
+    # 8 candidates: a random-weight model over a large vocabulary often has 3+ near-tied top
+    # tokens, and a divergence to the third must be judged by its logprob, not called "not a tie".
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=8)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
