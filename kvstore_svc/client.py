@@ -156,6 +156,28 @@ class KVStoreClient:
         if self.in_place is not None:
             self.in_place.on_map, self.in_place.on_unmap = mapped, unmapping
 
+    def prepare(self, fingerprint: bytes, *, timeout_s: float | None = None) -> None:
+        """Set up the same-host paths now (map the store's arena, or make the segments, with the
+        hooks of on_arena / on_segments), so the first load does not pay for it. Never raises:
+        what cannot be set up now is set up, or refused, at first use as before."""
+        timeout = timeout_s or self.timeout_s
+        in_place = self.in_place
+        if in_place is not None:
+            try:
+                in_place.prepare(self._stub, fingerprint, timeout)
+                return
+            except SharedRefused as e:
+                self._stop_in_place(in_place, e)
+            except grpc.RpcError as e:
+                log.info("kvstore not reachable to prepare the in-place path", extra={"error": str(e)})
+                return
+        shared = self.shared
+        if shared is not None:
+            try:
+                shared.pool.prepare()
+            except (OSError, RuntimeError) as e:
+                log.info("could not make the shared memory segments ahead", extra={"error": str(e)})
+
     def _stop_in_place(self, path: InPlacePath, why: object) -> None:
         """The store keeps no arena, or we cannot map it: GetShared / Get from now on."""
         if self.in_place is path:

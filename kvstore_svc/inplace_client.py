@@ -81,6 +81,7 @@ class InPlacePath:
         self.on_unmap: Callable[[ArenaMap], None] | None = None
         self._map: ArenaMap | None = None
         self._lock = threading.Lock()
+        self._mapping = threading.Lock()  # held while an arena is mapped and page-locked
 
     @property
     def arena(self) -> str | None:
@@ -89,14 +90,18 @@ class InPlacePath:
         return m.name if m is not None else None
 
     def _acquire(self, name: str, size: int) -> ArenaMap:
-        with self._lock:
-            m = self._map
-            if m is not None and m.name == name and m.size == size:
-                m.users += 1
-                return m
-        fresh = ArenaMap(name, size, self.root)  # SharedRefused if it cannot be opened here
-        if self.on_map is not None:
-            self.on_map(fresh)
+        with self._mapping:  # one mapping at a time: a second caller uses the first's
+            with self._lock:
+                m = self._map
+                if m is not None and m.name == name and m.size == size:
+                    m.users += 1
+                    return m
+            fresh = ArenaMap(name, size, self.root)  # SharedRefused if it cannot be opened here
+            if self.on_map is not None:
+                self.on_map(fresh)
+            return self._install(fresh)
+
+    def _install(self, fresh: ArenaMap) -> ArenaMap:
         with self._lock:
             old, self._map = self._map, fresh
             fresh.users += 1
@@ -134,6 +139,19 @@ class InPlacePath:
             stale = self._retire(old)
         if stale is not None:
             self._close(stale)
+
+    def prepare(self, stub, fingerprint: bytes, timeout_s: float) -> str:
+        """Map the store's arena now (and run `on_map`: page-locking GiBs takes a second or more),
+        so that the first load does not wait for it. The arena's name; SharedRefused when this
+        store or host offers no in-place reads."""
+        try:
+            resp = stub.GetInPlace(kvstore_pb2.GetInPlaceRequest(fingerprint=fingerprint), timeout=timeout_s)
+        except grpc.RpcError as e:
+            if hasattr(e, "code") and e.code() in _REFUSALS:
+                raise SharedRefused(e.details()) from None
+            raise
+        self._release(self._acquire(resp.arena, resp.arena_bytes))  # no keys: no lease to end
+        return resp.arena
 
     def get_each(
         self, stub, fingerprint: bytes, keys: Sequence[bytes], consume: Consume, timeout_s: float

@@ -212,6 +212,21 @@ class SegmentPool:
         finally:
             self._give_back(segment)
 
+    def prepare(self) -> None:
+        """Make every segment now (and run `on_create`), not at the first transfers."""
+        taken: list[Segment] = []
+        try:
+            while len(taken) < self.count and not self.full():
+                taken.append(self._take())
+        finally:
+            for segment in taken:
+                self._give_back(segment)
+
+    def full(self) -> bool:
+        """Whether every segment the pool may hold exists (made, or being made)."""
+        with self._cond:
+            return len(self._all) >= self.count
+
     def _take(self) -> Segment:
         with self._cond:
             while True:

@@ -379,6 +379,8 @@ class TieredKVStore:
         arena = self.arena
         if arena is None:
             raise RuntimeError("this store keeps no arena")
+        if not keys:  # a client mapping the arena ahead of its first read: no lease
+            return InPlaceGrant(arena.arena.name, arena.capacity_bytes, 0, arena.lease_timeout_s, [], False)
         lease_id = arena.open_lease()
         entries: list[InPlaceEntry] = []
         more = lease_id is None  # MAX_LEASES outstanding: the client reads another way

@@ -180,6 +180,40 @@ def test_a_restarted_store_is_mapped_again_by_a_live_client(tmp_path):
         s.stop()
 
 
+def test_prepare_maps_the_arena_once_ahead_of_the_first_load(store):
+    """A worker maps (and, on CUDA, page-locks) the arena while it starts, not at its first load."""
+    fp = fresh_fp("inplace-prepare")
+    ents = [entry(i, 200 * KiB, fp) for i in range(2)]
+    with KVStoreClient(store.address, timeout_s=30, segment_bytes=MiB) as writer:
+        assert writer.put(fp, ents) == 2
+    with KVStoreClient(store.address, timeout_s=30, segment_bytes=MiB) as c:
+        mapped = []
+        c.on_arena(mapped.append, lambda m: None)
+        before = c.stats()
+        c.prepare(fp)
+        assert [m.name for m in mapped] == [before.arena] == [c.in_place.arena]
+        assert c.stats().leases == before.leases  # asking for no keys leases nothing
+        assert c.get(fp, [k for k, _, _ in ents]) == ents
+        assert len(mapped) == 1  # the load used the mapping made ahead
+
+
+def test_prepare_without_an_arena_makes_the_segments_and_never_raises(tmp_path):
+    fp = fresh_fp("inplace-prepare-none")
+    s = StoreProcess(tmp_path, "--memory-bytes", "8MiB", "--no-memory-arena")
+    try:
+        with KVStoreClient(s.address, timeout_s=30, segment_bytes=MiB) as c:
+            made = []
+            c.on_segments(made.append, lambda seg: None)
+            c.prepare(fp)
+            assert c.in_place is None and len(made) == 2 == len(c.shared.pool.names)
+            c.prepare(fp)  # again: nothing new
+            assert len(made) == 2
+    finally:
+        assert s.stop() == 0
+    with KVStoreClient(s.address, timeout_s=1, segment_bytes=MiB) as c:
+        c.prepare(fp)  # the store is gone: logged, the first use will say more
+
+
 def test_a_store_without_an_arena_is_read_the_other_ways(tmp_path):
     fp = fresh_fp("inplace-none")
     ents = [entry(i, 100 * KiB, fp) for i in range(2)]
