@@ -99,6 +99,8 @@ class WorkerKVTiers:
         # is locked at once: its size is the operator's choice).
         self.host = torch.empty((num_host_blocks, *block_shape), dtype=spec.dtype, pin_memory=pin)
         wants_copies = num_host_blocks > 0 or store is not None
+        # Saves into host slots still being copied on the copy stream: (slots, copies done).
+        self._saves_in_flight: list[tuple[frozenset[int], torch.cuda.Event]] = []
         self.copy_stream = torch.cuda.Stream(self.device) if pin and wants_copies else None
         if pin and store is not None and hasattr(store, "on_segments"):
             # The store client's shared memory segments, page-locked: chunks loaded from them
@@ -187,6 +189,9 @@ class WorkerKVTiers:
                     for i, slot, n in _runs(kv.save_host_slots):
                         self.host[slot : slot + n].copy_(saved[i : i + n], non_blocking=True)
                     saved.record_stream(cs)
+                    landed = torch.cuda.Event()
+                    landed.record(cs)
+                    self._saves_in_flight.append((frozenset(kv.save_host_slots), landed))
                 for put, data in zip(kv.store_puts, puts, strict=True):
                     pinned = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
                     pinned.copy_(data, non_blocking=True)
@@ -200,11 +205,26 @@ class WorkerKVTiers:
         if self.copy_stream is None:
             self._scatter(block_ids, self.host[torch.tensor(slots, dtype=torch.long)])
             return
-        torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)  # saves into slots landed
+        self._wait_for_saves_into(slots)
         data = torch.empty((len(slots), *self.block_shape), dtype=self.spec.dtype, device=self.device)
         for i, slot, n in _runs(slots):
             data[i : i + n].copy_(self.host[slot : slot + n], non_blocking=True)
         self._scatter(block_ids, data)
+
+    def _wait_for_saves_into(self, slots: list[int]) -> None:
+        """Make the forward's stream wait for the saves still copying into `slots`, and only
+        those: a load waiting for every save in flight waited ~25 ms on an H100 for the 1 GiB
+        another request's eviction was saving into other slots."""
+        main = torch.cuda.current_stream(self.device)
+        wanted = set(slots)
+        pending = []
+        for saved_slots, landed in self._saves_in_flight:
+            if landed.query():
+                continue
+            if saved_slots & wanted:
+                main.wait_event(landed)
+            pending.append((saved_slots, landed))
+        self._saves_in_flight = pending
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
