@@ -23,6 +23,7 @@ Workloads (greedy; every path is checked to give the recompute path's tokens):
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import random
 import shutil
@@ -59,10 +60,54 @@ def release() -> None:
         torch.cuda.empty_cache()
 
 
+TRACE: list[tuple[str, float, float]] | None = None  # (what, start, end) with --trace
+
+
 def ttft(llm: LLM, prompt: list[int]) -> tuple[float, list[int]]:
+    if TRACE is not None:
+        TRACE.clear()
     started = time.perf_counter()
     out = llm.generate([prompt], FIRST, use_tqdm=False)[0]
-    return time.perf_counter() - started, out.outputs[0].token_ids
+    took = time.perf_counter() - started
+    if TRACE:
+        steps = ", ".join(f"{w} {(a - started) * 1e3:.1f}-{(b - started) * 1e3:.1f}" for w, a, b in TRACE)
+        print(f"    timeline ms: {steps}", file=sys.stderr, flush=True)
+    return took, out.outputs[0].token_ids
+
+
+def install_trace() -> None:
+    """Time the store lookup, the worker's transfers, its launches and finishes (--trace)."""
+    global TRACE
+    TRACE = []
+    from scheduler_svc.mesh import Mesh
+    from worker_svc.kv_tiers import WorkerKVTiers
+    from worker_svc.runner import ModelRunner
+
+    def timed(cls, name: str, label: str) -> None:
+        fn = getattr(cls, name)
+        if asyncio.iscoroutinefunction(fn):
+
+            async def wrapper(*a, **kw):
+                t0 = time.perf_counter()
+                try:
+                    return await fn(*a, **kw)
+                finally:
+                    TRACE.append((label, t0, time.perf_counter()))  # type: ignore[union-attr]
+        else:
+
+            def wrapper(*a, **kw):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    TRACE.append((label, t0, time.perf_counter()))  # type: ignore[union-attr]
+
+        setattr(cls, name, wrapper)
+
+    timed(Mesh, "_lookup", "lookup")
+    timed(WorkerKVTiers, "apply", "transfers")
+    timed(ModelRunner, "launch", "launch")
+    timed(ModelRunner, "finish", "finish")
 
 
 def start_kvstore(stack: ExitStack, memory_bytes: int, redis_url: str = "", *extra: str) -> str:
@@ -284,10 +329,13 @@ def main() -> None:
     ap.add_argument("--random-batches", type=int, default=3)
     ap.add_argument("--random-output", type=int, default=32)
     ap.add_argument("--skip-chat", action="store_true")
+    ap.add_argument("--trace", action="store_true", help="print each timed request's timeline (stderr)")
     ap.add_argument("--skip-documents", action="store_true")
     ap.add_argument("--num-kv-blocks", type=int, default=0, help="GPU cache blocks (0 = from memory)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    if args.trace:
+        install_trace()
 
     engine_kw = dict(device=args.device, load_format=args.load_format, max_model_len=args.prefix + 1024)
     if args.num_kv_blocks:
