@@ -104,6 +104,18 @@ def install_trace() -> None:
 
         setattr(cls, name, wrapper)
 
+    import gc
+
+    started: dict[int, float] = {}
+
+    def collected(phase: str, info: dict) -> None:
+        gen = info.get("generation", 0)
+        if phase == "start":
+            started[gen] = time.perf_counter()
+        elif gen >= 1 and gen in started:
+            TRACE.append((f"gc{gen}", started.pop(gen), time.perf_counter()))  # type: ignore[union-attr]
+
+    gc.callbacks.append(collected)
     timed(Mesh, "_lookup", "lookup")
     timed(WorkerKVTiers, "apply", "transfers")
     timed(ModelRunner, "launch", "launch")
