@@ -118,6 +118,9 @@ def install_trace() -> None:
     gc.callbacks.append(collected)
     timed(Mesh, "_lookup", "lookup")
     timed(WorkerKVTiers, "apply", "transfers")
+    timed(WorkerKVTiers, "_save_and_put", "saves+puts")
+    timed(WorkerKVTiers, "_load_from_store", "store-load")
+    timed(WorkerKVTiers, "_queue_put", "queue-put")
     timed(ModelRunner, "launch", "launch")
     timed(ModelRunner, "finish", "finish")
 
