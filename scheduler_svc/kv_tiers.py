@@ -19,12 +19,16 @@ Loaded blocks are neither saved back nor put back.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.host_cache import HostBlockIndex
 from scheduler_svc.request import Request
 from services.step import KVTransfers, StoreLoad, StorePut
+
+# Chunk keys remembered as already in the store (loaded from it or put to it), most recent last.
+KNOWN_CHUNKS = 1 << 16
 
 
 @dataclass
@@ -61,6 +65,11 @@ class KVTierPlanner:
         self._pending_saves: list[tuple[int, bytes]] = []
         self._pending_puts: list[tuple[bytes, list[int]]] = []
         self._loaded_now: set[int] = set()  # blocks the plan being built loads
+        # Chunks the store holds as far as this side knows: never put again. Filtering by block
+        # ids alone missed loaded chunks whose blocks were registered full by a later plan (with
+        # plans in flight): an 8B worker put back up to 29 of the 32 chunks it had just loaded,
+        # a pinned copy each, in series with the step (~0.2 s of a 0.3 s TTFT on an H100).
+        self._in_store: OrderedDict[bytes, None] = OrderedDict()
         # Per plan in flight: host keys it assigned (forgotten if the plan is lost).
         self._assigned_by_step: dict[int, list[bytes]] = {}
 
@@ -101,9 +110,9 @@ class KVTierPlanner:
             keys = hit.keys
             start, end = hit.store_start, hit.store_end
             targets = [block_ids[i] if start <= i < end else -1 for i in range(first * c, last * c)]
-            kv.store_loads.append(
-                StoreLoad(req.request_id, [keys[(k + 1) * c - 1] for k in range(first, last)], targets)
-            )
+            chunk_keys = [keys[(k + 1) * c - 1] for k in range(first, last)]
+            kv.store_loads.append(StoreLoad(req.request_id, chunk_keys, targets))
+            self._remember(chunk_keys)
             self._loaded_now.update(block_ids[hit.store_start : hit.store_end])
             self.stats.store_hit_tokens += (hit.store_end - hit.store_start) * bs
 
@@ -124,6 +133,7 @@ class KVTierPlanner:
             assigned.append(key)
         self.stats.saved_blocks += len(assigned)
         kv.store_puts = [StorePut(key, ids) for key, ids in self._pending_puts]
+        self._remember([key for key, _ in self._pending_puts])
         self.stats.stored_chunks += len(kv.store_puts)
         if assigned:
             self._assigned_by_step[step_id] = assigned
@@ -132,9 +142,19 @@ class KVTierPlanner:
         loaded = self._loaded_now
         self._pending_saves = [(b, k) for b, k in keyed if b not in loaded] if self.host.num_slots else []
         chunked = self.blocks.take_newly_chunked()
-        self._pending_puts = [(k, ids) for k, ids in chunked if loaded.isdisjoint(ids)]
+        self._pending_puts = [
+            (k, ids) for k, ids in chunked if loaded.isdisjoint(ids) and k not in self._in_store
+        ]
         self._loaded_now = set()
         return kv
+
+    def _remember(self, chunk_keys: list[bytes]) -> None:
+        known = self._in_store
+        for key in chunk_keys:
+            known[key] = None
+            known.move_to_end(key)
+        while len(known) > KNOWN_CHUNKS:
+            known.popitem(last=False)
 
     def has_pending(self) -> bool:
         return bool(self._pending_saves or self._pending_puts)
