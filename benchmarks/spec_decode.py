@@ -111,11 +111,11 @@ def random_prompts(n: int, vocab: int, length: int, seed: int) -> list[dict]:
 def spec_config(method: str, k: int) -> dict | None:
     if method == "off":
         return None
-    if method == "ngram":
+    if method in ("ngram", "ngram-nochain"):
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 5}
     if method.startswith("draft:"):
         return {"method": "draft_model", "num_speculative_tokens": k, "num_layers": int(method[6:])}
-    raise SystemExit(f"unknown method {method!r}: off, ngram or draft:N")
+    raise SystemExit(f"unknown method {method!r}: off, ngram, ngram-nochain or draft:N")
 
 
 def run(llm: LLM, requests, chat: bool, params: SamplingParams, repeats: int = 1, one_by_one: bool = False):
@@ -183,7 +183,8 @@ def main() -> int:
             spec = spec_config(method, args.num_speculative_tokens)
             if spec is not None and args.disable_by_batch_size is not None:
                 spec["disable_by_batch_size"] = args.disable_by_batch_size
-            llm = LLM(**base, speculative_config=spec)
+            chain = method != "ngram-nochain"  # the planner's A/B switch
+            llm = LLM(**base, speculative_config=spec, chain_verifications=chain)
             vocab = llm.engine.runner.model_config.vocab_size
             for workload in workloads:
                 chat = workload == "copy"

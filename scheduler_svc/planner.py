@@ -57,6 +57,11 @@ class PlannerConfig:
     long_prefill_token_threshold: int = 0
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # or "priority"
+    chain_verifications: bool = option(
+        True,
+        help="n-gram speculation: plan a verification behind the one in flight when most running "
+        "sequences await a result (false: wait for the result; an A/B switch for the GPU)",
+    )
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
@@ -191,7 +196,7 @@ class Planner:
         behind it (then nobody waits)."""
         if not self._most_await():
             return False
-        return not any(
+        return not self.config.chain_verifications or not any(
             r.awaiting_result and self._chained_drafts(r, 1 << 30) is not None for r in self.running
         )
 
@@ -216,7 +221,7 @@ class Planner:
         # Verifications chain behind those in flight only where the plan would otherwise wait
         # for their result: a chained plan makes the worker finish the step before it (it needs
         # the accepted counts), which costs every other sequence in the batch its overlap.
-        chain = self._most_await()
+        chain = self.config.chain_verifications and self._most_await()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]

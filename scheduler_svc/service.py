@@ -83,6 +83,7 @@ class SchedulerServiceConfig(ServerConfig, PlannerConfig, RequestLimits):
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             enable_chunked_prefill=self.enable_chunked_prefill,
             policy=self.policy,
+            chain_verifications=self.chain_verifications,
         )
 
 

@@ -71,6 +71,14 @@ def test_verifications_chain_behind_the_one_in_flight(smollm2, reference) -> Non
     assert_no_leaks(llm)
 
 
+def test_chaining_switched_off_waits_for_each_result(smollm2, reference) -> None:
+    # chain_verifications=False (the GPU A/B switch): the same tokens, no plan chained.
+    llm = LLM(smollm2, kv_cache_memory=64 << 20, speculative_config=NGRAM, chain_verifications=False)
+    assert token_ids(llm, PROMPTS[:1]) == reference[:1]
+    assert spec_stats(llm).num_chained == 0 and spec_stats(llm).num_drafts > 0
+    assert_no_leaks(llm)
+
+
 def test_preemption_stop_tokens_and_max_tokens_with_drafts(smollm2, reference) -> None:
     # 8 blocks of 16 tokens hold the longest sequence (~100 tokens), not all three at once.
     llm = LLM(smollm2, num_kv_blocks=8, speculative_config=NGRAM, max_num_seqs=3)
