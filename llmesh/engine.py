@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import gc
 import threading
 import time
 import weakref
@@ -112,11 +111,6 @@ class LLMEngine:
         link = LocalWorkerLink(StepPipeline(self.runner), info, self.runner.drop_all)
         self._slot = self.call(lambda: self.mesh.add_worker(LOCAL_WORKER, info, link))
         self._num_sync_steps = 0
-        # Torch's and the model's imports leave hundreds of thousands of long-lived objects: a
-        # full collection walking them stops every thread for ~0.1 s, in the middle of a
-        # request (seen in an 8B KV store load's timeline on an H100). Frozen, collections skip
-        # them (the worker and scheduler services do the same); unfrozen at close.
-        gc.freeze()
 
     # ----- the loop thread -----
     def call(self, fn: Callable[[], T]) -> T:
@@ -214,7 +208,6 @@ class LLMEngine:
             self.wait(shutdown())
         finally:
             _stop_loop(self._loop, self._thread)
-            gc.unfreeze()  # what this engine leaves can be collected again
             self.runner.close()  # the other tensor-parallel ranks, if any
             if isinstance(self.config.kv_store, str) and self.kv_store is not None:
                 self.runner.kv_tiers.close()
