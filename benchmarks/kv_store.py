@@ -291,7 +291,12 @@ def chat_rows(args, engine_kw: dict, vocab: int) -> list[tuple]:
             outs.append([o.outputs[0].token_ids for o in got])
             tokens += sum(len(o.outputs[0].token_ids) for o in got)
             llm.engine.flush_kv()
-        return tokens / (time.perf_counter() - started), outs
+        rate = tokens / (time.perf_counter() - started)
+        for llm in (a, b):  # two 8B engines at a time fit an H100; four did not
+            llm.engine.close()
+        del a, b, llm
+        release()
+        return rate, outs
 
     off, ref = two_engines(None)
     on, got = two_engines(open_kv_store(f"memory:{args.store_bytes}"))
@@ -311,6 +316,7 @@ def chat_rows(args, engine_kw: dict, vocab: int) -> list[tuple]:
         throughput(llm, [[random_tokens(rng, 64, vocab)]], 4)  # warm-up
         rate, outs[store_on] = throughput(llm, randoms, args.random_output)
         rates[store_on].append(rate)
+        llm.engine.close()
         del llm
         release()
     off, on = (sum(rates[k]) / len(rates[k]) for k in (False, True))
