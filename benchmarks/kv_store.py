@@ -205,6 +205,7 @@ def document_rows(args, engine_kw: dict, vocab: int, stack: ExitStack) -> list[t
             print(f"  {name}: TTFT {t * 1e3:.1f} ms", file=sys.stderr, flush=True)
             times.append(t)
             same &= got == want
+        counters = asker.engine.runner.kv_tiers.counters  # now with the copy times of the last loads
         moved = counters.host_loaded_bytes + counters.store_loaded_bytes - b0
         secs = counters.host_load_seconds + counters.store_load_seconds - s0
         rows.append((name, sum(times) / len(times), moved / secs / 1e9 if secs else 0.0, same))
