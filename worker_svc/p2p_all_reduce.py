@@ -35,10 +35,13 @@ DTYPES = (torch.float32, torch.bfloat16)  # what PyTorch's one-shot kernel sums
 class P2PAllReduce:
     """Sums a contiguous CUDA tensor over the ranks in place, through the symmetric buffer."""
 
-    def __init__(self, buffer: torch.Tensor, group_name: str, group: object) -> None:
+    def __init__(self, buffer: torch.Tensor, group_name: str, group: object, size: int) -> None:
         self.buffer = buffer  # this rank's symmetric buffer (flat bytes)
+        self.size = size
         self.group_name = group_name
         self._group = group  # the ProcessGroup registered under group_name (unregistered at close)
+        # The kernel that copies the message into the buffer itself (one launch, not two).
+        self._copy_in = hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.dtype in DTYPES and x.numel() * x.element_size() <= self.buffer.numel() and x.is_contiguous()
@@ -46,8 +49,32 @@ class P2PAllReduce:
     def all_reduce(self, x: torch.Tensor) -> None:
         flat = x.view(-1)
         staged = self.buffer.view(x.dtype)[: flat.numel()]
-        staged.copy_(flat)
-        torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, flat)
+        if self._copy_in:
+            # In place: each thread copies its elements in, then (after the ranks meet) sums
+            # the same elements out; the kernel meets the ranks again before it ends, so the
+            # next message may be written into the buffer at once.
+            torch.ops.symm_mem.one_shot_all_reduce_copy_out(staged, flat, "sum", self.group_name, flat)
+        else:
+            staged.copy_(flat)
+            torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, flat)
+
+    def check(self, device: torch.device) -> None:
+        """One small all-reduce on every rank (each rank decides alike: same code, same torch):
+        the copy-in kernel where it runs, else the copy and the plain kernel. Raises when
+        neither gives the sum."""
+        for copy_in in (self._copy_in, False) if self._copy_in else (False,):
+            self._copy_in = copy_in
+            probe = torch.ones(64, dtype=torch.float32, device=device)
+            try:
+                self.all_reduce(probe)
+                torch.cuda.synchronize(device)
+            except RuntimeError as e:
+                log.info("one-shot all-reduce with copy-in refused (%s)", str(e))
+                continue
+            if int(probe[0].item()) != self.size:
+                raise RuntimeError(f"one-shot all-reduce probe summed to {probe[0].item()}")
+            return
+        raise RuntimeError("no one-shot all-reduce kernel runs here")
 
     def close(self) -> None:
         if self._group is not None:
@@ -98,7 +125,8 @@ class P2PAllReduce:
             _register_process_group(name, group)
             buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
             symm_mem.rendezvous(buffer, name)
-            made: P2PAllReduce | None = cls(buffer, name, group)
+            made: P2PAllReduce | None = cls(buffer, name, group, size)
+            made.check(device)
         except Exception as e:  # noqa: BLE001 - any failure here means NCCL alone, on every rank
             # str(e), not e: a log record holding the exception holds its traceback's frames,
             # and with them the engine being built (its weights and KV cache) for as long as
