@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 
 from gateway.config import GatewayConfig
-from gateway.service import PARENT_PID_ENV
+from services.parent_watch import launcher_env
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,8 @@ def run_processes(config: GatewayConfig, argv: list[str]) -> int:
         return 1
     own_dir = not os.environ.get(MULTIPROC_ENV)
     metrics_dir = tempfile.mkdtemp(prefix="llmesh-gateway-metrics-") if own_dir else os.environ[MULTIPROC_ENV]
-    env = {**os.environ, MULTIPROC_ENV: metrics_dir, PARENT_PID_ENV: str(os.getpid())}
+    # Each server process drains and exits when this supervisor is gone (SIGKILL, say).
+    env = launcher_env({**os.environ, MULTIPROC_ENV: metrics_dir})
     # Later flags win: every process binds the one port, with SO_REUSEPORT, and runs alone.
     args = [*argv, "--api-server-count", "1", "--reuse-port", "--port", str(port)]
     cmd = [sys.executable, "-m", "gateway.service", *args]

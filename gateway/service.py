@@ -7,20 +7,17 @@ that share the port (gateway/processes.py); each of them runs `serve` below.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import socket
 import sys
-import threading
-import time
 
 from gateway.config import GatewayConfig
 from services.config import load_config
 from services.logging_setup import setup_logging
+from services.parent_watch import watch_launcher
 
 log = logging.getLogger(__name__)
 
-PARENT_PID_ENV = "LLMESH_GATEWAY_PARENT_PID"  # set by the supervisor for the processes it starts
 
 
 def _loop() -> str:
@@ -51,19 +48,6 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _exit_with_parent(parent: int) -> None:
-    """A process of a multi-process gateway drains and exits when its supervisor is gone (killed
-    with SIGKILL, say), instead of serving on as an orphan nobody stops."""
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        log.warning("the gateway supervisor is gone; draining")
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
 def serve(config: GatewayConfig) -> int:
     import uvicorn
 
@@ -88,9 +72,6 @@ def serve(config: GatewayConfig) -> int:
     sockets = None
     if config.reuse_port:
         sockets = [reuse_port_socket(config.host, config.port)]
-        parent = os.environ.get(PARENT_PID_ENV)
-        if parent and parent.isdigit():
-            _exit_with_parent(int(parent))
     else:
         where = f"http://{config.host}:{config.port}"
         print(f"llmesh gateway on {where} -> scheduler {config.scheduler}", flush=True)
@@ -107,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     config = load_config(GatewayConfig, argv, service="gateway", prog="llmesh gateway")
     setup_logging("gateway", config.log_level, fmt=config.log_format)  # type: ignore[arg-type]
+    # The launcher's (`llmesh up`'s) or, in a server process, the gateway supervisor's death
+    # stops it; taken out of the environment before the server processes start.
+    watch_launcher()
     if config.api_server_count > 1:
         from gateway.processes import run_processes
 

@@ -571,9 +571,11 @@ def service_main(
     """A gRPC service's `main`: config from flags/env (default os.environ), JSON logs, run until drained."""
     from services.config import load_config
     from services.logging_setup import setup_logging
+    from services.parent_watch import watch_launcher
 
     config = load_config(config_cls, argv, environ, service=service, prog=f"llmesh {service}")
     setup_logging(service, config.log_level)
+    watch_launcher()
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(run(config))
     return 0

@@ -28,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.config import load_config
 from services.grpc_server import ChannelSecurity, open_sync_channel
+from services.parent_watch import launcher_env
 from services.tls import TLSConfig
 
 log = logging.getLogger(__name__)
@@ -147,6 +148,7 @@ def _spawn(
     module: str, args: list[str], env: dict[str, str] | None, log_dir: str | None, name: str
 ) -> subprocess.Popen:
     cmd = [sys.executable, "-m", module, *args]
+    env = launcher_env(env)  # the child leaves if this process dies, even by SIGKILL
     if not log_dir:
         return subprocess.Popen(cmd, env=env)
     # The child holds its own copy of the log file; closing ours keeps restarts from leaking descriptors.
