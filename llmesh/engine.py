@@ -37,6 +37,7 @@ from worker_svc.runner import ModelRunner, shorten_gil_switch_interval
 T = TypeVar("T")
 
 LOCAL_WORKER = "local"
+OFFLINE_STREAM_INTERVAL = 16
 
 
 @dataclass
@@ -48,6 +49,11 @@ class EngineConfig:
     async_scheduling: bool = True
     # The KV store prefixes are put to and loaded from (llmesh.kv_store.open_kv_store); None = none.
     kv_store: Any = None
+    # Tokens a request's output takes in at a time after its first (MeshConfig.stream_interval).
+    # Nothing streams offline: fewer, larger deltas keep the per-token Python of 500 requests
+    # off the GIL the runner needs between steps (vLLM's offline API hands out final outputs
+    # only). A stop string may then be seen up to this many tokens late; the text is the same.
+    stream_interval: int = OFFLINE_STREAM_INTERVAL
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
@@ -56,6 +62,7 @@ class EngineConfig:
         planner_fields = {f.name for f in dataclasses.fields(PlannerConfig)}
         enable = kwargs.pop("enable_prefix_caching", True)
         async_scheduling = kwargs.pop("async_scheduling", True)
+        stream_interval = kwargs.pop("stream_interval", OFFLINE_STREAM_INTERVAL)
         kv_store = kwargs.pop("kv_store", None)
         unknown = set(kwargs) - worker_fields - planner_fields
         if unknown:
@@ -69,6 +76,7 @@ class EngineConfig:
             enable_prefix_caching=enable,
             async_scheduling=bool(async_scheduling),
             kv_store=kv_store,
+            stream_interval=int(stream_interval),
         )
 
 
@@ -99,6 +107,7 @@ class LLMEngine:
                 planner=planner_cfg,
                 enable_prefix_caching=config.enable_prefix_caching,
                 async_scheduling=config.async_scheduling,
+                stream_interval=config.stream_interval,
             ),
             kv_store=ThreadedLookup(self.kv_store) if self.kv_store is not None else None,
         )

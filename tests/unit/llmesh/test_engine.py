@@ -167,6 +167,29 @@ def test_stop_strings_and_chat(smollm2):
     assert_no_leak(llm)
 
 
+def test_outputs_taken_in_batches_of_tokens_equal_token_by_token(smollm2):
+    # Offline, a request's tokens arrive 16 at a time after its first (nothing streams): the same
+    # tokens, text, logprobs and stop as one token at a time, though a stop string is seen late.
+    params = [
+        SamplingParams(temperature=0, max_tokens=30, stop=[" 7"], logprobs=1),
+        SamplingParams(temperature=0.8, seed=11, max_tokens=25, n=2),
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+    ]
+    prompts = ["1, 2, 3, 4,", "Once upon a time", "The capital of France is"]
+    outs = {}
+    for interval in (1, 16):
+        llm = LLM(smollm2, stream_interval=interval)
+        got = llm.generate(prompts, params, use_tqdm=False)
+        outs[interval] = [
+            [(c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs) for c in o.outputs]
+            for o in got
+        ]
+        assert_no_leak(llm)
+        llm.engine.close()
+    assert outs[1] == outs[16]
+    assert outs[16][0][0][:1] == (" 5, 6,",)
+
+
 def test_bad_input_raises_clearly(tiny_models):
     llm = LLM(tiny_models["llama"])
     with pytest.raises(ValueError, match="vocabulary"):
