@@ -59,6 +59,7 @@ def test_a_store_whose_launcher_is_sigkilled_drains_exits_and_unlinks_its_arena(
     launcher = subprocess.Popen(
         [sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True
     )
+    store_pid = 0
     try:
         store_pid = int(launcher.stdout.readline())  # type: ignore[union-attr]
         arena = None
@@ -80,4 +81,5 @@ def test_a_store_whose_launcher_is_sigkilled_drains_exits_and_unlinks_its_arena(
     finally:
         if launcher.poll() is None:
             launcher.kill()
-        subprocess.run(["pkill", "-f", f"kvstore_svc.service --port {port}"], check=False)
+        if store_pid and _alive(store_pid):
+            os.kill(store_pid, signal.SIGKILL)
