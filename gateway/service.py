@@ -19,7 +19,6 @@ from services.parent_watch import watch_launcher
 log = logging.getLogger(__name__)
 
 
-
 def _loop() -> str:
     try:
         import uvloop  # noqa: F401

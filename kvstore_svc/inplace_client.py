@@ -27,12 +27,11 @@ import grpc
 from kvstore_svc import shm
 from kvstore_svc.arena import check_arena_name
 from kvstore_svc.entry import CorruptEntry, EntryHeader, header_from_proto
-from kvstore_svc.shared_client import Consume, SharedRefused
+from kvstore_svc.shared_client import Consume, SharedRefused, refused
 from llmesh.v1 import kvstore_pb2
 
 log = logging.getLogger(__name__)
 
-_REFUSALS = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED})
 # A payload is read only while its lease has at least this share of its time left.
 _LEASE_MARGIN = 0.2
 
@@ -147,7 +146,7 @@ class InPlacePath:
         try:
             resp = stub.GetInPlace(kvstore_pb2.GetInPlaceRequest(fingerprint=fingerprint), timeout=timeout_s)
         except grpc.RpcError as e:
-            if hasattr(e, "code") and e.code() in _REFUSALS:
+            if refused(e):
                 raise SharedRefused(e.details()) from None
             raise
         self._release(self._acquire(resp.arena, resp.arena_bytes))  # no keys: no lease to end
@@ -165,10 +164,10 @@ class InPlacePath:
                 req = kvstore_pb2.GetInPlaceRequest(fingerprint=fingerprint, keys=keys[done:])
                 resp = stub.GetInPlace(req, timeout=timeout_s)
             except grpc.RpcError as e:
-                if hasattr(e, "code") and e.code() in _REFUSALS:
-                    refused = SharedRefused(e.details())
-                    refused.done = done  # type: ignore[attr-defined]
-                    raise refused from None
+                if refused(e):
+                    refusal = SharedRefused(e.details())
+                    refusal.done = done  # type: ignore[attr-defined]
+                    raise refusal from None
                 self.drop()  # a dead store: let its arena go
                 raise
             granted_at = time.monotonic()

@@ -57,7 +57,8 @@ def wants_shared(mode: str, address: str, root: str = shm.SHM_DIR) -> bool:
     return mode == "on" or is_loopback(address)
 
 
-def _refused(e: grpc.RpcError) -> bool:
+def refused(e: grpc.RpcError) -> bool:
+    """The store cannot take this path (not a failure: use another way); GetInPlace too."""
     return hasattr(e, "code") and e.code() in _REFUSALS
 
 
@@ -94,7 +95,7 @@ class SharedPath:
                     try:
                         resp = stub.GetShared(req, timeout=timeout_s)
                     except grpc.RpcError as e:
-                        if _refused(e):
+                        if refused(e):
                             raise SharedRefused(e.details()) from None
                         raise
                     if not resp.entries:
@@ -167,7 +168,7 @@ class SharedPath:
                     try:
                         stored += stub.PutShared(req, timeout=timeout_s).num_stored
                     except grpc.RpcError as e:
-                        if _refused(e):
+                        if refused(e):
                             raise SharedRefused(e.details()) from None
                         raise
                     self.bytes_out += sum(m.header.payload_length for m in batch)

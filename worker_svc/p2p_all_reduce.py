@@ -9,7 +9,8 @@ idea. NVLink multicast is not used (it stays off on shared hosts): PyTorch's `on
 reads peers through their mapped buffers and meets them through signal pads.
 
 Each rank owns one symmetric buffer of `max_bytes` (bytes, viewed as each message's dtype); a
-message is copied into it and reduced from it into the caller's tensor. Larger messages
+message is copied into it (by the all-reduce kernel itself where PyTorch has that variant) and
+reduced from it into the caller's tensor. Larger messages
 (prefill chunks) go to NCCL, which moves them at link bandwidth. Every failure to set up
 leaves the group on NCCL alone (`open` returns None), and the ranks agree on it, so no rank
 waits in a collective another rank skipped.
@@ -62,7 +63,7 @@ class P2PAllReduce:
         """One small all-reduce on every rank (each rank decides alike: same code, same torch):
         the copy-in kernel where it runs, else the copy and the plain kernel. Raises when
         neither gives the sum."""
-        for copy_in in (self._copy_in, False) if self._copy_in else (False,):
+        for copy_in in [True, False] if self._copy_in else [False]:
             self._copy_in = copy_in
             probe = torch.ones(64, dtype=torch.float32, device=device)
             try:
