@@ -33,7 +33,7 @@ from kvstore_svc import shm
 from kvstore_svc.config import PIECE_BYTES
 from kvstore_svc.entry import CorruptEntry, EntryHeader, check_payload
 from kvstore_svc.inplace_client import ArenaMap, InPlacePath
-from kvstore_svc.shared_client import Consume, SharedPath, SharedRefused, wants_shared
+from kvstore_svc.shared_client import Consume, Fence, SharedPath, SharedRefused, wants_shared
 from kvstore_svc.shm import Segment
 from kvstore_svc.wire import Assembled, EntryAssembler, EntryIn, check_entry_keys, entries_of, put_requests
 from llmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
@@ -238,13 +238,23 @@ class KVStoreClient:
         return out
 
     def get_each(
-        self, fingerprint: bytes, keys: Sequence[bytes], consume: Consume, *, timeout_s: float | None = None
+        self,
+        fingerprint: bytes,
+        keys: Sequence[bytes],
+        consume: Consume,
+        *,
+        timeout_s: float | None = None,
+        fence: Fence | None = None,
     ) -> int:
         """Give each entry of the leading present keys, validated, in order, to `consume(key, header,
         payload)`; how many it took. Stops at a miss, a bad entry, or when `consume` returns False.
 
-        `payload` may be a read-only view of a shared segment: valid only until `consume` returns
-        (copy what must outlive it; wait for asynchronous copies from it before returning).
+        `payload` may be a read-only view of the store's arena or of a shared segment: without a
+        `fence` it is valid only until `consume` returns (copy what must outlive it). A consumer
+        whose copies run on asynchronously (a GPU's DMA) passes `fence`: called after it took
+        payloads, it returns a function that waits for those copies, and each payload stays valid
+        until that wait returns. Reading in place, the wait runs on a background thread, so the
+        copies may still be running when this returns.
         """
         if not keys:
             return 0
@@ -253,7 +263,7 @@ class KVStoreClient:
         in_place = self.in_place
         if in_place is not None:
             try:
-                done, finished = in_place.get_each(self._stub, fingerprint, keys, consume, timeout)
+                done, finished = in_place.get_each(self._stub, fingerprint, keys, consume, timeout, fence)
                 if finished:
                     return done
             except SharedRefused as e:
@@ -264,7 +274,7 @@ class KVStoreClient:
         shared = self.shared
         if shared is not None and done < len(keys):
             try:
-                n, finished = shared.get_each(self._stub, fingerprint, keys[done:], consume, timeout)
+                n, finished = shared.get_each(self._stub, fingerprint, keys[done:], consume, timeout, fence)
                 done += n
                 if finished:
                     return done
@@ -272,10 +282,10 @@ class KVStoreClient:
                 self._stop_sharing(shared, e)
             except grpc.RpcError as e:
                 raise _error(e, "get") from None
-        return done + self._stream_each(fingerprint, keys[done:], consume, timeout)
+        return done + self._stream_each(fingerprint, keys[done:], consume, timeout, fence)
 
     def _stream_each(
-        self, fingerprint: bytes, keys: Sequence[bytes], consume: Consume, timeout: float
+        self, fingerprint: bytes, keys: Sequence[bytes], consume: Consume, timeout: float, fence: Fence | None
     ) -> int:
         collector = _Collector(fingerprint, keys)
         call = self._stub.Get(kvstore_pb2.GetRequest(fingerprint=fingerprint, keys=keys), timeout=timeout)
@@ -287,7 +297,10 @@ class KVStoreClient:
                     call.cancel()
                     break
                 n += 1
-                if consume(*checked) is False:
+                go_on = consume(*checked)
+                if fence is not None:  # the payload is this loop's bytes: done with before the next
+                    fence()()
+                if go_on is False:
                     call.cancel()
                     break
         except CorruptEntry as e:  # broken framing: keep what was whole before it

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import mmap
 import os
+import queue
 import stat
 import threading
 import time
@@ -27,7 +28,7 @@ import grpc
 from kvstore_svc import shm
 from kvstore_svc.arena import check_arena_name
 from kvstore_svc.entry import CorruptEntry, EntryHeader, header_from_proto
-from kvstore_svc.shared_client import Consume, SharedRefused, refused
+from kvstore_svc.shared_client import Consume, Fence, SharedRefused, refused
 from llmesh.v1 import kvstore_pb2
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,9 @@ class InPlacePath:
         self._map: ArenaMap | None = None
         self._lock = threading.Lock()
         self._mapping = threading.Lock()  # held while an arena is mapped and page-locked
+        # Leases to end once their copies are done (get_each with a fence), and the thread doing it.
+        self._releases: queue.Queue = queue.Queue()
+        self._releaser: threading.Thread | None = None
 
     @property
     def arena(self) -> str | None:
@@ -153,11 +157,22 @@ class InPlacePath:
         return resp.arena
 
     def get_each(
-        self, stub, fingerprint: bytes, keys: Sequence[bytes], consume: Consume, timeout_s: float
+        self,
+        stub,
+        fingerprint: bytes,
+        keys: Sequence[bytes],
+        consume: Consume,
+        timeout_s: float,
+        fence: Fence | None = None,
     ) -> tuple[int, bool]:
         """Entries consumed, and whether the call is finished (False: read the keys after them
         another way). SharedRefused (its `done`: entries consumed before) when this store or host
-        offers no in-place reads."""
+        offers no in-place reads.
+
+        With a `fence`, the lease (and the mapping) is ended by a background thread once the
+        consumer's copies are done, so that they run on after this returns: a GPU's DMA from the
+        arena then overlaps the caller's next work (the forward's launches) instead of preceding it.
+        """
         done = 0
         while done < len(keys):
             try:
@@ -180,12 +195,15 @@ class InPlacePath:
                 if isinstance(e, SharedRefused):
                     e.done = done  # type: ignore[attr-defined]
                 raise
+            expires = granted_at + resp.lease_timeout_ms / 1000 * (1 - _LEASE_MARGIN)
             try:
-                expires = granted_at + resp.lease_timeout_ms / 1000 * (1 - _LEASE_MARGIN)
                 status = self._read(m, fingerprint, keys[done:], resp.entries, consume, expires)
             finally:
-                self._release(m)
-                self._release_lease(stub, resp.lease_id, timeout_s)
+                if fence is None:
+                    self._release(m)
+                    self._release_lease(stub, resp.lease_id, timeout_s)
+                else:
+                    self._release_later(fence(), m, stub, resp.lease_id, timeout_s, expires)
             done += status[0]
             if not status[1]:  # a bad entry, a consumer that stopped, or a lease near its end
                 return done, status[2]
@@ -224,6 +242,36 @@ class InPlacePath:
             if go_on is False:
                 return n, False, True
         return n, True, True
+
+    def _release_later(
+        self, wait: Callable[[], None], m: ArenaMap, stub, lease_id: int, timeout_s: float, expires: float
+    ) -> None:
+        """End a lease (and this call's use of the mapping) once `wait` returns, off the caller's thread."""
+        with self._lock:
+            if self._releaser is None:
+                self._releaser = threading.Thread(
+                    target=self._release_each, name="llmesh-kv-lease", daemon=True
+                )
+                self._releaser.start()
+        self._releases.put((wait, m, stub, lease_id, timeout_s, expires))
+
+    def _release_each(self) -> None:
+        while True:
+            wait, m, stub, lease_id, timeout_s, expires = self._releases.get()
+            try:
+                wait()
+            except Exception as e:  # noqa: BLE001  # a failed wait still ends the lease
+                log.warning("waiting for copies from the store's arena", extra={"error": repr(e)})
+            if time.monotonic() > expires:
+                # The store may have reused the slots while they were still being read.
+                log.warning("copies from the store's arena outlasted their lease")
+            self._release(m)
+            self._release_lease(stub, lease_id, timeout_s)
+            self._releases.task_done()
+
+    def flush(self) -> None:
+        """Wait until every deferred lease has been ended (tests)."""
+        self._releases.join()
 
     def _release_lease(self, stub, lease_id: int, timeout_s: float) -> None:
         if not lease_id:

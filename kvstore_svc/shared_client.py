@@ -26,6 +26,10 @@ log = logging.getLogger(__name__)
 
 # consume(key, header, payload) -> False to stop; the payload may be a view valid only during the call.
 Consume = Callable[[bytes, EntryHeader, memoryview | bytes], bool | None]
+# For a consumer whose copies from a payload run on after it returns (a GPU's DMA): called after
+# the consumer took payloads, it returns the function that waits until those copies are done.
+# A payload stays valid until that wait returns (see KVStoreClient.get_each).
+Fence = Callable[[], Callable[[], None]]
 MODES = ("auto", "on", "off")
 _REFUSALS = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED})
 
@@ -81,9 +85,17 @@ class SharedPath:
         self.bytes_out = 0
 
     def get_each(
-        self, stub, fingerprint: bytes, keys: Sequence[bytes], consume: Consume, timeout_s: float
+        self,
+        stub,
+        fingerprint: bytes,
+        keys: Sequence[bytes],
+        consume: Consume,
+        timeout_s: float,
+        fence: Fence | None = None,
     ) -> tuple[int, bool]:
-        """Entries consumed, and whether the call is finished (False: stream the keys after them)."""
+        """Entries consumed, and whether the call is finished (False: stream the keys after them).
+        With a `fence`, the consumer's copies from a reply's payloads are waited for before the
+        segment is written again (the next reply) or handed back (a put may take it)."""
         done = 0
         try:
             with self.pool.lease() as segment:
@@ -100,11 +112,15 @@ class SharedPath:
                         raise
                     if not resp.entries:
                         return done, not resp.region_full  # a miss; or an entry larger than a segment
-                    for msg in resp.entries:
-                        status = self._hand_over(segment, region, fingerprint, keys[done], msg, consume)
-                        if status is not True:
-                            return done + (status is None), True
-                        done += 1
+                    try:
+                        for msg in resp.entries:
+                            status = self._hand_over(segment, region, fingerprint, keys[done], msg, consume)
+                            if status is not True:
+                                return done + (status is None), True
+                            done += 1
+                    finally:
+                        if fence is not None:
+                            fence()()
                     if not resp.region_full:
                         return done, True  # the chain ended at a miss, or every key was read
         except OSError as e:

@@ -45,15 +45,19 @@ class InProcessKVStore:
             out.append((key, header, payload))
         return out
 
-    def get_each(self, fingerprint: bytes, keys: list[bytes], consume) -> int:
-        """`KVStoreClient.get_each`: each payload a view of the store's memory (no copy)."""
+    def get_each(self, fingerprint: bytes, keys: list[bytes], consume, *, fence=None) -> int:
+        """`KVStoreClient.get_each`: each payload a view of the store's memory (no copy), waited
+        for (`fence`) before the next: the store may evict it once it is handed over."""
         n = 0
         for key in keys:
             hit = self.store.get(fingerprint, key)
             if hit is None:
                 break
             n += 1
-            if consume(key, *hit) is False:
+            go_on = consume(key, *hit)
+            if fence is not None:
+                fence()()
+            if go_on is False:
                 break
         return n
 

@@ -112,3 +112,20 @@ def test_store_load_in_place_from_the_page_locked_arena(tmp_path) -> None:
     finally:
         client.close()  # unmaps (and unregisters) the arena
         store.stop()
+
+
+def test_saves_and_host_loads_never_synchronize_the_host() -> None:
+    """A save (gathers behind the last forward) and a host load (a GiB behind which the forward's
+    launches queue) must not wait for the device: index uploads are non-blocking."""
+    tiers = make_tiers()
+    want = blocks_of(tiers, [3, 4, 5]).clone()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tiers.apply(KVTransfers(save_block_ids=[3, 4, 5], save_host_slots=[0, 1, 5]), lambda s, b: 0)
+        tiers.apply(KVTransfers(load_host_slots=[0, 1, 5], load_block_ids=[40, 41, 42]), lambda s, b: 0)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.equal(blocks_of(tiers, [40, 41, 42]), want)
+    assert tiers.counters.host_load_seconds > 0

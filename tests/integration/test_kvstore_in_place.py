@@ -65,6 +65,36 @@ def test_entries_are_read_in_place_and_every_lease_is_released(store):
         assert after.leases - before.leases == 3 and after.active_leases == 0 and after.leased_bytes == 0
 
 
+def test_a_fenced_read_keeps_its_lease_until_the_copies_are_done(store):
+    """A consumer copying asynchronously (a GPU's DMA) passes a fence: get_each returns at once,
+    and the lease (and the mapping) is ended only once the fence's wait returns."""
+    import threading
+
+    fp = fresh_fp("inplace-fence")
+    ents = [entry(i, 200 * KiB, fp) for i in range(3)]
+    keys = [k for k, _, _ in ents]
+    copies_done = threading.Event()
+    fenced = []
+
+    def fence():
+        fenced.append(len(seen))
+        return lambda: copies_done.wait(10)
+
+    with KVStoreClient(store.address, timeout_s=30, segment_bytes=MiB) as c:
+        assert c.put(fp, ents) == 3
+        before = c.stats()
+        seen = []
+        assert c.get_each(fp, keys, lambda k, h, p: seen.append((k, h, bytes(p))), fence=fence) == 3
+        assert seen == ents and fenced == [3]  # one fence for the one lease, after its entries
+        held = c.stats()
+        assert held.active_leases == before.active_leases + 1  # the copies are still "running"
+        assert c.in_place is not None and c.in_place._map.users == 1
+        copies_done.set()
+        c.in_place.flush()
+        after = c.stats()
+        assert after.active_leases == before.active_leases and c.in_place._map.users == 0
+
+
 def test_hostile_in_place_calls_get_the_protocols_codes_and_the_store_serves_on(store):
     fp = fresh_fp("inplace-hostile")
     arena = KVStoreClient(store.address).stats().arena

@@ -70,10 +70,15 @@ def test_entries_round_trip_through_shared_memory_in_rounds(store):
         assert c.get_each(fp, keys, lambda k, h, p: seen.append((k, h, bytes(p)))) == 8
         assert seen == ents
         assert c.get_each(fp, keys, lambda k, h, p: False) == 1  # the consumer stops the run
+        # A fenced consumer: each reply's copies are waited for before its segment is written
+        # again (3 replies of three 300 KiB entries); the streamed one, after itself.
+        waits = []
+        fenced = c.get_each(fp, keys, lambda k, h, p: None, fence=lambda: lambda: waits.append(1))
+        assert fenced == 8 and len(waits) == 4
         assert c.shared is not None
         after = c.stats()
         assert after.shared_bytes_in - before.shared_bytes_in == 7 * 300 * KiB
-        assert after.shared_bytes_out - before.shared_bytes_out >= 2 * 7 * 300 * KiB
+        assert after.shared_bytes_out - before.shared_bytes_out >= 3 * 7 * 300 * KiB
         assert after.shared_segments >= 1
         names = c.shared.pool.names
         assert names and all(os.path.exists(os.path.join(shm.SHM_DIR, n)) for n in names)
