@@ -46,6 +46,12 @@ class WorkerConfig:
         help="size of each of the worker's two shared memory segments (made when first used); a load "
         "or put of more goes in rounds",
     )
+    kv_store_put_bytes: ByteSize = option(
+        ByteSize("2GiB"),
+        help="host memory for chunks on their way to the KV store (on CUDA pinned, allocated once at "
+        "start: a put is one DMA into it, never an allocation on the step); a put that finds it full is "
+        "dropped, which costs a later hit and nothing else",
+    )
     speculative_config: str | None = option(
         None,
         help='speculative decoding, as vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '

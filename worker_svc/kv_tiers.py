@@ -6,9 +6,10 @@ only copies bytes, in the order the contract gives, before a plan's forward:
 - the host tier is one tensor of `num_host_blocks` slots, each one KV block of
   every layer (pinned memory on CUDA, so copies are DMA); saves and loads move
   many blocks at once, one gather/scatter per layer, never one copy per block;
-- a store put copies a chunk of blocks to host memory now and hands it to a
-  background thread that sends it (the step never waits on the store; when the
-  queue is full a put is dropped, which loses nothing but a later hit);
+- a store put copies a chunk of blocks to host memory now (on CUDA one DMA into
+  a slot of a pinned pool, `kv_put_staging`) and hands it to a background thread
+  that sends it (the step never waits on the store; when the pool is full a put
+  is dropped, which loses nothing but a later hit);
 - a store load fetches chunks and scatters them into the sequence's fresh
   blocks. A chunk that cannot be had (a miss, a corrupt entry, the store down)
   is not an error: the caller computes the sequence from that chunk on instead.
@@ -31,8 +32,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from services.step import KVTransfers, StoreLoad, store_fingerprint
+from services.step import KVTransfers, StoreLoad, StorePut, store_fingerprint
 from worker_svc.kv_cache import KVCacheSpec
+from worker_svc.kv_put_staging import PutStaging
 
 if TYPE_CHECKING:
     from worker_svc.kv_shards import KVShardExchange
@@ -42,8 +44,9 @@ log = logging.getLogger(__name__)
 # Entry layout: chunk blocks outermost, so that a chunk is one contiguous run of whole blocks.
 LAYOUT = "blocks,layers,kv,block_size,kv_heads,head_dim"
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-# Bytes of store puts waiting for the background sender; past this, new puts are dropped.
-MAX_PENDING_PUT_BYTES = 512 << 20
+# Bytes of store puts waiting for the background sender (the worker's kv_store_put_bytes);
+# past this, new puts are dropped.
+DEFAULT_PUT_BYTES = 512 << 20
 
 
 class KVStoreLink(Protocol):
@@ -81,6 +84,7 @@ class WorkerKVTiers:
         store: KVStoreLink | None,
         chunk_blocks: int,
         shards: KVShardExchange | None = None,
+        put_bytes: int = DEFAULT_PUT_BYTES,
     ) -> None:
         """`spec` describes whole blocks (every KV head); with tensor parallelism `kv_caches`
         holds this rank's heads and `shards` moves the others' to and from rank 0."""
@@ -121,8 +125,8 @@ class WorkerKVTiers:
                 target=store.prepare, args=(self.store_fingerprint,), name="llmesh-kv-prepare", daemon=True
             ).start()
         self._puts: queue.Queue = queue.Queue()
-        self._pending_put_bytes = 0
-        self._lock = threading.Lock()
+        chunk_shape = (self.chunk_blocks, *block_shape)
+        self.staging = PutStaging(chunk_shape, spec.dtype, put_bytes if self.chunk_blocks else 0, pin)
         self._sender: threading.Thread | None = None
         if self.chunk_blocks:
             self._sender = threading.Thread(target=self._send_puts, name="llmesh-kv-put", daemon=True)
@@ -211,14 +215,15 @@ class WorkerKVTiers:
             if kv.save_block_ids:
                 slots = torch.tensor(kv.save_host_slots, dtype=torch.long)
                 self.host[slots] = self._gather(kv.save_block_ids)
-            for put in kv.store_puts:
-                self._queue_put(put.key, self._gather(put.block_ids), None)
+            for put, (slot, _) in self._room_for(kv.store_puts):
+                self._queue_put(put.key, self._gather(put.block_ids), None, slot)
         else:
             main = torch.cuda.current_stream(self.device)
             cs.wait_stream(main)  # the blocks were written by earlier plans' forwards
+            room = self._room_for(kv.store_puts)  # puts that find no room are never gathered
             with torch.cuda.stream(cs):
                 saved = self._gather(kv.save_block_ids) if kv.save_block_ids else None
-                puts = [self._gather(p.block_ids) for p in kv.store_puts]
+                puts = [self._gather(p.block_ids) for p, _ in room]
             main.wait_stream(cs)  # this plan's forward may overwrite them once they are gathered
             with torch.cuda.stream(cs):
                 if saved is not None:
@@ -228,14 +233,26 @@ class WorkerKVTiers:
                     landed = torch.cuda.Event()
                     landed.record(cs)
                     self._saves_in_flight.append((frozenset(kv.save_host_slots), landed))
-                for put, data in zip(kv.store_puts, puts, strict=True):
-                    pinned = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
+                for (put, (slot, pinned)), data in zip(room, puts, strict=True):
+                    if pinned is None:  # not a whole chunk, or no pinned pool: a buffer of its own
+                        pinned = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
                     pinned.copy_(data, non_blocking=True)
                     data.record_stream(cs)
                     done = torch.cuda.Event()
                     done.record(cs)
-                    self._queue_put(put.key, pinned, done)
+                    self._queue_put(put.key, pinned, done, slot)
         self.counters.saved_blocks += len(kv.save_block_ids)
+
+    def _room_for(self, puts: list[StorePut]) -> list[tuple[StorePut, tuple[int, torch.Tensor | None]]]:
+        """The puts that find room in the staging memory, with their slot (the others are dropped)."""
+        out = []
+        for put in puts:
+            room = self.staging.take((len(put.block_ids), *self.block_shape))
+            if room is None:
+                self.counters.store_put_dropped += 1
+            else:
+                out.append((put, room))
+        return out
 
     def _load_from_host(self, slots: list[int], block_ids: list[int]) -> None:
         if self.copy_stream is None:
@@ -337,15 +354,9 @@ class WorkerKVTiers:
         return flat.view(self.spec.dtype).view(want_shape)
 
     # ----- background puts -----
-    def _queue_put(self, key: bytes, data: torch.Tensor, ready: torch.cuda.Event | None) -> None:
-        """Hand a chunk (host memory, complete once `ready` fires) to the background sender."""
-        nbytes = data.numel() * data.element_size()
-        with self._lock:
-            if self._pending_put_bytes + nbytes > MAX_PENDING_PUT_BYTES:
-                self.counters.store_put_dropped += 1
-                return
-            self._pending_put_bytes += nbytes
-        self._puts.put((key, data, ready))
+    def _queue_put(self, key: bytes, data: torch.Tensor, ready: torch.cuda.Event | None, slot: int) -> None:
+        """Hand a chunk (host memory, complete once `ready` fires; staging `slot`) to the sender."""
+        self._puts.put((key, data, ready, slot))
 
     def _send_puts(self) -> None:
         from kvstore_svc.entry import make_header  # the store's value format (no torch)
@@ -355,7 +366,7 @@ class WorkerKVTiers:
             item = self._puts.get()
             if item is None:
                 return
-            key, data, ready = item
+            key, data, ready, slot = item
             try:
                 if ready is not None:
                     ready.synchronize()  # the device-to-host copy has landed
@@ -375,13 +386,12 @@ class WorkerKVTiers:
                 self.counters.store_put_failed += 1
                 log.info("kv store put failed", extra={"error": repr(e)})
             finally:
-                with self._lock:
-                    self._pending_put_bytes -= data.numel() * data.element_size()
+                self.staging.give_back(slot, tuple(data.shape))
 
     def flush(self, timeout_s: float = 10.0) -> None:
         """Wait until queued puts are sent (tests, shutdown)."""
         deadline = time.monotonic() + timeout_s
-        while self._pending_put_bytes and time.monotonic() < deadline:
+        while self.staging.pending_bytes and time.monotonic() < deadline:
             time.sleep(0.005)
 
     def close(self) -> None:

@@ -270,6 +270,7 @@ class ModelRunner:
             store=kv_store,
             chunk_blocks=config.kv_chunk_tokens // bs,
             shards=self._kv_shards(),
+            put_bytes=config.kv_store_put_bytes,
         )
         self.sampler = Sampler(mc.vocab_size, self.device, seed=config.seed)
         self.proposer = self._make_proposer(self.spec)

@@ -18,7 +18,9 @@ def make_tiers(store=None, chunk_blocks: int = 0) -> WorkerKVTiers:
     caches = allocate_kv_cache(spec, 64, "cuda")
     for c in caches:
         c.normal_()
-    return WorkerKVTiers(caches, spec, b"f" * 32, num_host_blocks=32, store=store, chunk_blocks=chunk_blocks)
+    return WorkerKVTiers(
+        caches, spec, b"f" * 32, num_host_blocks=32, store=store, chunk_blocks=chunk_blocks, put_bytes=1 << 20
+    )
 
 
 def blocks_of(tiers: WorkerKVTiers, ids: list[int]) -> torch.Tensor:
@@ -51,6 +53,9 @@ def test_store_put_then_load_round_trips_exactly() -> None:
     for c in tiers.kv_caches:
         c[:, ids] = 0
     tiers.flush()
+    # Both chunks went through slots of the pinned pool, given back once sent.
+    assert tiers.staging.pool is not None and tiers.staging.pool.is_pinned()
+    assert tiers.staging.pending_bytes == 0 and len(tiers.staging._free) == tiers.staging.num_slots
     targets = [30, 31, 32, 33, -1, 35, 36, 37]
     load = StoreLoad("s", [b"a" * 32, b"b" * 32], targets)
     failed = tiers.apply(KVTransfers(store_loads=[load]), lambda s, b: 0)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from scheduler_svc.request import Request
-from scheduler_svc.spec_decode import MAX_BACKOFF_STEPS, SpecDecodePolicy
+from scheduler_svc.spec_decode import EMPTY_LOOKUP_SKIP, MAX_BACKOFF_STEPS, SpecDecodePolicy
 from services.sampling_params import SamplingParams
 
 
@@ -50,8 +50,11 @@ def test_failures_back_off_exponentially_and_success_resets() -> None:
     assert req.spec_skip == 1
     ahead = SpecDecodePolicy(3, drafts_ahead=True)
     req = request()
-    ahead.proposed(req, 0)  # nobody waited, but the worker's lookup found nothing: try later
-    assert req.spec_skip == 1
+    for _ in range(5):  # nobody waited, only the worker's lookup found nothing: look again soon
+        ahead.proposed(req, 0)
+        assert req.spec_skip == EMPTY_LOOKUP_SKIP and req.spec_failures == 0
+    ahead.verified(req, 3, 0)  # a verification that gains nothing still backs off
+    assert req.spec_skip == 1 and req.spec_failures == 1
 
 
 def test_counters_follow_vllm() -> None:
