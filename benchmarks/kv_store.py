@@ -265,8 +265,19 @@ def throughput(llm: LLM, batches: list[list[list[int]]], max_tokens: int) -> tup
     return tokens / (time.perf_counter() - started), outs
 
 
-def chat_rows(args, engine_kw: dict, vocab: int) -> list[tuple]:
-    """Multi-round chat over two engines in turn; random prompts with the store on and off."""
+def chat_rows(args, engine_kw: dict, vocab: int, stack: ExitStack) -> list[tuple]:
+    """Multi-round chat over two engines in turn; random prompts with the store on and off.
+
+    The store is a service on loopback reached through shared memory (a deployment's path; its
+    own process), or with `--throughput-store memory` the store's core inside the engine's
+    process (whose puts then share the engine's GIL). Each "on" run gets a fresh, empty store.
+    """
+
+    def fresh_store():
+        if args.throughput_store == "memory":
+            return open_kv_store(f"memory:{args.store_bytes}")
+        return start_kvstore(stack, args.store_bytes)
+
     rng = random.Random(args.seed + 1)
     system = random_tokens(rng, args.chat_system, vocab)
     histories = [list(system) for _ in range(args.chat_users)]
@@ -277,7 +288,9 @@ def chat_rows(args, engine_kw: dict, vocab: int) -> list[tuple]:
         rounds.append([list(h) for h in histories])
         for h in histories:
             h.extend(random_tokens(rng, args.chat_answer, vocab))  # the "answer" the next round sees
-    kw = dict(engine_kw, kv_chunk_tokens=args.chunk_tokens)
+    kw = dict(engine_kw, kv_chunk_tokens=args.chunk_tokens, kv_store_shared_memory="on")
+    if args.throughput_store == "memory":
+        kw.pop("kv_store_shared_memory")
     rows = []
 
     def two_engines(store) -> tuple[float, list]:
@@ -300,7 +313,7 @@ def chat_rows(args, engine_kw: dict, vocab: int) -> list[tuple]:
         return rate, outs
 
     off, ref = two_engines(None)
-    on, got = two_engines(open_kv_store(f"memory:{args.store_bytes}"))
+    on, got = two_engines(fresh_store())
     rows.append(("multi-round chat, 2 engines in turn", off, on, got == ref))
 
     randoms = [
@@ -312,7 +325,7 @@ def chat_rows(args, engine_kw: dict, vocab: int) -> list[tuple]:
     rates: dict[bool, list[float]] = {False: [], True: []}
     outs: dict[bool, list] = {}
     for store_on in (False, True, False, True):
-        store = open_kv_store(f"memory:{args.store_bytes}") if store_on else None
+        store = fresh_store() if store_on else None
         llm = LLM(kv_store=store, **kw) if store_on else LLM(**engine_kw)
         throughput(llm, [[random_tokens(rng, 64, vocab)]], 4)  # warm-up
         rate, outs[store_on] = throughput(llm, randoms, args.random_output)
@@ -351,6 +364,12 @@ def main() -> None:
     ap.add_argument("--random-batches", type=int, default=3)
     ap.add_argument("--random-output", type=int, default=32)
     ap.add_argument("--skip-chat", action="store_true")
+    ap.add_argument(
+        "--throughput-store",
+        choices=["service", "memory"],
+        default="service",
+        help="the store of the throughput rows: a service on loopback (shared memory) or in process",
+    )
     ap.add_argument("--trace", action="store_true", help="print each timed request's timeline (stderr)")
     ap.add_argument("--skip-documents", action="store_true")
     ap.add_argument("--num-kv-blocks", type=int, default=0, help="GPU cache blocks (0 = from memory)")
@@ -380,7 +399,8 @@ def main() -> None:
         print_documents(args, rows, kv_per_token, device)
     if args.skip_chat:
         return
-    chat = chat_rows(args, engine_kw, vocab)
+    with ExitStack() as stack:
+        chat = chat_rows(args, engine_kw, vocab, stack)
     print("\n| workload | out tok/s store off | out tok/s store on | on / off | same tokens |")
     print("| --- | ---: | ---: | ---: | --- |")
     for name, off, on, same in chat:

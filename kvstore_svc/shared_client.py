@@ -18,7 +18,7 @@ import grpc
 
 from kvstore_svc import shm
 from kvstore_svc.entry import CorruptEntry, EntryHeader, check_payload, header_from_proto, header_to_proto
-from kvstore_svc.shm import Region, Segment, SegmentPool, align
+from kvstore_svc.shm import Region, Segment, SegmentPool, align, copy_into
 from kvstore_svc.wire import EntryIn
 from llmesh.v1 import kvstore_pb2
 
@@ -173,7 +173,7 @@ class SharedPath:
                         n = header.payload_length
                         if pos + n > segment.size:
                             break
-                        segment.view[pos : pos + n] = memoryview(payload).cast("B")
+                        copy_into(segment.view[pos : pos + n], memoryview(payload).cast("B"))
                         batch.append(
                             kvstore_pb2.SharedEntry(key=key, header=header_to_proto(header), offset=pos)
                         )
