@@ -296,6 +296,8 @@ def chat_rows(args, engine_kw: dict, vocab: int, stack: ExitStack) -> list[tuple
     def two_engines(store) -> tuple[float, list]:
         a = LLM(kv_store=store, **kw) if store else LLM(**engine_kw)
         b = LLM(kv_store=store, **kw) if store else LLM(**engine_kw)
+        for llm in (a, b):
+            llm.engine.runner.kv_tiers.wait_prepared()
         params = SamplingParams(max_tokens=args.chat_answer, temperature=0.0, ignore_eos=True)
         tokens, outs = 0, []
         started = time.perf_counter()
@@ -328,6 +330,9 @@ def chat_rows(args, engine_kw: dict, vocab: int, stack: ExitStack) -> list[tuple
         store = fresh_store() if store_on else None
         llm = LLM(kv_store=store, **kw) if store_on else LLM(**engine_kw)
         throughput(llm, [[random_tokens(rng, 64, vocab)]], 4)  # warm-up
+        # A worker that has served before: its store client has mapped (and on a GPU page-locked)
+        # the store's arena and segments, which a new worker does once, in the background.
+        llm.engine.runner.kv_tiers.wait_prepared()
         rate, outs[store_on] = throughput(llm, randoms, args.random_output)
         rates[store_on].append(rate)
         llm.engine.close()

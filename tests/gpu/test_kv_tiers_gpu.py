@@ -62,6 +62,11 @@ def test_store_put_then_load_round_trips_exactly() -> None:
     assert failed == {}
     got = blocks_of(tiers, [t for t in targets if t >= 0])
     assert torch.equal(got, torch.cat([want[:4], want[5:]]))
+    # A chain whose last chunk is missing: the loaded ones land, the rest is left to compute.
+    missing = StoreLoad("m", [b"a" * 32, b"z" * 32], [40, 41, 42, 43, 44, 45, 46, 47])
+    failed = tiers.apply(KVTransfers(store_loads=[missing]), lambda s, b: {44: 4}[b])
+    assert failed == {"m": 4}
+    assert torch.equal(blocks_of(tiers, [40, 41, 42, 43]), want[:4])
 
 
 def put_then_load(tiers, first: bytes, second: bytes):
