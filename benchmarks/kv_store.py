@@ -247,6 +247,9 @@ def document_rows(args, engine_kw: dict, vocab: int, stack: ExitStack) -> list[t
         asker = LLM(kv_store=store, **path_kw)
         ttft(asker, warm_up)  # connects; a miss (computed, and put like any prompt)
         asker.engine.flush_kv()  # its puts are done before the loads are timed
+        # Its store client has mapped and page-locked the arena or segments (done once, in the
+        # background, when a worker starts: ~1 s for a 4 GiB arena on an H100 host).
+        asker.engine.runner.kv_tiers.wait_prepared()
         measure(name, asker)
         asker.engine.close()
         del asker
