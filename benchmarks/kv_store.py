@@ -220,6 +220,8 @@ def document_rows(args, engine_kw: dict, vocab: int, stack: ExitStack) -> list[t
     del host
     release()
 
+    if args.skip_stores:
+        return rows
     # (row, the store, how the engine reaches a service: streamed over gRPC or through shared memory)
     stores = [("store (in process)", lambda: open_kv_store(f"memory:{args.store_bytes}"), "off")]
     stores.append(("store (memory, gRPC)", lambda: start_kvstore(stack, args.store_bytes), "off"))
@@ -380,6 +382,7 @@ def main() -> None:
     )
     ap.add_argument("--trace", action="store_true", help="print each timed request's timeline (stderr)")
     ap.add_argument("--skip-documents", action="store_true")
+    ap.add_argument("--skip-stores", action="store_true", help="documents: recompute and the CPU tier only")
     ap.add_argument("--num-kv-blocks", type=int, default=0, help="GPU cache blocks (0 = from memory)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()

@@ -4,8 +4,12 @@ The scheduler decides every move (`services.step.KVTransfers`); this module
 only copies bytes, in the order the contract gives, before a plan's forward:
 
 - the host tier is one tensor of `num_host_blocks` slots, each one KV block of
-  every layer (pinned memory on CUDA, so copies are DMA); saves and loads move
-  many blocks at once, one gather/scatter per layer, never one copy per block;
+  every layer, laid out layer by layer (pinned memory on CUDA, so copies are DMA);
+  saves and loads move many blocks at once, one gather/scatter per layer, never
+  one copy per block. On CUDA a load runs layer by layer on a stream of its own
+  and the forward's layer i waits only for layer i's blocks (`take_layer_events`,
+  LMCache's layer-wise pipelining): the forward runs behind the transfer instead
+  of after it;
 - a store put copies a chunk of blocks to host memory now (on CUDA one DMA into
   a slot of a pinned pool, `kv_put_staging`) and hands it to a background thread
   that sends it (the step never waits on the store; when the pool is full a put
@@ -104,12 +108,18 @@ class WorkerKVTiers:
         self.block_shape = block_shape
         pin = self.device.type == "cuda"
         # torch.empty: on CPU pages are committed only as slots are written (pinned memory, on CUDA,
-        # is locked at once: its size is the operator's choice).
-        self.host = torch.empty((num_host_blocks, *block_shape), dtype=spec.dtype, pin_memory=pin)
+        # is locked at once: its size is the operator's choice). Layers outermost: one layer of
+        # a run of slots is contiguous, so a load can move (and hand over) one layer at a time.
+        host_shape = (spec.num_layers, num_host_blocks, *block_shape[1:])
+        self.host = torch.empty(host_shape, dtype=spec.dtype, pin_memory=pin)
         wants_copies = num_host_blocks > 0 or store is not None
         # Saves into host slots still being copied on the copy stream: (slots, copies done).
         self._saves_in_flight: list[tuple[frozenset[int], torch.cuda.Event]] = []
         self.copy_stream = torch.cuda.Stream(self.device) if pin and wants_copies else None
+        # Host loads run on their own stream, layer by layer; the events of the last plan's load,
+        # one per layer, until the runner takes them for its forward.
+        self.load_stream = torch.cuda.Stream(self.device) if pin and num_host_blocks else None
+        self._layer_events: list[torch.cuda.Event] | None = None
         if pin and store is not None and hasattr(store, "on_segments"):
             # The store client's shared memory segments, page-locked: chunks loaded from them
             # reach the device by DMA, with no staging copy.
@@ -159,11 +169,11 @@ class WorkerKVTiers:
         copies into pinned memory overlap it. Host loads wait for earlier saves to land.
         """
         c = self.counters
+        self.wait_for_loads(self.take_layer_events())  # a load no forward waited for
         if kv.save_block_ids or kv.store_puts:
             self._save_and_put(kv)
         if kv.load_block_ids:
-            with self._timed(host=True):
-                self._load_from_host(kv.load_host_slots, kv.load_block_ids)
+            self._load_from_host(kv.load_host_slots, kv.load_block_ids)
             c.host_loaded_blocks += len(kv.load_block_ids)
             c.host_loaded_bytes += len(kv.load_block_ids) * self.spec.bytes_per_block
         failed: dict[str, int] = {}
@@ -174,6 +184,19 @@ class WorkerKVTiers:
                 failed[load.seq_id] = block_index(load.seq_id, first_missing)
                 c.store_load_failures += 1
         return failed
+
+    def take_layer_events(self) -> list[torch.cuda.Event] | None:
+        """The last plan's host load, one event per layer that fires once that layer's blocks are
+        in the cache (None: nothing loading on the side). The caller's forward must wait on
+        layer i's event before layer i reads or writes its cache, and on the last before anything
+        else it runs after the load (`wait_for_loads`)."""
+        events, self._layer_events = self._layer_events, None
+        return events
+
+    def wait_for_loads(self, events: list[torch.cuda.Event] | None) -> None:
+        """Order the current stream after a layer-by-layer load (all of its layers)."""
+        if events:
+            torch.cuda.current_stream(self.device).wait_event(events[-1])
 
     @contextlib.contextmanager
     def _timed(self, host: bool) -> Iterator[None]:
@@ -223,7 +246,8 @@ class WorkerKVTiers:
         if cs is None:  # CPU: plain copies
             gathered = self._gather(ids)
             if n_saved:
-                self.host[torch.tensor(kv.save_host_slots, dtype=torch.long)] = gathered[:n_saved]
+                slots = torch.tensor(kv.save_host_slots, dtype=torch.long)
+                self.host[:, slots] = gathered[:n_saved].transpose(0, 1)
             for (put, (slot, _)), data in zip(room, self._split_puts(gathered, n_saved, room), strict=True):
                 self._queue_put(put.key, data, None, slot)
         else:
@@ -236,7 +260,10 @@ class WorkerKVTiers:
                 gathered.record_stream(cs)
                 if n_saved:
                     for i, slot, n in _runs(kv.save_host_slots):
-                        self.host[slot : slot + n].copy_(gathered[i : i + n], non_blocking=True)
+                        for layer in range(self.spec.num_layers):  # one layer of a run: contiguous
+                            self.host[layer, slot : slot + n].copy_(
+                                gathered[i : i + n, layer], non_blocking=True
+                            )
                     landed = torch.cuda.Event()
                     landed.record(cs)
                     self._saves_in_flight.append((frozenset(kv.save_host_slots), landed))
@@ -271,20 +298,49 @@ class WorkerKVTiers:
         return out
 
     def _load_from_host(self, slots: list[int], block_ids: list[int]) -> None:
-        if self.copy_stream is None:
-            self._scatter(block_ids, self.host[torch.tensor(slots, dtype=torch.long)])
+        if self.copy_stream is None:  # CPU
+            started = time.perf_counter()
+            self._scatter(block_ids, self.host[:, torch.tensor(slots, dtype=torch.long)].transpose(0, 1))
+            self._counters.host_load_seconds += time.perf_counter() - started
             return
-        self._wait_for_saves_into(slots)
-        data = torch.empty((len(slots), *self.block_shape), dtype=self.spec.dtype, device=self.device)
-        for i, slot, n in _runs(slots):
-            data[i : i + n].copy_(self.host[slot : slot + n], non_blocking=True)
-        self._scatter(block_ids, data)
-
-    def _wait_for_saves_into(self, slots: list[int]) -> None:
-        """Make the forward's stream wait for the saves still copying into `slots`, and only
-        those: a load waiting for every save in flight waited ~25 ms on an H100 for the 1 GiB
-        another request's eviction was saving into other slots."""
         main = torch.cuda.current_stream(self.device)
+        if self.shards is not None:  # tensor parallelism: one scatter collective for the whole load
+            with self._timed(host=True):
+                self._wait_for_saves_into(slots, main)
+                data = torch.empty((len(slots), *self.block_shape), dtype=self.spec.dtype, device=self.device)
+                for layer in range(self.spec.num_layers):
+                    for i, slot, n in _runs(slots):
+                        data[i : i + n, layer].copy_(self.host[layer, slot : slot + n], non_blocking=True)
+                self._scatter(block_ids, data)
+            return
+        ls = self.load_stream
+        assert ls is not None
+        # The fresh blocks may have been another sequence's, still read by forwards in flight.
+        ls.wait_stream(main)
+        self._wait_for_saves_into(slots, ls)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        events = []
+        with torch.cuda.stream(ls):
+            start.record(ls)
+            idx = block_index(block_ids, self.device)
+            layer_shape = (len(slots), *self.block_shape[1:])
+            for layer, cache in enumerate(self.kv_caches):
+                data = torch.empty(layer_shape, dtype=self.spec.dtype, device=self.device)
+                for i, slot, n in _runs(slots):
+                    data[i : i + n].copy_(self.host[layer, slot : slot + n], non_blocking=True)
+                cache.index_copy_(1, idx, data.transpose(0, 1))
+                ready = torch.cuda.Event()
+                ready.record(ls)
+                events.append(ready)
+            end.record(ls)
+        self._timed_loads.append((start, end, True))
+        self._layer_events = events
+
+    def _wait_for_saves_into(self, slots: list[int], stream: torch.cuda.Stream) -> None:
+        """Make `stream` wait for the saves still copying into `slots`, and only those: a load
+        waiting for every save in flight waited ~25 ms on an H100 for the 1 GiB another
+        request's eviction was saving into other slots."""
+        main = stream
         wanted = set(slots)
         pending = []
         for saved_slots, landed in self._saves_in_flight:

@@ -465,8 +465,12 @@ class ModelRunner:
         result = StepResult(step_id=plan.step_id)
         if plan.kv:
             order = self._transfer(plan, order, result)
+        # A host load runs beside the forward, layer by layer: an eager forward waits per layer,
+        # anything else for the whole load.
+        loading = self.kv_tiers.take_layer_events()
         launched = LaunchedStep(result, [])
         if not order:
+            self.kv_tiers.wait_for_loads(loading)
             return launched
         if self.draft is not None:
             self._draft_now(order)
@@ -574,6 +578,10 @@ class ModelRunner:
             patch = (where[0], prev.sampled.index_select(0, where[1]).to(torch.int64))
 
         graphs = self._graphs
+        eager = not (pure_decode and graphs is not None and n <= graphs.max_size and width <= graphs.width)
+        eager = eager and to_padded is None
+        if not eager:
+            self.kv_tiers.wait_for_loads(loading)
         if pure_decode and graphs is not None and n <= graphs.max_size and width <= graphs.width:
             all_sample = len(sample_rows) == n
             last_rows = None if all_sample else np.asarray(sample_rows, dtype=np.int64)
@@ -622,8 +630,10 @@ class ModelRunner:
                 max_seq_len=max_seq_len,
                 query_lens_cpu=query_lens.tolist(),
                 seq_lens_cpu=seq_lens.tolist(),
+                layer_ready=loading,
             )
             hidden = self.model(d_ids, d_pos, self.kv_caches, meta)
+            self.kv_tiers.wait_for_loads(loading)
             if self.draft is not None:
                 self.draft.forward_alongside(d_ids, d_pos, meta)
             sample_index = None if all_sample else d_last

@@ -39,8 +39,12 @@ def test_save_then_overwrite_then_load_round_trips_exactly() -> None:
         c[:, saved_ids] = 0
     targets = [40, 41, 42, 50, 51]
     tiers.apply(KVTransfers(load_host_slots=slots, load_block_ids=targets), lambda s, b: 0)
-    torch.cuda.synchronize()
+    # The load ran on its own stream, layer by layer: one event per layer for the forward.
+    events = tiers.take_layer_events()
+    assert events is not None and len(events) == len(tiers.kv_caches)
+    tiers.wait_for_loads(events)  # the current stream now follows every layer of it
     assert torch.equal(blocks_of(tiers, targets), want)
+    assert tiers.take_layer_events() is None
 
 
 def test_store_put_then_load_round_trips_exactly() -> None:

@@ -31,6 +31,9 @@ class AttentionMetadata:
     # Host copies, so that the reference path never syncs with the device.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # CUDA events, one per layer, of a KV load running beside the forward (worker_svc.kv_tiers):
+    # layer i must not touch its cache before event i fires. None: nothing loading.
+    layer_ready: list | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -172,6 +172,8 @@ class Attention(nn.Module):
             q = self.q_norm(q)[0]
             k = self.k_norm(k)[0]
         q, k = rotary(positions, q, k)
+        if meta.layer_ready is not None:  # this layer's loaded blocks may still be on their way
+            torch.cuda.current_stream(q.device).wait_event(meta.layer_ready[self.layer_idx])
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
