@@ -55,7 +55,12 @@ class KVShardExchange:
         self.announce(KV_SCATTER, np.asarray(block_ids, dtype=np.int64))
         # A broadcast may write its root's buffer too: never hand it a view of the store's
         # bytes (read-only, or a shared segment the store reuses). On a GPU it is a device copy.
-        whole = whole.clone() if whole.device.type == "cpu" else whole.contiguous()
+        # Contiguous either way: the other ranks receive into a contiguous buffer of this shape
+        # (a host tier laid out layer-major hands over a transposed view).
+        if whole.device.type == "cpu":
+            whole = whole.clone(memory_format=torch.contiguous_format)
+        else:
+            whole = whole.contiguous()
         self.tp.broadcast_from_first(whole)
         return heads_of(whole, self.tp)
 
