@@ -28,7 +28,7 @@ class PutStaging:
         self, chunk_shape: tuple[int, ...], dtype: torch.dtype, total_bytes: int, pinned: bool
     ) -> None:
         self.chunk_shape = chunk_shape
-        self.chunk_bytes = math.prod(chunk_shape) * torch.empty((), dtype=dtype).element_size()
+        self.chunk_bytes = math.prod(chunk_shape) * dtype.itemsize
         self.total_bytes = total_bytes
         self.pending_bytes = 0  # bytes handed out and not yet given back
         self._lock = threading.Lock()

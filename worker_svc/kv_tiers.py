@@ -102,8 +102,10 @@ class WorkerKVTiers:
         self.store_fingerprint = store_fingerprint(fingerprint, self.chunk_blocks)
         self._counters = KVTierCounters()
         # Loads whose copy time is read from CUDA events once they have fired (no host sync):
-        # (start, end, True for the host tier / False for the store).
+        # (start, end, True for the host tier / False for the store). The step thread adds them;
+        # whoever reads `counters` (a stats call's thread too) folds them in, under the lock.
         self._timed_loads: list[tuple[torch.cuda.Event, torch.cuda.Event, bool]] = []
+        self._timing_lock = threading.Lock()
         block_shape = (spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.block_shape = block_shape
         pin = self.device.type == "cuda"
@@ -168,7 +170,7 @@ class WorkerKVTiers:
         (device-side, microseconds) that read blocks it may overwrite, while the device-to-host
         copies into pinned memory overlap it. Host loads wait for earlier saves to land.
         """
-        c = self.counters
+        c = self._counters
         self.wait_for_loads(self.take_layer_events())  # a load no forward waited for
         if kv.save_block_ids or kv.store_puts:
             self._save_and_put(kv)
@@ -218,21 +220,26 @@ class WorkerKVTiers:
             yield
         finally:
             end.record()
-            self._timed_loads.append((start, end, host))
+            self._add_timed_load(start, end, host)
 
     @property
     def counters(self) -> KVTierCounters:
         """The counters, with the copy time of every load that has completed."""
-        pending = []
-        for start, end, host in self._timed_loads:
-            if not end.query():
-                pending.append((start, end, host))
-            elif host:
-                self._counters.host_load_seconds += start.elapsed_time(end) / 1e3
-            else:
-                self._counters.store_load_seconds += start.elapsed_time(end) / 1e3
-        self._timed_loads = pending
+        with self._timing_lock:
+            pending = []
+            for start, end, host in self._timed_loads:
+                if not end.query():
+                    pending.append((start, end, host))
+                elif host:
+                    self._counters.host_load_seconds += start.elapsed_time(end) / 1e3
+                else:
+                    self._counters.store_load_seconds += start.elapsed_time(end) / 1e3
+            self._timed_loads = pending
         return self._counters
+
+    def _add_timed_load(self, start: torch.cuda.Event, end: torch.cuda.Event, host: bool) -> None:
+        with self._timing_lock:
+            self._timed_loads.append((start, end, host))
 
     def _save_and_put(self, kv: KVTransfers) -> None:
         cs = self.copy_stream
@@ -275,7 +282,7 @@ class WorkerKVTiers:
                     done = torch.cuda.Event()
                     done.record(cs)
                     self._queue_put(put.key, pinned, done, slot)
-        self.counters.saved_blocks += n_saved
+        self._counters.saved_blocks += n_saved
 
     @staticmethod
     def _split_puts(gathered: torch.Tensor, start: int, room: list) -> list[torch.Tensor]:
@@ -292,7 +299,7 @@ class WorkerKVTiers:
         for put in puts:
             room = self.staging.take((len(put.block_ids), *self.block_shape))
             if room is None:
-                self.counters.store_put_dropped += 1
+                self._counters.store_put_dropped += 1
             else:
                 out.append((put, room))
         return out
@@ -333,21 +340,20 @@ class WorkerKVTiers:
                 ready.record(ls)
                 events.append(ready)
             end.record(ls)
-        self._timed_loads.append((start, end, True))
+        self._add_timed_load(start, end, True)
         self._layer_events = events
 
     def _wait_for_saves_into(self, slots: list[int], stream: torch.cuda.Stream) -> None:
         """Make `stream` wait for the saves still copying into `slots`, and only those: a load
         waiting for every save in flight waited ~25 ms on an H100 for the 1 GiB another
         request's eviction was saving into other slots."""
-        main = stream
         wanted = set(slots)
         pending = []
         for saved_slots, landed in self._saves_in_flight:
             if landed.query():
                 continue
             if saved_slots & wanted:
-                main.wait_event(landed)
+                stream.wait_event(landed)
             pending.append((saved_slots, landed))
         self._saves_in_flight = pending
 
@@ -407,7 +413,7 @@ class WorkerKVTiers:
                         break
         except Exception as e:  # the store is down or slow: compute the rest instead
             log.warning("kv store get failed", extra={"seq_id": load.seq_id, "error": repr(e)})
-        self.counters.store_get_seconds += time.perf_counter() - started - copy_seconds
+        self._counters.store_get_seconds += time.perf_counter() - started - copy_seconds
         if staged is not None and loaded:
             self._load_chunk(load.block_ids[: loaded * c], staged[: loaded * c])
         if loaded == len(load.keys):
@@ -425,8 +431,8 @@ class WorkerKVTiers:
             self._scatter([targets[j] for j in keep], chunk.index_select(0, rows))
         else:
             self._scatter(targets, chunk)  # straight from the view: no intermediate copy
-        self.counters.store_loaded_blocks += len(keep)
-        self.counters.store_loaded_bytes += len(keep) * self.spec.bytes_per_block
+        self._counters.store_loaded_blocks += len(keep)
+        self._counters.store_loaded_bytes += len(keep) * self.spec.bytes_per_block
 
     def _chunk_tensor(self, entry: tuple, key: bytes) -> torch.Tensor | None:
         """The chunk's KV as [chunk_blocks, layers, 2, ...], or None if it is not what we expect."""
@@ -469,9 +475,9 @@ class WorkerKVTiers:
                 )
                 assert self.store is not None
                 self.store.put(self.store_fingerprint, [(key, header, payload)])
-                self.counters.store_put_chunks += 1
+                self._counters.store_put_chunks += 1
             except Exception as e:  # a put that fails costs a future hit, nothing more
-                self.counters.store_put_failed += 1
+                self._counters.store_put_failed += 1
                 log.info("kv store put failed", extra={"error": repr(e)})
             finally:
                 self.staging.give_back(slot, tuple(data.shape))

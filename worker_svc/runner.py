@@ -578,11 +578,10 @@ class ModelRunner:
             patch = (where[0], prev.sampled.index_select(0, where[1]).to(torch.int64))
 
         graphs = self._graphs
-        eager = not (pure_decode and graphs is not None and n <= graphs.max_size and width <= graphs.width)
-        eager = eager and to_padded is None
-        if not eager:
+        use_graph = pure_decode and graphs is not None and n <= graphs.max_size and width <= graphs.width
+        if use_graph or to_padded is not None:  # a graph replay waits for the whole load
             self.kv_tiers.wait_for_loads(loading)
-        if pure_decode and graphs is not None and n <= graphs.max_size and width <= graphs.width:
+        if use_graph:
             all_sample = len(sample_rows) == n
             last_rows = None if all_sample else np.asarray(sample_rows, dtype=np.int64)
             if self.ranks is not None:  # the other ranks run the same forward on their shards
