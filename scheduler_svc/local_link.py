@@ -8,7 +8,10 @@ stays free while a step runs (so planning step N+1 overlaps step N).
 
 The runner may be a `Stepper` that launches a plan before the previous one's
 result is read (worker_svc.pipeline.StepPipeline): the thread then pushes each
-plan as it comes and, when no plan is waiting, flushes the one in flight.
+plan as it comes and, when no plan is waiting, flushes the one in flight once
+its device work is done, unless a plan arrives first: a watcher thread waits on
+the device (the GIL released) and wakes the step thread, which meanwhile stays
+free to launch the next plan the moment the planner sends it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from scheduler_svc.mesh import Connected, LinkBroken
 from services.step import StepPlan, StepResult, WorkerInfo
@@ -40,11 +43,18 @@ class Stepper(Protocol):
         """Complete the plan still in flight."""
         ...
 
+    @property
+    def pending_event(self) -> Any:
+        """An event (`.synchronize()`) after which `flush` does not block; None: it never waits
+        on a device, or nothing is in flight."""
+        ...
+
 
 class SerialStepper:
     """One plan at a time, to the end: any `execute(plan) -> result` as a Stepper."""
 
     has_pending = False
+    pending_event = None
 
     def __init__(self, execute: Callable[[StepPlan], StepResult]) -> None:
         self._execute = execute
@@ -64,6 +74,39 @@ _STOP = object()
 IDLE_CHECK_S = 0.5
 
 
+class _Ready:
+    """Put on the step thread's queue when the device has finished the step of `event`."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event: Any) -> None:
+        self.event = event
+
+
+class _DeviceWatcher:
+    """A thread that waits for device events (the GIL released) and reports each on `report`."""
+
+    def __init__(self, report: queue.SimpleQueue) -> None:
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self._report = report
+        threading.Thread(target=self._work, name="llmesh-step-watch").start()  # not a daemon: as below
+
+    def _work(self) -> None:
+        while True:
+            try:
+                event = self.events.get(timeout=IDLE_CHECK_S)
+            except queue.Empty:
+                if not threading.main_thread().is_alive():
+                    return
+                continue
+            if event is _STOP:
+                return
+            try:
+                event.synchronize()
+            finally:  # a failed wait still wakes the step thread, whose flush then raises
+                self._report.put(_Ready(event))
+
+
 class _StepThread:
     """The link's thread and what it shares with the link: never the link itself, so that a
     link nobody holds is collected, which stops the thread and lets the runner go."""
@@ -74,19 +117,32 @@ class _StepThread:
         self.unresolved: deque[asyncio.Future] = deque()  # resolved in order by the thread
         self.loop: asyncio.AbstractEventLoop | None = None
         self.last_step_id = 0
+        self._watcher: _DeviceWatcher | None = None
+        self._watched: Any = None  # the event last handed to the watcher
         # Not a daemon: a daemon thread may still be inside torch while the interpreter tears
         # torch down, which aborts the process. It leaves when the main thread has ended.
         threading.Thread(target=self._work, name="llmesh-step").start()
 
     def _work(self) -> None:
+        try:
+            self._serve()
+        finally:
+            if self._watcher is not None:
+                self._watcher.events.put(_STOP)
+
+    def _serve(self) -> None:
         stepper = self.stepper
         while True:
             if stepper.has_pending:
                 try:
                     item = self.queue.get_nowait()
-                except queue.Empty:  # nothing else to launch: read the step in flight now
-                    self._deliver(self._guard(stepper.flush))
-                    continue
+                except queue.Empty:  # nothing else to launch yet: the device's end or a plan
+                    event = stepper.pending_event
+                    if event is None:
+                        self._deliver(self._guard(stepper.flush))
+                        continue
+                    self._watch(event)
+                    item = self.queue.get()
             else:
                 try:
                     item = self.queue.get(timeout=IDLE_CHECK_S)
@@ -96,6 +152,10 @@ class _StepThread:
                     continue
             if item is _STOP:
                 return
+            if isinstance(item, _Ready):  # stale once that step was finished by a push
+                if stepper.has_pending and item.event is stepper.pending_event:
+                    self._deliver(self._guard(stepper.flush))
+                continue
             if isinstance(item, StepPlan):
                 self._deliver(self._guard(lambda plan=item: stepper.push(plan)))
                 continue
@@ -105,6 +165,14 @@ class _StepThread:
                 self._resolve(fut, fn())
             except Exception as e:
                 self._resolve(fut, e)
+
+    def _watch(self, event: Any) -> None:
+        if event is self._watched:
+            return  # already watched: its _Ready is on the way
+        if self._watcher is None:
+            self._watcher = _DeviceWatcher(self.queue)
+        self._watched = event
+        self._watcher.events.put(event)
 
     @staticmethod
     def _guard(fn: Callable[[], list[Outcome]]) -> list[Outcome]:

@@ -12,6 +12,8 @@ seeds, min_tokens), the previous step is finished first.
 
 from __future__ import annotations
 
+import torch
+
 from services.step import StepPlan, StepResult
 from worker_svc.runner import LaunchedStep, ModelRunner
 
@@ -27,6 +29,19 @@ class StepPipeline:
     @property
     def has_pending(self) -> bool:
         return self._pending is not None
+
+    @property
+    def pending_event(self) -> torch.cuda.Event | None:
+        """The event after which `flush` no longer waits on the device; None when it never does.
+
+        A caller with nothing to launch waits for this *or* the next plan, whichever comes
+        first, rather than in `flush`: a plan that arrives while the step runs is then launched
+        at once, and the device does not idle while it is built.
+        """
+        pending = self._pending
+        if pending is None or pending.sampled is None:
+            return None
+        return pending.sampled.done_event
 
     def push(self, plan: StepPlan) -> list[StepOutcome]:
         """Launch `plan`; the outcomes of the plans completed meanwhile, oldest first.

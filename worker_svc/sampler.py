@@ -83,6 +83,11 @@ class SampledIds:
         return cls(none.to(device), none, None, [], [], 0)
 
     @property
+    def done_event(self) -> torch.cuda.Event | None:
+        """Fires once the ids are on the host (`wait()` then blocks no more); None: they are already."""
+        return self._done
+
+    @property
     def num_accepted(self) -> list[int] | None:
         """After `wait()`, for a verification: how many of its drafts each row accepted."""
         return self._num_accepted

@@ -20,6 +20,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -119,13 +120,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # plan is already here (the scheduler keeps one in flight ahead): the GPU never waits
         # for this process between two steps.
         pipeline = StepPipeline(runner)
+        device = _DeviceDone()
         read: asyncio.Future | None = None
         try:
             while True:
                 if read is None:
                     read = asyncio.ensure_future(anext(plans, None))
-                if pipeline.has_pending and not await _arrives_now(read, stop):
-                    # No plan waiting: read the step in flight now.
+                if pipeline.has_pending and not await _arrives_first(pipeline, device, read, stop):
+                    # No plan came before the step in flight finished: read it now.
                     for outcome in await self._locked(pipeline.flush):
                         yield await self._result_or_abort(outcome, runner, context)
                     continue
@@ -198,6 +200,39 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             with contextlib.suppress(Exception):
                 await task  # hold the caller's lock until the step's thread is done
             raise
+
+
+class _DeviceDone:
+    """The end of a step's device work as an awaitable: one thread-pool wait per step."""
+
+    def __init__(self) -> None:
+        self._event: Any = None
+        self._done: asyncio.Future | None = None
+
+    def of(self, event: Any) -> asyncio.Future:
+        if event is not self._event or self._done is None:
+            self._event = event
+            self._done = asyncio.ensure_future(asyncio.to_thread(event.synchronize))
+            # A failed wait shows again in the flush that follows; not an unretrieved error here.
+            self._done.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return self._done
+
+
+async def _arrives_first(
+    pipeline: StepPipeline, device: _DeviceDone, read: asyncio.Future, stop: asyncio.Future
+) -> bool:
+    """Whether the next plan (or the stream's end) comes before the step in flight is done.
+
+    On a GPU the wait is for whichever comes first, so a plan that arrives while the step runs
+    is launched at once behind it rather than after its results are read; where the step's end
+    cannot be awaited (nothing on a device), one short look at the socket.
+    """
+    event = pipeline.pending_event
+    if event is None:
+        return await _arrives_now(read, stop)
+    if not read.done() and not stop.done():
+        await asyncio.wait((read, stop, device.of(event)), return_when=asyncio.FIRST_COMPLETED)
+    return read.done() or stop.done()
 
 
 async def _arrives_now(read: asyncio.Future, stop: asyncio.Future) -> bool:
