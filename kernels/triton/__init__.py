@@ -137,9 +137,14 @@ def _interpretable_lang() -> Iterator[None]:
 _MISSING = object()
 
 
-def dual_jit(fn: Callable[..., Any]) -> DualKernel:
-    """Decorator used instead of `triton.jit` for every kernel of this package."""
-    return DualKernel(fn)
+def dual_jit(
+    fn: Callable[..., Any] | None = None, **jit_kwargs: Any
+) -> DualKernel | Callable[[Callable[..., Any]], DualKernel]:
+    """Decorator used instead of `triton.jit` for every kernel of this package: `@dual_jit`, or
+    `@dual_jit(do_not_specialize=[...])` with `triton.jit`'s keyword arguments."""
+    if fn is None:
+        return lambda f: DualKernel(f, **jit_kwargs)
+    return DualKernel(fn, **jit_kwargs)
 
 
 def is_interpreted(device: torch.device) -> bool:

@@ -57,7 +57,13 @@ _SPLIT_MIN_TOKENS = 128
 _SPLIT_MAX = 32
 
 
-@dual_jit
+# Triton compiles a variant per combination of integer arguments equal to 1, divisible by 16
+# or neither: the batch size and the split count (and the partials' strides, which follow it)
+# vary from step to step, and each new combination met mid-run cost a compilation (~1 s).
+_VARYING = ["num_seqs", "num_splits", "stride_pt", "stride_ph", "stride_ps", "stride_lt", "stride_lh"]
+
+
+@dual_jit(do_not_specialize=_VARYING)
 def _paged_attn_kernel(
     q_ptr,  # [T, H, D]
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
@@ -234,7 +240,7 @@ def _paged_attn_kernel(
         )
 
 
-@dual_jit
+@dual_jit(do_not_specialize=["num_splits", "stride_pt", "stride_ph", "stride_lt", "stride_lh"])
 def _merge_kernel(
     part_out_ptr,  # [T, H, S, D] fp32, normalised per segment
     part_lse_ptr,  # [T, H, S] fp32

@@ -148,3 +148,15 @@ def test_an_uneven_vocabulary_is_padded_not_refused(tmp_path):
     assert [e.shape[0] for e in emb] == [255, 255]
     assert torch.equal(torch.cat(emb)[:509], full.get_parameter("embed_tokens.weight"))
     assert not emb[1][-1].any()  # the padding row
+
+
+def test_logits_rows_are_padded_to_few_shapes_and_cut_back(tiny_model_dirs):
+    from worker_svc.models.parallel_layers import logits_rows
+
+    assert [logits_rows(n) for n in (0, 1, 3, 8, 9, 64, 65, 1000)] == [0, 1, 4, 8, 16, 64, 128, 1024]
+    assert len({logits_rows(n) for n in range(1, 1025)}) == 7 + 15  # 1..64, then 128..1024
+    model, _ = load_model(tiny_model_dirs["llama3"])
+    hidden = torch.randn(5, model.get_parameter("embed_tokens.weight").shape[1])
+    logits = model.compute_logits(hidden)
+    assert logits.shape[0] == 5
+    torch.testing.assert_close(logits, torch.stack([model.compute_logits(h[None])[0] for h in hidden]))
