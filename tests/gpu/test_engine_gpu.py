@@ -4,9 +4,10 @@ A Qwen2.5-0.5B-shaped model with random weights (`load_format="dummy"`, bf16; bo
 draw identical weights from the same seeds) generates 64 greedy tokens for several prompts.
 
 Two bf16 implementations that sum in different orders can legitimately pick different tokens
-where the top two logits nearly tie, and after that their continuations differ. So a prompt
-passes if the tokens are equal, or if they first differ where the reference's two candidates
-are within TIE_TOL nats of each other (requested through logprobs=2). The same rule compares
+where the top logits nearly tie, and after that their continuations differ. So a prompt passes
+if the tokens are equal, or if they first differ where the other side's token is within TIE_TOL
+nats of the reference's (its top 8 candidates are requested: a random-weight model often has
+three or more near-tied tokens, and the other side may take the third). The same rule compares
 CUDA graphs with eager Triton: a padded graph batch runs GEMMs of another M (cuBLAS may pick
 another kernel) and the split-K count is frozen at capture.
 """
@@ -69,7 +70,7 @@ def _prompts() -> list[list[int]]:
 
 
 def _generate(llm: LLM) -> list[tuple[list[int], list[Any]]]:
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=2) for m in MAX_TOKENS]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=8) for m in MAX_TOKENS]
     outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
@@ -81,6 +82,7 @@ def _assert_same_greedy(ref: list, test: list) -> None:
             if a != b:
                 top = dict(zip(r_lp[j].top_token_ids, r_lp[j].top_logprobs, strict=True))
                 gap = r_lp[j].logprob - top.get(b, -math.inf)
+                print(f"prompt {i} token {j}: {a} vs {b}, gap {gap:.3f}")
                 assert gap <= TIE_TOL, f"prompt {i}, token {j}: {a} vs {b}, not a near tie ({gap:.3f})"
                 break
 
