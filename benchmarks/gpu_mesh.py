@@ -15,6 +15,9 @@ For each random-weight model shape (`--load-format dummy`, as benchmarks/gpu.py)
   dummy loader is seeded; prompts run one at a time, so that both paths run the same batch
   shapes, on which bf16 results depend).
 
+Below the table, each shape's workload floor: the seconds the workload needs on this device
+with every kernel at a measured ceiling and the device never idle (see `workload_floor`).
+
 Prints one table; `--out` also gets table.txt and results.json.
 """
 
@@ -45,6 +48,7 @@ from benchmarks.gpu import (  # noqa: E402
 from benchmarks.offline_throughput import make_sharegpt_workload, make_workload  # noqa: E402
 
 ROWS: list[dict[str, Any]] = []
+FLOORS: list[str] = []
 
 
 def log(*a: Any) -> None:
@@ -61,6 +65,43 @@ def weight_bytes(model) -> int:
     if model.lm_head is None:  # tied: the embedding matrix is read whole as the lm_head
         total += model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
     return total
+
+
+def workload_floor(
+    cfg: dict[str, Any], reqs, max_num_seqs: int, copy_bw: float, matmul_flops: float
+) -> tuple[float, dict[str, float]]:
+    """Seconds the workload needs at the device's measured ceilings (greedy, every request
+    running to its output length, up to `max_num_seqs` at once, a finished one replaced at once).
+
+    Prefill: the linear layers' FLOPs at the matmul peak. Each decode step: the linear layers and
+    the lm_head, whichever is longer of their FLOPs at the peak and their weight bytes at the copy
+    bandwidth, plus the step's KV bytes read at the copy bandwidth. Nothing else (norms,
+    activations, sampling, prefill attention, idle time) is counted: a floor, not an estimate.
+    """
+    h, layers, inter = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg.get("head_dim") or h // heads
+    linear = layers * (h * (heads + 2 * kv_heads) * d + heads * d * h + 3 * h * inter)
+    lm_head = h * cfg["vocab_size"]
+    weight_bytes = 2 * (linear + lm_head)  # bf16
+    kv_bytes_per_token = layers * 2 * kv_heads * d * 2
+    waiting = list(reqs)
+    live: list[list[int]] = []  # [context, tokens left]
+    prefill = decode = attention = 0.0
+    while waiting or live:
+        while waiting and len(live) < max_num_seqs:
+            prompt, out = waiting.pop(0)
+            prefill += len(prompt) * 2 * linear / matmul_flops
+            live.append([len(prompt), out])
+        m = len(live)
+        decode += max(m * 2 * (linear + lm_head) / matmul_flops, weight_bytes / copy_bw)
+        attention += sum(ctx for ctx, _ in live) * kv_bytes_per_token / copy_bw
+        for seq in live:
+            seq[0] += 1
+            seq[1] -= 1
+        live = [seq for seq in live if seq[1] > 0]
+    parts = {"prefill GEMMs": prefill, "decode GEMMs": decode, "decode attention": attention}
+    return prefill + decode + attention, parts
 
 
 # ----- in-process -----
@@ -180,7 +221,9 @@ def run_mesh(path: str, reqs, args, async_scheduling: bool, stream_interval: int
     }
 
 
-def model_section(name: str, cfg: dict[str, Any], root: str, args, copy_bw: float) -> None:
+def model_section(
+    name: str, cfg: dict[str, Any], root: str, args, copy_bw: float, matmul_flops: float = 0.0
+) -> None:
     path = write_config(root, name, cfg)
     if args.workload == "sharegpt":
         reqs = make_sharegpt_workload(args.num_requests, cfg["vocab_size"], args.seed)
@@ -221,6 +264,18 @@ def model_section(name: str, cfg: dict[str, Any], root: str, args, copy_bw: floa
             row["greedy_equal"] = r["greedy"] == ref
         row["floor_ms"] = floor_ms
         ROWS.append(row)
+    if copy_bw and matmul_flops:
+        seconds, parts = workload_floor(cfg, reqs, args.max_num_seqs, copy_bw, matmul_flops)
+        out_tokens = sum(o for _, o in reqs)
+        FLOORS.append(
+            f"{name}: workload floor {seconds:.2f} s = {out_tokens / seconds:,.0f} out tok/s ("
+            + ", ".join(f"{k} {v:.2f} s" for k, v in parts.items())
+            + f"; max_num_seqs {args.max_num_seqs})"
+        )
+
+
+def floors() -> str:
+    return "\n".join(FLOORS)
 
 
 def table() -> str:
@@ -272,15 +327,16 @@ def main() -> None:
         # One process per shape: in one process the second shape's in-process figures came out
         # 20-25 % low after the first shape's engines (not understood yet; see docs/benchmarks.md).
         return run_each_in_own_process(names, args)
-    copy_bw = 0.0
+    copy_bw = matmul_flops = 0.0
     if args.device == "cuda":
-        copy_bw, _ = ceilings(args)
+        copy_bw, tflops = ceilings(args)
+        matmul_flops = tflops * 1e12
     t0 = time.time()
     with tempfile.TemporaryDirectory() as root:
         for name in names:
-            model_section(name, shapes[name], root, args, copy_bw)
+            model_section(name, shapes[name], root, args, copy_bw, matmul_flops)
             log(table())  # partial figures survive a run cut short
-    text = table()
+    text = "\n".join(filter(None, [table(), floors()]))
     print(text)
     print(f"({time.time() - t0:.0f} s)")
     if args.out:
