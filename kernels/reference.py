@@ -161,6 +161,23 @@ def rotary_embedding(
     return rot(q), rot(k)
 
 
+def rotary_and_write_kv(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Rotate q and k in place, then write k and v into the paged cache (slots < 0 skipped)."""
+    q_rot, k_rot = rotary_embedding(positions, q, k, cos_sin_cache)
+    q.copy_(q_rot)
+    k.copy_(k_rot)
+    keep = slot_mapping >= 0
+    write_kv_cache(k[keep], v[keep], kv_cache, slot_mapping[keep])
+
+
 def merge_attn_partials(partial_out: torch.Tensor, partial_lse: torch.Tensor) -> torch.Tensor:
     """Combine split-K (flash-decoding) segments of attention into one output.
 

@@ -157,6 +157,7 @@ from kernels.triton.kv_write import write_kv_cache  # noqa: E402
 from kernels.triton.paged_attention import merge_attn_partials, paged_attention  # noqa: E402
 from kernels.triton.rms_norm import rms_norm  # noqa: E402
 from kernels.triton.rotary import rotary_embedding  # noqa: E402
+from kernels.triton.rotary_kv_write import rotary_and_write_kv  # noqa: E402
 from kernels.triton.silu_mul import silu_and_mul  # noqa: E402
 
 __all__ = [
@@ -166,6 +167,7 @@ __all__ = [
     "merge_attn_partials",
     "paged_attention",
     "rms_norm",
+    "rotary_and_write_kv",
     "rotary_embedding",
     "silu_and_mul",
     "write_kv_cache",

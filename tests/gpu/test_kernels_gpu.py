@@ -160,3 +160,24 @@ def test_rotary_32_heads_dim_128(inplace: bool) -> None:
     out_q, out_k = kt.rotary_embedding(positions, q, k, cos_sin, inplace=inplace)
     torch.testing.assert_close(out_q, exp_q, atol=BF16_TOL, rtol=BF16_TOL)
     torch.testing.assert_close(out_k, exp_k, atol=BF16_TOL, rtol=BF16_TOL)
+
+
+def test_fused_rotary_and_kv_write_llama_8b_shape() -> None:
+    t, h, hkv, d, num_blocks, block_size = 4096, 32, 8, 128, 2048, 16
+    cos_sin = rope_cache(8192, d).cuda()
+    positions = torch.randint(0, 8192, (t,), device="cuda")
+    slots = torch.randperm(num_blocks * block_size, device="cuda")[:t]
+    slots[::97] = -1  # padding rows
+    qkv = torch.randn(t, (h + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
+    cache = torch.randn(2, num_blocks, block_size, hkv, d, device="cuda", dtype=torch.bfloat16)
+
+    def run(fn):  # type: ignore[no-untyped-def]
+        x, c = qkv.clone(), cache.clone()
+        q, k, v = x.split([h * d, hkv * d, hkv * d], dim=-1)
+        fn(positions, q.view(t, h, d), k.view(t, hkv, d), v.view(t, hkv, d), cos_sin, c, slots)
+        return x, c
+
+    exp_qkv, exp_cache = run(reference.rotary_and_write_kv)
+    out_qkv, out_cache = run(kt.rotary_and_write_kv)
+    torch.testing.assert_close(out_qkv, exp_qkv, atol=BF16_TOL, rtol=BF16_TOL)
+    torch.testing.assert_close(out_cache, exp_cache, atol=BF16_TOL, rtol=BF16_TOL)

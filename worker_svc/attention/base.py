@@ -44,6 +44,10 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+# (positions [T], cos|sin table [max_pos, head_dim] fp32): the rotary a backend applies to q and k.
+RotaryInputs = tuple[torch.Tensor, torch.Tensor]
+
+
 class AttentionBackend(Protocol):
     """One implementation per device path: `torch` (reference, CPU) and `triton` (GPU)."""
 
@@ -57,5 +61,12 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        rotary: RotaryInputs | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Write k and v into the cache at `meta.slot_mapping`, then attend.
+
+        With `rotary` (positions [T], the [max_pos, D] cos|sin table), q and k are first rotated
+        (NeoX rotate-half): the backend may do it in the same kernel as the write, and may
+        rotate q and k in place.
+        """
         ...

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kernels import reference
-from worker_svc.attention.base import AttentionMetadata
+from worker_svc.attention.base import AttentionMetadata, RotaryInputs
 
 
 class TorchPagedBackend:
@@ -19,6 +19,9 @@ class TorchPagedBackend:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        rotary: RotaryInputs | None = None,
     ) -> torch.Tensor:
+        if rotary is not None:
+            q, k = reference.rotary_embedding(rotary[0], q, k, rotary[1])
         reference.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         return reference.paged_attention(q, kv_cache, meta, scale)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 import kernels.triton as triton_kernels
-from worker_svc.attention.base import AttentionMetadata
+from worker_svc.attention.base import AttentionMetadata, RotaryInputs
 
 
 class TritonPagedBackend:
@@ -24,8 +24,13 @@ class TritonPagedBackend:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        rotary: RotaryInputs | None = None,
     ) -> torch.Tensor:
         # Write first, then attend: the new tokens must see themselves (and a sequence may
         # read a prefix block another sequence of this step just wrote).
-        triton_kernels.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        if rotary is not None:  # one kernel rotates q and k in place and writes the cache
+            positions, cos_sin = rotary
+            triton_kernels.rotary_and_write_kv(positions, q, k, v, cos_sin, kv_cache, meta.slot_mapping)
+        else:
+            triton_kernels.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         return triton_kernels.paged_attention(q, kv_cache, meta, scale)

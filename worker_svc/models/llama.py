@@ -16,10 +16,11 @@ Projections are merged as in vLLM: q/k/v into one `qkv_proj` and gate/up into on
 `gate_up_proj`, fewer and larger matmuls. `load_weights` takes Hugging Face's
 unmerged names and copies each into its slice.
 
-The norms, the rotary and the MLP's SiLU-and-multiply follow the attention backend: with the
-Triton backend they run the Triton kernels (fused residual-add + RMSNorm, in-place rotary, one
-pass of SiLU(gate) * up; on CPU tensors under Triton's interpreter), otherwise their
-plain-PyTorch twins from `kernels.reference`.
+The norms and the MLP's SiLU-and-multiply follow the attention backend: with the Triton
+backend they run the Triton kernels (fused residual-add + RMSNorm, one pass of SiLU(gate) * up;
+on CPU tensors under Triton's interpreter), otherwise their plain-PyTorch twins from
+`kernels.reference`. The rotary is the backend's own: the Triton one rotates q and k in the
+kernel that writes the KV cache.
 
 Tensor parallelism (`tp`, `worker_svc.parallel`): each rank builds the layers of
 `worker_svc.models.parallel_layers`, holding 1/N of the query and KV heads, of the MLP and of
@@ -77,18 +78,9 @@ def compute_inv_freq(config: ModelConfig) -> torch.Tensor:
     raise NotImplementedError(f"rope type {rope_type!r}")
 
 
-def _rotary_in_place(kernel):  # type: ignore[no-untyped-def]
-    """The Triton rotary, writing into q and k (views into the fused qkv output) when it can."""
-
-    def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cache: torch.Tensor):  # type: ignore[no-untyped-def]
-        inplace = q.stride(-1) == 1 and k.stride(-1) == 1
-        return kernel(positions, q, k, cache, inplace=inplace)
-
-    return rotary
-
-
 class RotaryEmbedding(nn.Module):
-    """Holds the [max_pos, head_dim] cos|sin cache that `rotary_embedding` indexes by position.
+    """Holds the [max_pos, head_dim] cos|sin cache that the attention backend's rotary indexes
+    by position.
 
     The cache is derived data: it is always fp32 and is recomputed (not converted)
     whenever the module moves, so `model.to(torch.bfloat16)` or `to_empty()` from the
@@ -100,7 +92,6 @@ class RotaryEmbedding(nn.Module):
         self.config = config
         # Built on the default device, so constructing under `torch.device("meta")` costs nothing.
         self.register_buffer("cos_sin_cache", self._build(torch.get_default_device()), persistent=False)
-        self.kernel = reference.rotary_embedding
 
     def _build(self, device: torch.device) -> torch.Tensor:
         if device.type == "meta":
@@ -114,11 +105,6 @@ class RotaryEmbedding(nn.Module):
         super()._apply(fn, recurse)
         self.cos_sin_cache = self._build(self.cos_sin_cache.device)
         return self
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.kernel(positions, q, k, self.cos_sin_cache)
 
 
 class RMSNorm(nn.Module):
@@ -171,10 +157,12 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)[0]
             k = self.k_norm(k)[0]
-        q, k = rotary(positions, q, k)
         if meta.layer_ready is not None:  # this layer's loaded blocks may still be on their way
             torch.cuda.current_stream(q.device).wait_event(meta.layer_ready[self.layer_idx])
-        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        # The backend rotates q and k as it writes the cache (one kernel on the Triton path).
+        o = self.backend.forward(
+            q, k, v, kv_cache, meta, self.scale, rotary=(positions, rotary.cos_sin_cache)
+        )
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -249,20 +237,16 @@ class LlamaForCausalLM(nn.Module):
         self._select_kernels(backend)
 
     def _select_kernels(self, backend: AttentionBackend) -> None:
-        """Norm, rotary and SiLU-and-mul kernels to match the attention backend (see the module doc)."""
+        """Norm and SiLU-and-mul kernels to match the attention backend (see the module doc)."""
         if getattr(backend, "name", None) == "triton":
             import kernels.triton as kt
 
-            norm, rotary = kt.rms_norm, _rotary_in_place(kt.rotary_embedding)
-            act = kt.silu_and_mul
+            norm, act = kt.rms_norm, kt.silu_and_mul
         else:
-            norm, rotary = reference.rms_norm, reference.rotary_embedding
-            act = reference.silu_and_mul
+            norm, act = reference.rms_norm, reference.silu_and_mul
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.kernel = norm
-            elif isinstance(module, RotaryEmbedding):
-                module.kernel = rotary
             elif isinstance(module, MLP):
                 module.act = act
 

@@ -140,6 +140,34 @@ def test_rotary_matches_twin(dtype: torch.dtype, head_dim: int, inplace: bool) -
         _close(qkv[:, : h * head_dim].view(t, h, head_dim), exp_q, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("h", "hkv", "head_dim"), [(6, 2, 16), (3, 3, 24)])
+def test_fused_rotary_and_kv_write_matches_twin(dtype: torch.dtype, h: int, hkv: int, head_dim: int) -> None:
+    t, max_pos, num_blocks, block_size = 9, 100, 6, 4
+    cos_sin = rope_cache(max_pos, head_dim)
+    positions = torch.randint(0, max_pos, (t,))
+    slots = torch.randperm(num_blocks * block_size)[:t]
+    slots[[2, 7]] = -1  # padding rows: rotated, not written
+    qkv = torch.randn(t, (h + 2 * hkv) * head_dim, dtype=dtype)
+
+    def run(fn) -> tuple[torch.Tensor, torch.Tensor]:
+        x = qkv.clone()
+        q, k, v = x.split([h * head_dim, hkv * head_dim, hkv * head_dim], dim=-1)
+        cache = torch.zeros(2, num_blocks, block_size, hkv, head_dim, dtype=dtype)
+        fn(positions, q.view(t, h, head_dim), k.view(t, hkv, head_dim), v.view(t, hkv, head_dim), cos_sin,
+           cache, slots)  # fmt: skip
+        return x, cache
+
+    exp_qkv, exp_cache = run(reference.rotary_and_write_kv)
+    out_qkv, out_cache = run(kt.rotary_and_write_kv)
+    _close(out_qkv, exp_qkv, dtype)  # q and k rotated in place, v untouched
+    _close(out_cache, exp_cache, dtype)
+    assert torch.equal(out_qkv[:, (h + hkv) * head_dim :], qkv[:, (h + hkv) * head_dim :])
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    written[slots[slots >= 0]] = True
+    assert not out_cache.view(2, num_blocks * block_size, -1)[:, ~written].any()
+
+
 # ----------------------------------------------------------------------------- attention
 
 
