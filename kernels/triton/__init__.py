@@ -156,7 +156,6 @@ def is_interpreted(device: torch.device) -> bool:
 from kernels.triton.kv_write import write_kv_cache  # noqa: E402
 from kernels.triton.paged_attention import merge_attn_partials, paged_attention  # noqa: E402
 from kernels.triton.rms_norm import rms_norm  # noqa: E402
-from kernels.triton.rotary import rotary_embedding  # noqa: E402
 from kernels.triton.rotary_kv_write import rotary_and_write_kv  # noqa: E402
 from kernels.triton.silu_mul import silu_and_mul  # noqa: E402
 
@@ -168,7 +167,6 @@ __all__ = [
     "paged_attention",
     "rms_norm",
     "rotary_and_write_kv",
-    "rotary_embedding",
     "silu_and_mul",
     "write_kv_cache",
 ]

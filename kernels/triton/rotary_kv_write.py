@@ -3,7 +3,7 @@
 An attention layer rotates q and k, then scatters k and v into the paged cache: two launches
 and a round trip of k through memory. Fused, one program per token loads its cos/sin row,
 rotates its query heads in place, rotates its key heads (written back in place too, so q and
-k end exactly as after `rotary_embedding(..., inplace=True)`) and stores the rotated keys and
+k end as `kernels.reference.rotary_embedding` returns them) and stores the rotated keys and
 the values at the token's cache slot. A negative slot (a padding row of a CUDA-graph batch)
 rotates but writes no cache. At batch 1 this saves a launch per layer; in a prefill it saves
 reading k back.
@@ -55,7 +55,8 @@ def _rotary_kv_write_kernel(
         None, :
     ]
 
-    # Queries, in place.
+    # Queries, in place. (Keys below repeat the pattern rather than share a helper: see
+    # DualKernel on nested functions.)
     offs_h = tl.arange(0, H_PAD)
     mask = (offs_h[:, None] < NUM_HEADS) & d_mask[None, :]
     at = q_ptr + tok * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]

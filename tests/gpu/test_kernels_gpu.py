@@ -148,20 +148,6 @@ def test_silu_and_mul_llama_8b_mlp() -> None:
     torch.testing.assert_close(out, reference.silu_and_mul(x), atol=BF16_TOL, rtol=BF16_TOL)
 
 
-@pytest.mark.parametrize("inplace", [False, True])
-def test_rotary_32_heads_dim_128(inplace: bool) -> None:
-    t, h, hkv, d = 4096, 32, 8, 128
-    cos_sin = rope_cache(8192, d).cuda()
-    positions = torch.randint(0, 8192, (t,), device="cuda")
-    qkv = torch.randn(t, (h + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
-    q = qkv[:, : h * d].view(t, h, d)
-    k = qkv[:, h * d : (h + hkv) * d].view(t, hkv, d)
-    exp_q, exp_k = reference.rotary_embedding(positions, q, k, cos_sin)
-    out_q, out_k = kt.rotary_embedding(positions, q, k, cos_sin, inplace=inplace)
-    torch.testing.assert_close(out_q, exp_q, atol=BF16_TOL, rtol=BF16_TOL)
-    torch.testing.assert_close(out_k, exp_k, atol=BF16_TOL, rtol=BF16_TOL)
-
-
 def test_fused_rotary_and_kv_write_llama_8b_shape() -> None:
     t, h, hkv, d, num_blocks, block_size = 4096, 32, 8, 128, 2048, 16
     cos_sin = rope_cache(8192, d).cuda()

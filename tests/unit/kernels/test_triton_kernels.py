@@ -120,26 +120,6 @@ def test_rms_norm_fp32_weight_promotes() -> None:
 # ----------------------------------------------------------------------------- rotary
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("head_dim", [16, 64])
-@pytest.mark.parametrize("inplace", [False, True])
-def test_rotary_matches_twin(dtype: torch.dtype, head_dim: int, inplace: bool) -> None:
-    t, h, hkv, max_pos = 7, 6, 2, 100
-    cos_sin = rope_cache(max_pos, head_dim)
-    positions = torch.randint(0, max_pos, (t,))
-    # q and k as views into one fused qkv tensor, as the model produces them.
-    qkv = torch.randn(t, (h + 2 * hkv) * head_dim, dtype=dtype)
-    q = qkv[:, : h * head_dim].view(t, h, head_dim)
-    k = qkv[:, h * head_dim : (h + hkv) * head_dim].view(t, hkv, head_dim)
-    exp_q, exp_k = reference.rotary_embedding(positions, q, k, cos_sin)
-    out_q, out_k = kt.rotary_embedding(positions, q, k, cos_sin, inplace=inplace)
-    _close(out_q, exp_q, dtype)
-    _close(out_k, exp_k, dtype)
-    if inplace:
-        assert out_q.data_ptr() == q.data_ptr()
-        _close(qkv[:, : h * head_dim].view(t, h, head_dim), exp_q, dtype)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("h", "hkv", "head_dim"), [(6, 2, 16), (3, 3, 24)])
 def test_fused_rotary_and_kv_write_matches_twin(dtype: torch.dtype, h: int, hkv: int, head_dim: int) -> None:
