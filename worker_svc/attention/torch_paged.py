@@ -21,7 +21,8 @@ class TorchPagedBackend:
         scale: float,
         rotary: RotaryInputs | None = None,
     ) -> torch.Tensor:
-        if rotary is not None:
-            q, k = reference.rotary_embedding(rotary[0], q, k, rotary[1])
-        reference.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        if rotary is not None:  # the fused Triton kernel's twin: q and k rotated in place
+            reference.rotary_and_write_kv(rotary[0], q, k, v, rotary[1], kv_cache, meta.slot_mapping)
+        else:
+            reference.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         return reference.paged_attention(q, kv_cache, meta, scale)
