@@ -124,11 +124,12 @@ def rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm fused with the residual add: returns (normed, new_residual).
 
-    new_residual = x + residual (or x when residual is None), computed in x's dtype;
-    the norm itself runs in fp32, as in Hugging Face's LlamaRMSNorm.
+    new_residual = x + residual rounded once to residual's dtype (x may be wider: an fp32
+    all-reduced sum), or x when residual is None; the norm itself runs in fp32, as in Hugging
+    Face's LlamaRMSNorm.
     """
     if residual is not None:
-        x = x + residual
+        x = (x + residual).to(residual.dtype)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype), x

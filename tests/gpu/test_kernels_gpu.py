@@ -140,6 +140,18 @@ def test_rms_norm_hidden_4096(with_residual: bool) -> None:
     torch.testing.assert_close(normed, exp_normed, atol=BF16_TOL, rtol=BF16_TOL)
 
 
+def test_rms_norm_fp32_sum_into_bf16_stream() -> None:
+    # The tensor-parallel path: o_proj / down_proj hand over their fp32 all-reduced sum.
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.float32)
+    residual = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    weight = (1 + 0.1 * torch.randn(4096, device="cuda")).to(torch.bfloat16)
+    normed, new_residual = kt.rms_norm(x, weight, 1e-5, residual)
+    exp_normed, exp_residual = reference.rms_norm(x, weight, 1e-5, residual)
+    assert new_residual.dtype == normed.dtype == torch.bfloat16
+    torch.testing.assert_close(new_residual, exp_residual, atol=0, rtol=0)
+    torch.testing.assert_close(normed, exp_normed, atol=BF16_TOL, rtol=BF16_TOL)
+
+
 def test_silu_and_mul_llama_8b_mlp() -> None:
     x = 4 * torch.randn(2048, 2 * 14336, device="cuda", dtype=torch.bfloat16)
     out = kt.silu_and_mul(x)

@@ -4,8 +4,8 @@
   slice of the output rows; no communication, the outputs stay split (by heads / by MLP
   columns) into the next layer;
 * row-parallel (`RowParallelLinear`: o_proj, down_proj): each rank holds the matching slice
-  of the input columns; the partial products are summed by one all-reduce, then the bias
-  (once, not once per rank);
+  of the input columns; the partial products are summed in fp32 by one all-reduce, then the
+  bias (once, not once per rank); the fp32 sum goes on to the residual norm, which rounds it;
 * vocab-parallel (`VocabParallelEmbedding`, `ParallelLMHead`): each rank holds a run of the
   vocabulary, padded to a multiple of the size; an embedding lookup is masked to the rank's
   run and all-reduced; the logits are gathered to rank 0, which alone samples.
@@ -148,13 +148,19 @@ class RowParallelLinear(ShardedLinear):
         super().__init__(in_features, out_features, bias, tp, dim=1, segments={"in": in_features})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T (+ bias): in x's dtype at size 1, the fp32 all-reduced sum above it.
+
+        The partial products are summed in fp32 and rounded once, as size 1's one GEMM over
+        the whole input rounds once. Summing bf16-rounded halves in bf16 rounds three times,
+        and over 32 layers that moved an 8B shape's logprobs by up to 0.16 nats against size 1
+        (2x H200), more than the bf16 tie rule allows: greedy text parted from size 1's.
+        The sum is handed over unrounded: the residual RMSNorm that follows every row-parallel
+        projection adds it to the residual stream and rounds once, to the stream's dtype,
+        which saves a cast kernel per projection (two a layer) in every decode step.
+        """
         if self.tp.size == 1:
             return F.linear(x, self.weight, self.bias)
-        # The partial products are summed in fp32 and rounded once, as size 1's one GEMM over
-        # the whole input rounds once. Summing bf16-rounded halves in bf16 rounds three times,
-        # and over 32 layers that moved an 8B shape's logprobs by up to 0.16 nats against size 1
-        # (2x H200), more than the bf16 tie rule allows: greedy text parted from size 1's.
-        out = self.tp.all_reduce(linear_fp32_out(x, self.weight)).to(x.dtype)
+        out = self.tp.all_reduce(linear_fp32_out(x, self.weight))
         return out if self.bias is None else out + self.bias
 
 

@@ -108,6 +108,24 @@ def test_rms_norm_matches_twin(dtype: torch.dtype, with_residual: bool, hidden: 
         assert new_residual is x
 
 
+@pytest.mark.parametrize("stream", [torch.bfloat16, torch.float16])
+def test_rms_norm_rounds_a_wider_sum_once_to_the_residual_dtype(stream: torch.dtype) -> None:
+    # A row-parallel projection's fp32 all-reduced sum meets the bf16 residual stream.
+    x = torch.randn(5, 64, dtype=torch.float32)
+    residual = torch.randn(5, 64, dtype=stream)
+    weight = (1 + 0.1 * torch.randn(64)).to(stream)
+    normed, new_residual = kt.rms_norm(x, weight, 1e-6, residual)
+    exp_normed, exp_residual = reference.rms_norm(x, weight, 1e-6, residual)
+    assert new_residual.dtype == stream and normed.dtype == stream
+    assert exp_residual.dtype == stream and exp_normed.dtype == stream
+    # The twin rounds the exact fp32 sum once, not x first. (The interpreter's casts to 16-bit
+    # floats truncate, so the kernel is held to the tolerance here and to bit equality on
+    # the GPU: tests/gpu/test_kernels_gpu.py.)
+    torch.testing.assert_close(exp_residual, (x + residual.float()).to(stream), atol=0, rtol=0)
+    _close(new_residual, exp_residual, stream)
+    _close(normed, exp_normed, stream)
+
+
 def test_rms_norm_fp32_weight_promotes() -> None:
     x = torch.randn(4, 32, dtype=torch.float16)
     weight = torch.randn(32)
