@@ -40,9 +40,10 @@ from benchmarks.gpu import (  # noqa: E402
     SHAPES,
     SMOKE_SHAPES,
     add_workload_args,
-    ceilings,
+    copy_ceiling,
     engine_settings,
     free_cuda,
+    matmul_ceiling,
     write_config,
 )
 from benchmarks.offline_throughput import make_sharegpt_workload, make_workload  # noqa: E402
@@ -329,8 +330,8 @@ def main() -> None:
         return run_each_in_own_process(names, args)
     copy_bw = matmul_flops = 0.0
     if args.device == "cuda":
-        copy_bw, tflops = ceilings(args)
-        matmul_flops = tflops * 1e12
+        copy_bw = copy_ceiling(args)
+        matmul_flops = matmul_ceiling(args) * 1e12
     t0 = time.time()
     with tempfile.TemporaryDirectory() as root:
         for name in names:
