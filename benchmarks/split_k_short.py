@@ -70,7 +70,7 @@ def time_call(b: int, heads: int, kv_heads: int, context: int, unsplit: bool) ->
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--heads", default="32/8,16/4,32/4", help="query/KV heads per GPU (8B, 8B TP 2, 70B TP 2)")
+    ap.add_argument("--heads", default="32/8,16/4,32/4", help="query/KV heads per GPU: 8B, 8B TP 2, 70B TP 2")
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--contexts", default="160,256,512,1024,2048")
     args = ap.parse_args()
