@@ -373,6 +373,12 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
         choices=["auto", "nccl"],
         help="the worker's tp_all_reduce (auto: peer-to-peer one-shot for small messages)",
     )
+    ap.add_argument(
+        "--decode-gemm",
+        default="auto",
+        choices=["auto", "cublas"],
+        help="the worker's decode_gemm (auto: a Triton skinny GEMM where it beats cuBLAS at start)",
+    )
 
 
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -386,6 +392,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         max_num_batched_tokens=args.max_num_batched_tokens,
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         tp_all_reduce=getattr(args, "tp_all_reduce", "auto"),
+        decode_gemm=getattr(args, "decode_gemm", "auto"),
     )
 
 

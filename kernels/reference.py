@@ -135,6 +135,11 @@ def rms_norm(
     return weight * h.to(x.dtype), x
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x @ weight.T accumulated in fp32 and rounded once to `out_dtype` (x's dtype by default)."""
+    return F.linear(x.float(), weight.float()).to(out_dtype or x.dtype)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[..., 2I] (gate | up) -> [..., I] = SiLU(gate) * up, as Hugging Face's Llama MLP computes it."""
     gate, up = x.chunk(2, dim=-1)

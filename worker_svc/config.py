@@ -70,6 +70,13 @@ class WorkerConfig:
         "NCCL above and wherever it cannot start; nccl = NCCL for every message",
     )
 
+    decode_gemm: Literal["auto", "cublas"] = option(
+        "auto",
+        help="the decode graphs' GEMMs on CUDA: auto = each weight shape timed at start, cuBLAS "
+        "against a Triton skinny GEMM (used for batches of up to 16), the faster kept; "
+        "cublas = cuBLAS for every GEMM",
+    )
+
     def resolved_max_num_seqs(self) -> int:
         return self.max_num_seqs or default_batch_limits(self.torch_device())[0]
 

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from worker_svc.attention.base import AttentionMetadata
+from worker_svc.models.parallel_layers import decode_graph_gemms
 
 if TYPE_CHECKING:
     from worker_svc.runner import ModelRunner
@@ -116,13 +117,15 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         # Capture inputs are padding rows throughout: nothing is written to the KV cache.
         for b in reversed(self.sizes):
-            for _ in range(2):
-                self._forward(b)
+            # The warm-up compiles the skinny GEMMs the capture records (decode_gemms).
+            with decode_graph_gemms():
+                for _ in range(2):
+                    self._forward(b)
             torch.cuda.synchronize(self.runner.device)
             graph = torch.cuda.CUDAGraph()
             # thread_local: the NCCL process group's watchdog thread polls the events of earlier
             # collectives, a call that the default (global) mode counts as an error in the capture.
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            with decode_graph_gemms(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 out = self._forward(b)
             self.graphs[b] = graph
             self.outputs[b] = out

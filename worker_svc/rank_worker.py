@@ -24,6 +24,7 @@ import torch
 
 from worker_svc.attention.base import AttentionMetadata
 from worker_svc.config import WorkerConfig
+from worker_svc.decode_gemms import choose_decode_gemms
 from worker_svc.kv_cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
 from worker_svc.kv_shards import serve_gather, serve_scatter
 from worker_svc.loader import load_model
@@ -63,6 +64,8 @@ class RankShard:
         if self.device.type == "cuda" and self.backend.name == "triton" and not config.enforce_eager:
             from worker_svc.cuda_graphs import DecodeGraphs, capture_sizes
 
+            if config.decode_gemm == "auto":
+                choose_decode_gemms([self.model], self.device)
             self._graphs = DecodeGraphs(self, capture_sizes(config.resolved_max_num_seqs()))  # type: ignore[arg-type]
             self._graphs.capture()
 

@@ -25,6 +25,7 @@ from services.sampling_params import SamplingParams
 from services.step import NewSequence, StepPlan, StepResult, TokenLogprobs, WorkerInfo
 from worker_svc.attention.base import AttentionMetadata
 from worker_svc.config import WorkerConfig, default_batch_limits
+from worker_svc.decode_gemms import choose_decode_gemms
 from worker_svc.kv_cache import KVCacheSpec, allocate_kv_cache
 from worker_svc.kv_shards import KVShardExchange
 from worker_svc.kv_tiers import KVStoreLink, WorkerKVTiers
@@ -230,6 +231,8 @@ class ModelRunner:
             raise
 
     def _build(self, config: WorkerConfig, kv_store: KVStoreLink | None) -> None:
+        if config.decode_gemm not in ("auto", "cublas"):
+            raise ValueError(f"decode_gemm must be auto or cublas, got {config.decode_gemm!r}")
         self.model, self.model_config = load_model(
             self.model_path,
             dtype=self.dtype,
@@ -292,6 +295,8 @@ class ModelRunner:
         if self.device.type == "cuda" and self.backend.name == "triton" and not config.enforce_eager:
             from worker_svc.cuda_graphs import DecodeGraphs, capture_sizes
 
+            if config.decode_gemm == "auto":
+                choose_decode_gemms([self.model] + ([self.draft.model] if self.draft else []), self.device)
             self._graphs = DecodeGraphs(self, capture_sizes(self.max_num_seqs))
             self._graphs.capture()
         # Verification steps (speculative decoding) replay graphs of 1 + num_speculative_tokens

@@ -158,6 +158,7 @@ from kernels.triton.paged_attention import merge_attn_partials, paged_attention 
 from kernels.triton.rms_norm import rms_norm  # noqa: E402
 from kernels.triton.rotary_kv_write import rotary_and_write_kv  # noqa: E402
 from kernels.triton.silu_mul import silu_and_mul  # noqa: E402
+from kernels.triton.skinny_gemm import skinny_gemm  # noqa: E402
 
 __all__ = [
     "DualKernel",
@@ -168,5 +169,6 @@ __all__ = [
     "rms_norm",
     "rotary_and_write_kv",
     "silu_and_mul",
+    "skinny_gemm",
     "write_kv_cache",
 ]

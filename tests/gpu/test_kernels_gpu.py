@@ -179,3 +179,16 @@ def test_fused_rotary_and_kv_write_llama_8b_shape() -> None:
     out_qkv, out_cache = run(kt.rotary_and_write_kv)
     torch.testing.assert_close(out_qkv, exp_qkv, atol=BF16_TOL, rtol=BF16_TOL)
     torch.testing.assert_close(out_cache, exp_cache, atol=BF16_TOL, rtol=BF16_TOL)
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_skinny_gemm_llama_8b_o_proj(m: int, out_dtype: torch.dtype) -> None:
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64
+    out = kt.skinny_gemm(x, weight, out_dtype)
+    expected = reference.linear(x, weight, out_dtype)
+    assert out.dtype == out_dtype
+    # fp32 sums in another order: within an fp32 rounding of the sum, then one bf16 rounding.
+    tol = BF16_TOL if out_dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(out, expected, atol=tol, rtol=tol)

@@ -21,13 +21,19 @@ parameter names, so checkpoints, tests and CUDA graphs see no difference.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from worker_svc.parallel import TensorParallel
+
+if TYPE_CHECKING:
+    from kernels.triton.skinny_gemm import SkinnyConfig
 
 
 def _shape(src: Any) -> tuple[int, ...]:
@@ -40,6 +46,28 @@ def _rows(src: Any, dim: int, start: int, length: int) -> torch.Tensor:
     if dim == 0:
         return src[start : start + length]
     return src[:, start : start + length]
+
+
+SKINNY_MAX_ROWS = 16  # the skinny GEMM pads rows to 16 for the tensor cores: above, cuBLAS
+
+
+class _DecodeGraphScope(threading.local):
+    active = False
+
+
+_DECODE_GRAPH = _DecodeGraphScope()
+
+
+@contextlib.contextmanager
+def decode_graph_gemms() -> Iterator[None]:
+    """While a decode graph warms up and is captured (on this thread), linear layers of few
+    rows run the skinny GEMMs chosen for them; the graph replays those kernels thereafter."""
+    before = _DECODE_GRAPH.active
+    _DECODE_GRAPH.active = True
+    try:
+        yield
+    finally:
+        _DECODE_GRAPH.active = before
 
 
 class ShardedLinear(nn.Module):
@@ -67,6 +95,30 @@ class ShardedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_local, in_local))
         # A row-parallel bias is not split: it is added once, after the all-reduce.
         self.bias = nn.Parameter(torch.empty(out_local)) if bias else None
+        # The Triton skinny GEMM config chosen for this shape at start (worker_svc.decode_gemms),
+        # used inside decode graphs; None: cuBLAS everywhere.
+        self.decode_gemm: SkinnyConfig | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._gemm(x, self.bias)
+
+    def _gemm(self, x: torch.Tensor, bias: torch.Tensor | None, fp32_out: bool = False) -> torch.Tensor:
+        """x @ W.T + bias, in fp32 with `fp32_out`, else in x's dtype.
+
+        Inside a decode graph's warm-up and capture (`decode_graph_gemms`) a batch of at most
+        SKINNY_MAX_ROWS rows goes through the skinny GEMM chosen for this shape; everywhere
+        else, cuBLAS. Launched eagerly, a Triton kernel costs more host time than cuBLAS, and
+        eager small batches are bound by the host."""
+        cfg = self.decode_gemm
+        if cfg is not None and _DECODE_GRAPH.active and x.numel() <= SKINNY_MAX_ROWS * x.shape[-1]:
+            from kernels.triton.skinny_gemm import skinny_gemm
+
+            out = skinny_gemm(x, self.weight, torch.float32 if fp32_out else None, cfg)
+            return out if bias is None else out + bias
+        if fp32_out:
+            out = linear_fp32_out(x, self.weight)
+            return out if bias is None else out + bias
+        return F.linear(x, self.weight, bias)
 
     def full_shape(self, param_name: str) -> tuple[int, ...]:
         if param_name == "weight":
@@ -126,9 +178,6 @@ class QKVParallelLinear(ShardedLinear):
         segments = {"q": q_size, "k": kv_size, "v": kv_size}
         super().__init__(hidden, q_size + 2 * kv_size, bias, tp, dim=0, segments=segments)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
 
 class MergedColumnParallelLinear(ShardedLinear):
     """gate|up projection, each rank holding its columns of both."""
@@ -136,9 +185,6 @@ class MergedColumnParallelLinear(ShardedLinear):
     def __init__(self, hidden: int, intermediate: int, bias: bool, tp: TensorParallel) -> None:
         segments = {"gate": intermediate, "up": intermediate}
         super().__init__(hidden, 2 * intermediate, bias, tp, dim=0, segments=segments)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(ShardedLinear):
@@ -159,8 +205,8 @@ class RowParallelLinear(ShardedLinear):
         which saves a cast kernel per projection (two a layer) in every decode step.
         """
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = self.tp.all_reduce(linear_fp32_out(x, self.weight))
+            return self._gemm(x, self.bias)
+        out = self.tp.all_reduce(self._gemm(x, None, fp32_out=True))
         return out if self.bias is None else out + self.bias
 
 
@@ -244,9 +290,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     no separate head: its embedding's split matrix serves both)."""
 
 
-def vocab_parallel_logits(
-    hidden: torch.Tensor, head: VocabParallelEmbedding
-) -> torch.Tensor | None:
+def vocab_parallel_logits(hidden: torch.Tensor, head: VocabParallelEmbedding) -> torch.Tensor | None:
     """fp32 logits [N, vocab] on rank 0, None on the others: each rank's run of the
     vocabulary, gathered (gathering to one rank moves 1/N of what an all-gather would)."""
     n = hidden.shape[0]

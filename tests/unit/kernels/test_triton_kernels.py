@@ -272,3 +272,33 @@ def test_triton_backend_is_drop_in_for_torch_backend(dtype: torch.dtype) -> None
     assert TritonPagedBackend.name == "triton"
     torch.testing.assert_close(cache_triton, cache_torch, atol=0, rtol=0)
     _close(out, expected, dtype)
+
+
+# ----------------------------------------------------------------------------- skinny GEMM
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("dot", [True, False])
+def test_skinny_gemm_matches_twin(dtype: torch.dtype, m: int, dot: bool) -> None:
+    from kernels.triton.skinny_gemm import SkinnyConfig
+
+    # N and K not multiples of the blocks: the masks are exercised.
+    x = torch.randn(m, 200, dtype=dtype)
+    weight = torch.randn(72, 200, dtype=dtype) / 10
+    cfg = SkinnyConfig(block_n=32, block_k=64, dot=dot)
+    out = kt.skinny_gemm(x, weight, config=cfg)
+    assert out.dtype == dtype and out.shape == (m, 72)
+    _close(out, reference.linear(x, weight), dtype)
+    wide = kt.skinny_gemm(x, weight, out_dtype=torch.float32, config=cfg)
+    assert wide.dtype == torch.float32
+    torch.testing.assert_close(wide, reference.linear(x, weight, torch.float32), atol=1e-4, rtol=1e-4)
+
+
+def test_skinny_gemm_keeps_leading_dims_and_reads_strided_rows() -> None:
+    wide = torch.randn(2, 3, 96)
+    x = wide[..., :64]  # rows not contiguous
+    weight = torch.randn(40, 64)
+    out = kt.skinny_gemm(x, weight)
+    assert out.shape == (2, 3, 40)
+    torch.testing.assert_close(out, reference.linear(x, weight), atol=1e-4, rtol=1e-4)
