@@ -27,8 +27,15 @@ from benchmarks.gemv_layouts import SHAPES, per_call_us, rotating  # noqa: E402
 from kernels import reference  # noqa: E402
 from kernels.triton.skinny_gemm import SkinnyConfig, skinny_gemm  # noqa: E402
 
-# gemv_layouts' shapes plus the 8B MLP at TP 2; (in features, out features) per rank.
-ALL_SHAPES = {**SHAPES, "8b.tp2.gate_up": (4096, 14336), "8b.tp2.down": (7168, 4096)}
+# gemv_layouts' shapes plus the 8B MLP at TP 2 and the lm_heads; (in features, out features) per rank.
+ALL_SHAPES = {
+    **SHAPES,
+    "8b.tp2.gate_up": (4096, 14336),
+    "8b.tp2.down": (7168, 4096),
+    "8b.lm_head": (4096, 128256),
+    "8b.tp2.lm_head": (4096, 64128),
+    "70b.tp2.lm_head": (8192, 64128),
+}
 ROW_PARALLEL = {"8b.tp2.o", "8b.tp2.down", "70b.tp2.o", "70b.tp2.down"}  # fp32 out at TP 2
 
 
