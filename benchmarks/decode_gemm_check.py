@@ -1,0 +1,90 @@
+"""Greedy output with the skinny decode GEMMs against cuBLAS (the bf16 tie rule of gpu.py).
+
+    python3 benchmarks/decode_gemm_check.py [--model llama-3.1-8b] [--tensor-parallel-size 2]
+
+Builds one engine per (decode_gemm, size) in turn (dummy weights, bf16), generates 64 greedy
+tokens for 12 prompts with 8 candidate logprobs, and compares:
+* size 1: `--decode-gemm auto` against `cublas` (what the skinny GEMM alone changes);
+* with --tensor-parallel-size N > 1 also TP N against size 1, once with each decode_gemm (so a
+  divergence of TP N can be told apart from one of the GEMMs).
+A prompt passes when the tokens are equal or first differ at a near tie of the reference
+(`benchmarks/gpu.py`'s rule, --tie-tol nats). Each engine's line is printed as it finishes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.gpu import (  # noqa: E402
+    SHAPES,
+    add_workload_args,
+    compare_greedy,
+    greedy_outputs,
+    make_llm,
+    write_config,
+)
+
+PROMPT_LENS = [17, 130, 431, 777, 9, 64, 200, 333, 50, 600, 25, 90]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(ap)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--model", default="llama-3.1-8b", choices=sorted(SHAPES))
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--tie-tol", type=float, default=0.125)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA device")
+    tp = args.tensor_parallel_size
+    args.tensor_parallel_size = 1
+    args.max_num_seqs = min(args.max_num_seqs, 16)
+    path = write_config(tempfile.mkdtemp(), args.model, SHAPES[args.model])
+    prompts = [list(range(100 + 7 * i, 100 + 7 * i + n)) for i, n in enumerate(PROMPT_LENS)]
+    outs = {}
+    for size in [1] + ([tp] if tp > 1 else []):
+        for gemm in ("cublas", "auto"):
+            t0 = time.perf_counter()
+            llm = make_llm(
+                path, args, tensor_parallel_size=size, decode_gemm=gemm, gpu_memory_utilization=0.5
+            )
+            try:
+                outs[(gemm, size)] = greedy_outputs(llm, prompts, args.tokens)
+            finally:
+                llm.engine.close()
+                del llm
+                gc.collect()
+                torch.cuda.empty_cache()
+            print(f"size {size}, decode_gemm {gemm}: {time.perf_counter() - t0:.0f} s", flush=True)
+    failed = False
+
+    def show(label: str, ref, test) -> None:
+        nonlocal failed
+        ok, notes, max_dlp = compare_greedy(ref, test, args.tie_tol)
+        failed |= not ok
+        diverged = [n for n in notes if n.startswith("differ")]
+        print(
+            f"{label}: {'PASS' if ok else 'FAIL'}, max |logprob diff| {max_dlp:.3f}, "
+            f"{len(diverged)} of {len(notes)} prompts diverge: {'; '.join(diverged)}",
+            flush=True,
+        )
+
+    show("size 1, auto vs cublas", outs[("cublas", 1)], outs[("auto", 1)])
+    if tp > 1:
+        show(f"cublas, TP {tp} vs size 1", outs[("cublas", 1)], outs[("cublas", tp)])
+        show(f"auto, TP {tp} vs size 1", outs[("auto", 1)], outs[("auto", tp)])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
