@@ -4,16 +4,25 @@ A decode step of a few sequences only streams the weights through its GEMMs. On 
 skinny GEMM (`kernels.triton.skinny_gemm`) streamed them 1-15 % faster than cuBLAS on 11 of
 12 Llama decode shapes and lost 1 % on the other (`python3 benchmarks/skinny_gemm.py`). Which
 config wins depends on the shape and the GPU, so each distinct (weight shape, dtype, output
-dtype) is timed once at start, before the decode graphs are captured: cuBLAS against a few
-configs, in a CUDA graph that runs the op over the model's own layers of that shape in turn
-(so the weights come from memory, not from L2, as in a real step). The fastest is used by
-every layer of that shape; cuBLAS stays unless a config beats it by MIN_GAIN.
+dtype) is timed before the decode graphs are captured: cuBLAS against a few configs, in a CUDA
+graph that runs the op over the model's own layers of that shape in turn (so the weights come
+from memory, not from L2, as in a real step). The fastest is used by every layer of that
+shape; cuBLAS stays unless a config beats it by MIN_GAIN.
+
+The choices are kept in a JSON file in the model cache (`decode_gemms.json`), keyed by GPU,
+torch and Triton versions and shape, and reused: a timing is noisy where two candidates are
+close, and a worker that chose differently at each start would round differently, so greedy
+text could change across restarts at near ties. Every worker of a host makes the same choice.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 
@@ -26,70 +35,142 @@ from worker_svc.models.parallel_layers import RowParallelLinear, ShardedLinear, 
 log = logging.getLogger(__name__)
 
 MIN_GAIN = 0.02  # a config must beat cuBLAS by this much: smaller wins are within the noise
+CUBLAS = "cublas"
+CACHE_FILE = "decode_gemms.json"
 _ROWS = 1  # timed at batch 1 (the sweep's best config was the same from 1 to 16 rows)
 
+# (layers of one shape, output in fp32) -> {candidate name: microseconds per call}
+Timer = Callable[[list[ShardedLinear], bool], dict[str, float]]
 
-def _candidates() -> list:
+
+def candidates() -> dict[str, object]:
     """The configs that won a cell of benchmarks/skinny_gemm.py's 24-config sweep on an H100."""
     from kernels.triton.skinny_gemm import SkinnyConfig
 
-    return [
+    configs = [
         SkinnyConfig(block_n=32, block_k=512, num_warps=4, num_stages=3),
         SkinnyConfig(block_n=32, block_k=512, num_warps=4, num_stages=4),
         SkinnyConfig(block_n=64, block_k=256, num_warps=4, num_stages=4),
     ]
+    return {str(c): c for c in configs}
 
 
-def choose_decode_gemms(models: Iterable[nn.Module], device: torch.device) -> list[str]:
-    """Set `decode_gemm` on every linear layer of `models` (CUDA only); one line per shape."""
-    if device.type != "cuda":
+def choose_decode_gemms(
+    models: Iterable[nn.Module],
+    device: torch.device,
+    cache_dir: str | None = None,
+    timer: Timer | None = None,
+) -> list[str]:
+    """Set `decode_gemm` on every bf16/fp16 linear layer of `models`; one line per shape.
+
+    Off CUDA nothing is chosen (unless a `timer` is given: the tests' way in). Choices found in
+    `cache_dir`'s file are reused; new ones are timed and added to it."""
+    if device.type != "cuda" and timer is None:
         return []
+    timer = timer or _time_candidates
     t0 = time.perf_counter()
     groups: dict[tuple, list[ShardedLinear]] = {}
     for model in models:
         for layer in model.modules():
             if isinstance(layer, ShardedLinear) and layer.weight.dtype in (torch.bfloat16, torch.float16):
                 fp32_out = isinstance(layer, RowParallelLinear) and layer.tp.size > 1
-                key = (tuple(layer.weight.shape), layer.weight.dtype, fp32_out)
-                groups.setdefault(key, []).append(layer)
-    lines = []
+                groups.setdefault((tuple(layer.weight.shape), layer.weight.dtype, fp32_out), []).append(layer)
+    if not groups:
+        return []
+    path = os.path.join(cache_dir, CACHE_FILE) if cache_dir else None
+    known = _read(path)
+    configs = candidates()
+    lines, learned = [], False
     for (shape, dtype, fp32_out), layers in groups.items():
-        choice, line = _choose(layers, shape, dtype, fp32_out, device)
+        key = _key(device, shape, dtype, fp32_out)
+        name = known.get(key)
+        how = "cached"
+        if name not in configs and name != CUBLAS:  # not chosen yet (or a config since retired)
+            times = timer(layers, fp32_out)
+            name = _fastest(times)
+            known[key], learned, how = name, True, _times_text(times)
         for layer in layers:
-            layer.decode_gemm = choice
-        lines.append(line)
-    if lines:
-        log.info("decode GEMMs chosen in %.1f s: %s", time.perf_counter() - t0, "; ".join(lines))
+            layer.decode_gemm = None if name == CUBLAS else configs[name]  # type: ignore[assignment]
+        out = "fp32" if fp32_out else str(dtype).removeprefix("torch.")
+        lines.append(f"{shape[1]}->{shape[0]} {out} x{len(layers)}: {name} ({how})")
+    if learned and path:
+        _write(path, known)
+    log.info("decode GEMMs chosen in %.1f s: %s", time.perf_counter() - t0, "; ".join(lines))
     return lines
 
 
-def _choose(
-    layers: list[ShardedLinear], shape: tuple, dtype: torch.dtype, fp32_out: bool, device: torch.device
-) -> tuple[object | None, str]:
+def _fastest(times: dict[str, float]) -> str:
+    cublas_us = times[CUBLAS]
+    best, best_us = CUBLAS, cublas_us
+    for name, us in times.items():
+        if name != CUBLAS and us < cublas_us * (1 - MIN_GAIN) and us < best_us:
+            best, best_us = name, us
+    return best
+
+
+def _times_text(times: dict[str, float]) -> str:
+    return ", ".join(f"{name} {us:.1f} us" for name, us in times.items())
+
+
+def _key(device: torch.device, shape: tuple, dtype: torch.dtype, fp32_out: bool) -> str:
+    import triton
+
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    weights = str(dtype).removeprefix("torch.")
+    out = "float32" if fp32_out else weights
+    versions = f"torch {torch.__version__}|triton {triton.__version__}"
+    return f"{gpu}|{versions}|{shape[1]}->{shape[0]}|{weights} -> {out}"
+
+
+def _read(path: str | None) -> dict[str, str]:
+    if not path:
+        return {}
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:  # unreadable or corrupt: time again, and rewrite it
+        log.warning("decode GEMM choices in %s ignored (%s)", path, e)
+        return {}
+    return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+
+def _write(path: str, choices: dict[str, str]) -> None:
+    """Atomically (a temp file renamed over it): workers starting together never read half a file."""
+    tmp = None
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".decode_gemms.")
+        with os.fdopen(fd, "w") as f:
+            json.dump(choices, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only cache: choose again at the next start
+        log.warning("decode GEMM choices not saved to %s (%s)", path, e)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def _time_candidates(layers: list[ShardedLinear], fp32_out: bool) -> dict[str, float]:
+    """Microseconds per call of cuBLAS and of each candidate that runs on this GPU."""
     from kernels.triton.skinny_gemm import skinny_gemm
 
-    n, k = shape
-    x = torch.randn(_ROWS, k, dtype=dtype, device=device)
     weights = [layer.weight for layer in layers]
+    n, k = weights[0].shape
+    x = torch.randn(_ROWS, k, dtype=weights[0].dtype, device=weights[0].device)
     out_dtype = torch.float32 if fp32_out else None
 
     def cublas(w: torch.Tensor) -> None:
         linear_fp32_out(x, w) if fp32_out else F.linear(x, w)
 
-    best, best_us = None, _time_us(cublas, weights)
-    cublas_us = best_us
-    for cfg in _candidates():
+    times = {CUBLAS: _time_us(cublas, weights)}
+    for name, cfg in candidates().items():
         try:
-            us = _time_us(lambda w, c=cfg: skinny_gemm(x, w, out_dtype, c), weights)
+            times[name] = _time_us(lambda w, c=cfg: skinny_gemm(x, w, out_dtype, c), weights)
         except Exception as e:  # noqa: BLE001 - a config this GPU cannot run (shared memory...)
-            log.debug("skinny GEMM %s refused for %s: %s", cfg, shape, e)
-            continue
-        if us < cublas_us * (1 - MIN_GAIN) and us < best_us:
-            best, best_us = cfg, us
-    what = "cuBLAS" if best is None else f"skinny {best}"
-    out = "fp32" if fp32_out else str(dtype).removeprefix("torch.")
-    line = f"{k}->{n} {out} x{len(layers)}: {what} {best_us:.1f} us (cuBLAS {cublas_us:.1f})"
-    return best, line
+            log.debug("skinny GEMM %s refused for %s: %s", name, (n, k), e)
+    return times
 
 
 def _time_us(op: Callable[[torch.Tensor], object], weights: list[torch.Tensor]) -> float:

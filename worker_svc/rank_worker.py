@@ -28,6 +28,7 @@ from worker_svc.decode_gemms import choose_decode_gemms
 from worker_svc.kv_cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
 from worker_svc.kv_shards import serve_gather, serve_scatter
 from worker_svc.loader import load_model
+from worker_svc.model_files import default_cache_dir
 from worker_svc.parallel import TensorParallel, backend_for, open_group
 from worker_svc.rank_channel import KV_GATHER, KV_SCATTER, STEP, STOP, ForwardInputs, read_message
 from worker_svc.rank_group import joined_key
@@ -65,7 +66,7 @@ class RankShard:
             from worker_svc.cuda_graphs import DecodeGraphs, capture_sizes
 
             if config.decode_gemm == "auto":
-                choose_decode_gemms([self.model], self.device)
+                choose_decode_gemms([self.model], self.device, config.cache_dir or default_cache_dir())
             self._graphs = DecodeGraphs(self, capture_sizes(config.resolved_max_num_seqs()))  # type: ignore[arg-type]
             self._graphs.capture()
 

@@ -30,7 +30,7 @@ from worker_svc.kv_cache import KVCacheSpec, allocate_kv_cache
 from worker_svc.kv_shards import KVShardExchange
 from worker_svc.kv_tiers import KVStoreLink, WorkerKVTiers
 from worker_svc.loader import load_model, load_tokenizer, model_fingerprint
-from worker_svc.model_files import resolve_model
+from worker_svc.model_files import default_cache_dir, resolve_model
 from worker_svc.parallel import TensorParallel
 from worker_svc.rank_channel import ForwardInputs
 from worker_svc.rank_group import RankGroup, start_rank_group
@@ -296,7 +296,8 @@ class ModelRunner:
             from worker_svc.cuda_graphs import DecodeGraphs, capture_sizes
 
             if config.decode_gemm == "auto":
-                choose_decode_gemms([self.model] + ([self.draft.model] if self.draft else []), self.device)
+                models = [self.model] + ([self.draft.model] if self.draft else [])
+                choose_decode_gemms(models, self.device, config.cache_dir or default_cache_dir())
             self._graphs = DecodeGraphs(self, capture_sizes(self.max_num_seqs))
             self._graphs.capture()
         # Verification steps (speculative decoding) replay graphs of 1 + num_speculative_tokens

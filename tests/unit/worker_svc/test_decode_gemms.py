@@ -3,11 +3,13 @@ few rows, the bias and the fp32 output kept (the kernel runs under Triton's inte
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from kernels import reference
 from kernels.triton.skinny_gemm import SkinnyConfig
-from worker_svc.decode_gemms import choose_decode_gemms
+from worker_svc.decode_gemms import CACHE_FILE, CUBLAS, MIN_GAIN, candidates, choose_decode_gemms
 from worker_svc.models.parallel_layers import (
     SKINNY_MAX_ROWS,
     QKVParallelLinear,
@@ -86,6 +88,81 @@ def test_row_parallel_at_size_1_keeps_its_bias() -> None:
 
 
 def test_nothing_is_chosen_off_cuda() -> None:
-    layer = _qkv(bias=False)
+    layer = _qkv(bias=False).to(torch.bfloat16)
     assert choose_decode_gemms([layer], torch.device("cpu")) == []
     assert layer.decode_gemm is None
+
+
+class _Model(torch.nn.Module):
+    """Three layers of one shape (bf16), one of another, one fp32 layer (never a candidate)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        tp = TensorParallel()
+        self.same = torch.nn.ModuleList([QKVParallelLinear(64, 32, 16, False, tp) for _ in range(3)])
+        self.other = RowParallelLinear(48, 40, False, tp)
+        self.to(torch.bfloat16)
+        self.fp32 = QKVParallelLinear(64, 32, 16, False, tp)
+
+
+def _timer(times: dict[str, float], calls: list):
+    def timer(layers, fp32_out):
+        calls.append((tuple(layers[0].weight.shape), len(layers), fp32_out))
+        return dict(times)
+
+    return timer
+
+
+def test_each_shape_is_timed_once_and_its_fastest_kept(tmp_path) -> None:
+    names = list(candidates())
+    model, calls = _Model(), []
+    times = {CUBLAS: 10.0, names[0]: 9.5, names[1]: 8.0, names[2]: 8.5}
+    lines = choose_decode_gemms([model], torch.device("cpu"), str(tmp_path), _timer(times, calls))
+    assert sorted(calls) == [((40, 48), 1, False), ((64, 64), 3, False)]
+    assert len(lines) == 2
+    assert all(str(layer.decode_gemm) == names[1] for layer in model.same)
+    assert str(model.other.decode_gemm) == names[1]
+    assert model.fp32.decode_gemm is None
+
+
+def test_cublas_stays_unless_beaten_by_the_margin(tmp_path) -> None:
+    names = list(candidates())
+    model = _Model()
+    times = {CUBLAS: 10.0, names[0]: 10.0 * (1 - MIN_GAIN) + 0.01}
+    choose_decode_gemms([model], torch.device("cpu"), str(tmp_path), _timer(times, []))
+    assert all(layer.decode_gemm is None for layer in model.modules() if hasattr(layer, "decode_gemm"))
+
+
+def test_the_choices_are_reused_from_the_cache_file_at_the_next_start(tmp_path) -> None:
+    names = list(candidates())
+    first = {CUBLAS: 10.0, names[2]: 7.0}
+    choose_decode_gemms([_Model()], torch.device("cpu"), str(tmp_path), _timer(first, []))
+    saved = json.loads((tmp_path / CACHE_FILE).read_text())
+    assert sorted(saved.values()) == [names[2], names[2]]
+    # A second start whose timings would pick cuBLAS keeps the recorded choice, timing nothing.
+    again, calls = _Model(), []
+    choose_decode_gemms([again], torch.device("cpu"), str(tmp_path), _timer({CUBLAS: 1.0}, calls))
+    assert calls == []
+    assert str(again.other.decode_gemm) == names[2]
+
+
+def test_a_corrupt_cache_file_is_timed_again_and_rewritten(tmp_path) -> None:
+    names = list(candidates())
+    (tmp_path / CACHE_FILE).write_text("{not json")
+    calls: list = []
+    choose_decode_gemms(
+        [_Model()], torch.device("cpu"), str(tmp_path), _timer({CUBLAS: 10.0, names[0]: 5.0}, calls)
+    )
+    assert len(calls) == 2
+    assert set(json.loads((tmp_path / CACHE_FILE).read_text()).values()) == {names[0]}
+
+
+def test_an_unwritable_cache_still_chooses(tmp_path) -> None:
+    names = list(candidates())
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a file where the cache folder should be
+    model = _Model()
+    choose_decode_gemms(
+        [model], torch.device("cpu"), str(blocked / "sub"), _timer({CUBLAS: 10.0, names[0]: 5.0}, [])
+    )
+    assert str(model.other.decode_gemm) == names[0]
