@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_svc.models.parallel_layers import RowParallelLinear, ShardedLinear, linear_fp32_out
+from worker_svc.models.parallel_layers import ShardedLinear, linear_fp32_out
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def choose_decode_gemms(
     for model in models:
         for layer in model.modules():
             if isinstance(layer, ShardedLinear) and layer.weight.dtype in (torch.bfloat16, torch.float16):
-                fp32_out = isinstance(layer, RowParallelLinear) and layer.tp.size > 1
+                fp32_out = layer.out_fp32()
                 groups.setdefault((tuple(layer.weight.shape), layer.weight.dtype, fp32_out), []).append(layer)
     if not groups:
         return []

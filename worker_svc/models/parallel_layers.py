@@ -5,7 +5,8 @@
   columns) into the next layer;
 * row-parallel (`RowParallelLinear`: o_proj, down_proj): each rank holds the matching slice
   of the input columns; the partial products are summed in fp32 by one all-reduce, then the
-  bias (once, not once per rank); the fp32 sum goes on to the residual norm, which rounds it;
+  bias (once, not once per rank); the fp32 sum goes on to the residual norm, which rounds it
+  (at size 1 too, so that every size rounds the residual stream alike);
 * vocab-parallel (`VocabParallelEmbedding`, `ParallelLMHead`): each rank holds a run of the
   vocabulary, padded to a multiple of the size; an embedding lookup is masked to the rank's
   run and all-reduced; the logits are gathered to rank 0, which alone samples.
@@ -102,6 +103,10 @@ class ShardedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._gemm(x, self.bias)
 
+    def out_fp32(self) -> bool:
+        """Whether `forward` returns fp32 above bf16/fp16 weights (it then rounds nothing)."""
+        return False
+
     def _gemm(self, x: torch.Tensor, bias: torch.Tensor | None, fp32_out: bool = False) -> torch.Tensor:
         """x @ W.T + bias, in fp32 with `fp32_out`, else in x's dtype.
 
@@ -193,8 +198,11 @@ class RowParallelLinear(ShardedLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel) -> None:
         super().__init__(in_features, out_features, bias, tp, dim=1, segments={"in": in_features})
 
+    def out_fp32(self) -> bool:
+        return self.weight.dtype != torch.float32
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W.T (+ bias): in x's dtype at size 1, the fp32 all-reduced sum above it.
+        """x @ W.T (+ bias), in fp32 at every size: the (all-reduced) fp32 sum, unrounded.
 
         The partial products are summed in fp32 and rounded once, as size 1's one GEMM over
         the whole input rounds once. Summing bf16-rounded halves in bf16 rounds three times,
@@ -203,10 +211,19 @@ class RowParallelLinear(ShardedLinear):
         The sum is handed over unrounded: the residual RMSNorm that follows every row-parallel
         projection adds it to the residual stream and rounds once, to the stream's dtype,
         which saves a cast kernel per projection (two a layer) in every decode step.
+        Size 1 hands over its GEMM's fp32 output the same way. Rounding it to bf16 first (and
+        again in the add) was one more rounding per projection than TP N makes: on the 8B
+        shape (H100, TP 2's arithmetic emulated on one GPU: benchmarks/tp_arithmetic.py, 48
+        prompts) greedy text stayed equal to TP 2's for 7.5-7.8 tokens on average before a
+        near tie parted them, and 2-5 prompts parted at gaps over the tie rule; with one
+        rounding at both sizes, 13.5-13.7 tokens and none over the rule. It costs ~0.6 % of a
+        batch-1 decode step (cuBLAS writing fp32); prefill moved within its noise.
         """
-        if self.tp.size == 1:
-            return self._gemm(x, self.bias)
-        out = self.tp.all_reduce(self._gemm(x, None, fp32_out=True))
+        if self.tp.size == 1 and not self.out_fp32():
+            return self._gemm(x, self.bias)  # fp32 weights: nothing to widen, keep the fused bias
+        out = self._gemm(x, None, fp32_out=True)
+        if self.tp.size > 1:
+            out = self.tp.all_reduce(out)
         return out if self.bias is None else out + self.bias
 
 

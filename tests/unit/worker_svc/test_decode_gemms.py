@@ -87,6 +87,23 @@ def test_row_parallel_at_size_1_keeps_its_bias() -> None:
     torch.testing.assert_close(out, reference.linear(x, layer.weight) + layer.bias, atol=1e-5, rtol=1e-5)
 
 
+def test_row_parallel_hands_bf16_products_on_in_fp32_at_size_1() -> None:
+    # Every size rounds the residual stream once (in the norm), so size 1 and TP N round alike.
+    torch.manual_seed(2)
+    layer = RowParallelLinear(48, 40, True, TensorParallel())
+    torch.nn.init.normal_(layer.weight, std=0.1)
+    torch.nn.init.normal_(layer.bias, std=0.1)
+    x = torch.randn(3, 48)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))  # fp32: as before
+    layer.to(torch.bfloat16)
+    xb = x.to(torch.bfloat16)
+    assert layer.out_fp32() and not _qkv(bias=False).to(torch.bfloat16).out_fp32()
+    out = layer(xb)
+    assert out.dtype == torch.float32
+    want = torch.nn.functional.linear(xb.float(), layer.weight.float()) + layer.bias.float()
+    torch.testing.assert_close(out, want, atol=2e-2, rtol=1e-2)  # CPU: bf16 GEMM, then widened
+
+
 def test_nothing_is_chosen_off_cuda() -> None:
     layer = _qkv(bias=False).to(torch.bfloat16)
     assert choose_decode_gemms([layer], torch.device("cpu")) == []
@@ -118,7 +135,7 @@ def test_each_shape_is_timed_once_and_its_fastest_kept(tmp_path) -> None:
     model, calls = _Model(), []
     times = {CUBLAS: 10.0, names[0]: 9.5, names[1]: 8.0, names[2]: 8.5}
     lines = choose_decode_gemms([model], torch.device("cpu"), str(tmp_path), _timer(times, calls))
-    assert sorted(calls) == [((40, 48), 1, False), ((64, 64), 3, False)]
+    assert sorted(calls) == [((40, 48), 1, True), ((64, 64), 3, False)]  # row-parallel: fp32 out
     assert len(lines) == 2
     assert all(str(layer.decode_gemm) == names[1] for layer in model.same)
     assert str(model.other.decode_gemm) == names[1]
