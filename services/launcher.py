@@ -15,7 +15,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,15 +28,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.config import load_config
 from services.grpc_server import ChannelSecurity, open_sync_channel
 from services.parent_watch import launcher_env
+from services.ports import free_port
 from services.tls import TLSConfig
 
 log = logging.getLogger(__name__)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+
+from services.ports import free_port
 
 
 def redis_server_binary() -> str:
@@ -28,18 +29,12 @@ def redis_server_binary() -> str:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RedisServer:
     def __init__(self, workdir: Path, port: int | None = None) -> None:
         self.binary = redis_server_binary()
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.proc: subprocess.Popen | None = None
 
     @property
