@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,15 +24,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from services.ports import free_port  # noqa: E402
 from worker_svc.parallel import TensorParallel, open_group  # noqa: E402
 
 REPEAT = 64
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _graph_us(fn, replays: int = 20) -> float:
@@ -128,7 +122,7 @@ def main() -> int:
     if torch.cuda.device_count() < args.size:
         print(f"needs {args.size} CUDA devices, {torch.cuda.device_count()} visible")
         return 2
-    port = _free_port()
+    port = free_port()
     base = [sys.executable, __file__, "--size", str(args.size), "--dtype", args.dtype, "--kib", args.kib]
     procs = [
         subprocess.Popen([*base, "--rank", str(r), "--port", str(port)], env=os.environ.copy())

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import worker_svc.models.llama as llama_mod  # noqa: E402
 import worker_svc.models.parallel_layers as pl  # noqa: E402
-from benchmarks.decode_gemm_check import step_ms  # noqa: E402
+from benchmarks.decode_gemm_check import PROMPT_LENS, step_ms  # noqa: E402
 from benchmarks.gpu import (  # noqa: E402
     SHAPES,
     add_workload_args,
@@ -48,7 +48,6 @@ from benchmarks.gpu import (  # noqa: E402
     write_config,
 )
 
-PROMPT_LENS = [17, 130, 431, 777, 9, 64, 200, 333, 50, 600, 25, 90]
 TOKENS = 64
 
 
@@ -129,7 +128,8 @@ def main() -> int:
 
     path = write_config(tempfile.mkdtemp(), args.model, SHAPES[args.model])
     prompts = [
-        list(range(100 + 7 * i, 100 + 7 * i + PROMPT_LENS[i % 12] + i // 12)) for i in range(args.prompts)
+        list(range(100 + 7 * i, 100 + 7 * i + PROMPT_LENS[i % len(PROMPT_LENS)] + i // len(PROMPT_LENS)))
+        for i in range(args.prompts)
     ]
     outs = {}
     for mode in ("size1", "size1-bf16-out", f"tp{args.tp}"):
