@@ -165,11 +165,26 @@ class LLMEngine:
 
     # ----- synchronous stepping (tests, micro-benchmarks) -----
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str = "",
     ) -> None:
-        """Queue a request for `step()` (not for `submit()`: the Mesh streams those)."""
+        """Queue a request for `step()` (not for `submit()`: the Mesh streams those).
+
+        `cache_salt`: its prefix-cache salt (vLLM's): it shares cached blocks only with its salt.
+        """
         self.check_prompt(prompt_token_ids)
-        req = Request(request_id, list(prompt_token_ids), params, self.info.eos_token_ids, priority)
+        req = Request(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            self.info.eos_token_ids,
+            priority,
+            cache_salt=cache_salt,
+        )
         self.call(lambda: self.planner.add_request(req))
 
     def step(self) -> list[RequestDelta]:
@@ -190,9 +205,12 @@ class LLMEngine:
         queue: asyncio.Queue,
         priority: int = 0,
         group: str = "",
+        cache_salt: str = "",
     ) -> None:
         """On the loop thread: route a request into the Mesh; its deltas go to `queue`."""
-        self.mesh.submit(request_id, prompt_token_ids, params, priority, queue, group=group)
+        self.mesh.submit(
+            request_id, prompt_token_ids, params, priority, queue, group=group, cache_salt=cache_salt
+        )
 
     def flush_kv(self, timeout_s: float = 30.0) -> None:
         """Wait until every KV save and store put planned so far has run and been sent.

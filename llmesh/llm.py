@@ -11,6 +11,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from llmesh.engine import EngineConfig, LLMEngine
+from scheduler_svc.prefix_hash import check_salt
 from scheduler_svc.request import RequestDelta
 from services.choices import ChoiceState, FanOut, fit_max_tokens
 from services.sampling_params import SamplingParams
@@ -61,6 +62,7 @@ class _Submission:
     prompt_token_ids: list[int]
     priority: int
     group: str
+    cache_salt: str = ""  # the prompt's prefix-cache salt ({"cache_salt": ...}, vLLM's)
 
 
 class LLM:
@@ -94,7 +96,8 @@ class LLM:
             outputs.append(out)
             # Children of a seeded request get distinct, reproducible seeds (vLLM convention).
             fanout = FanOut.plan(out.request_id, sp)
-            submissions.append(_Submission(fanout, token_ids, priority[i] if priority else 0, out.request_id))
+            prio = priority[i] if priority else 0
+            submissions.append(_Submission(fanout, token_ids, prio, out.request_id, self._salt_of(prompt)))
             for j, cid in enumerate(fanout.ids):
                 # Nothing streams here: text is decoded once, after the run, unless stop strings
                 # must be matched as tokens arrive (incrementally, on the engine's loop).
@@ -163,7 +166,9 @@ class LLM:
             for sub in submissions:
 
                 def submit(cid: str, sp: SamplingParams, sub: _Submission = sub) -> None:
-                    self.engine.submit(cid, sub.prompt_token_ids, sp, queue, sub.priority, sub.group)
+                    self.engine.submit(
+                        cid, sub.prompt_token_ids, sp, queue, sub.priority, sub.group, sub.cache_salt
+                    )
                     running.add(cid)
 
                 sub.fanout.submit(submit, self.engine.mesh.abort)
@@ -211,6 +216,20 @@ class LLM:
                 raise ValueError("this model has no tokenizer: pass token ids")
             return prompt, self.tokenizer.encode(prompt)
         return None, list(prompt)
+
+    @staticmethod
+    def _salt_of(prompt: Prompt) -> str:
+        """A dict prompt's `cache_salt` (vLLM's): prompts of different salts share no cached block."""
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is None:
+            return ""
+        if not isinstance(salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(salt).__name__}")
+        try:
+            check_salt(salt)
+        except ValueError as e:
+            raise ValueError(f"cache_salt: {e}") from e
+        return salt
 
     @staticmethod
     def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -11,7 +11,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from scheduler_svc.prefix_hash import extend_block_keys
+from scheduler_svc.prefix_hash import ROOT_KEY, extend_block_keys
 
 
 @dataclass
@@ -35,6 +35,7 @@ class BlockTable:
     block_ids: list[int] = field(default_factory=list)
     keys: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
+    root: bytes = ROOT_KEY  # the key chain's root: the request's cache salt (prefix_hash.root_key)
 
 
 class BlockManager:
@@ -77,15 +78,18 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def longest_cached_prefix(self, token_ids: list[int], keys: list[bytes] | None = None) -> list[int]:
+    def longest_cached_prefix(
+        self, token_ids: list[int], keys: list[bytes] | None = None, root: bytes = ROOT_KEY
+    ) -> list[int]:
         """Block ids of the longest run of leading full blocks already cached (no refs taken).
 
-        `keys`: the blocks' content keys if the caller has them already.
+        `keys`: the blocks' content keys if the caller has them already (made from `root`);
+        `root`: the chain's root, so a salted request only ever finds its own salt's blocks.
         """
         if not self.enable_prefix_caching:
             return []
         if keys is None:
-            keys = extend_block_keys([], token_ids, self.block_size, self.fingerprint)
+            keys = extend_block_keys([], token_ids, self.block_size, self.fingerprint, root)
         hits: list[int] = []
         for key in keys:
             block_id = self.cached.get(key)
@@ -102,6 +106,7 @@ class BlockManager:
         num_computed: int,
         num_new: int,
         num_known: int | None = None,
+        root: bytes = ROOT_KEY,
     ) -> list[int] | None:
         """Make room for `num_new` tokens after `num_computed` of `token_ids`.
 
@@ -112,13 +117,14 @@ class BlockManager:
 
         `token_ids` may be a function that makes the list, with `num_known` its
         length: a decode step then builds it only when a block fills (once in
-        `block_size` steps), not every step.
+        `block_size` steps), not every step. `root`: the root of the sequence's key chain
+        (its cache salt), kept in its table from the first call on.
         """
         table = self.tables.get(seq_id)
         hits: list[int] = []
         if table is None:
             token_ids = token_ids() if callable(token_ids) else token_ids
-            hits = self.longest_cached_prefix(token_ids)[: num_computed // self.block_size]
+            hits = self.longest_cached_prefix(token_ids, root=root)[: num_computed // self.block_size]
             assert len(hits) * self.block_size == num_computed, "first allocation starts at the cached prefix"
         have = len(table.block_ids) if table else len(hits)
         need = self.blocks_needed(num_computed + num_new) - have
@@ -127,7 +133,7 @@ class BlockManager:
         if need > len(self.free) - reusable:
             return None
         if table is None:
-            table = self.tables[seq_id] = BlockTable()
+            table = self.tables[seq_id] = BlockTable(root=root)
             for block_id in hits:
                 self._take(block_id)
                 table.block_ids.append(block_id)
@@ -215,7 +221,7 @@ class BlockManager:
         if num_full <= table.num_cached_blocks:
             return
         extend_block_keys(
-            table.keys, token_ids[: num_full * self.block_size], self.block_size, self.fingerprint
+            table.keys, token_ids[: num_full * self.block_size], self.block_size, self.fingerprint, table.root
         )
         chunk = self.chunk_blocks
         for i in range(table.num_cached_blocks, num_full):

@@ -248,8 +248,12 @@ class Mesh:
         priority: int = 0,
         queue: asyncio.Queue | None = None,
         group: str = "",
+        cache_salt: str = "",
     ) -> asyncio.Queue:
-        """Route and enqueue a request; its deltas go to `queue` (shared by a request's n choices)."""
+        """Route and enqueue a request; its deltas go to `queue` (shared by a request's n choices).
+
+        `cache_salt`: the tenant's prefix-cache salt ("" = shared with every unsalted request).
+        """
         if request_id in self.streams:
             raise RequestRejected(f"duplicate request id {request_id!r}")
         info = self.model_info
@@ -261,17 +265,28 @@ class Mesh:
                 f"prompt token ids outside the vocabulary [0, {info.vocab_size}): {bad[:5]}"
             )
         req = Request(
-            request_id, list(prompt_token_ids), params, list(info.eos_token_ids), priority, group=group
+            request_id,
+            list(prompt_token_ids),
+            params,
+            list(info.eos_token_ids),
+            priority,
+            group=group,
+            cache_salt=cache_salt,
         )
         queue = queue if queue is not None else asyncio.Queue()
         self._place(req, queue)
         return queue
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str = "",
     ) -> AsyncIterator[RequestDelta]:
         """Deltas until the request finishes; leaving early (cancel, error) aborts it."""
-        queue = self.submit(request_id, prompt_token_ids, params, priority)
+        queue = self.submit(request_id, prompt_token_ids, params, priority, cache_salt=cache_salt)
         finished = False
         try:
             while True:
@@ -336,7 +351,7 @@ class Mesh:
         slots = [s for s in self.workers.values() if s.worker_id != exclude]
         connected = [s for s in slots if s.connected]
         planners = {s.worker_id: s.planner for s in (connected or slots)}
-        choice = route(planners, req.all_token_ids, self.config.overload_margin)
+        choice = route(planners, req.all_token_ids, self.config.overload_margin, req.cache_root)
         if choice is None:
             raise NoWorkerAvailable("no worker is registered")
         slot = self.workers[choice.worker_id]
@@ -356,7 +371,9 @@ class Mesh:
         info = slot.info
         chunk = info.kv_chunk_blocks
         try:
-            keys = extend_block_keys([], req.prompt_token_ids, info.block_size, info.fingerprint)
+            keys = extend_block_keys(
+                [], req.prompt_token_ids, info.block_size, info.fingerprint, req.cache_root
+            )
             chunk_keys = keys[chunk - 1 :: chunk]
             assert self.kv_store is not None
             found = await asyncio.wait_for(
@@ -391,6 +408,7 @@ class Mesh:
                 list(old.output_token_ids),
                 list(old.output_logprobs),
                 group=old.group,
+                cache_salt=old.cache_salt,
             )
             try:
                 self._place(req, stream.queue, exclude=dead.worker_id)

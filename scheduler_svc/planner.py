@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.kv_tiers import KVTierPlanner
-from scheduler_svc.prefix_hash import extend_block_keys
+from scheduler_svc.prefix_hash import ROOT_KEY, extend_block_keys
 from scheduler_svc.request import FinishReason, Request, RequestDelta, RequestStatus
 from scheduler_svc.spec_decode import SpecDecodePolicy
 from services.config import option
@@ -175,12 +175,15 @@ class Planner:
     def num_running(self) -> int:
         return len(self.running)
 
-    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
-        """Leading tokens of a prompt this worker holds: in its GPU cache, then its host tier."""
+    def cached_prefix_tokens(self, token_ids: list[int], root: bytes = ROOT_KEY) -> int:
+        """Leading tokens of a prompt this worker holds: in its GPU cache, then its host tier.
+
+        `root`: the root of the prompt's key chain (its cache salt): other salts' blocks don't count.
+        """
         blocks = self.blocks
         if not blocks.enable_prefix_caching:
             return 0
-        keys = extend_block_keys([], token_ids, blocks.block_size, blocks.fingerprint)
+        keys = extend_block_keys([], token_ids, blocks.block_size, blocks.fingerprint, root)
         n = len(blocks.longest_cached_prefix(token_ids, keys))
         if self.tiers.host.num_slots:
             n += self.tiers.host.count_run(keys[n:])
@@ -243,8 +246,9 @@ class Planner:
                 if req.num_drafts and num_new == 1 and req.num_pending <= 1:
                     drafts = self.spec.drafts_to_verify(req, budget, cfg.max_model_len)
                     num_new += drafts
+            root = req.cache_root
             new_blocks = self.blocks.allocate(
-                req.request_id, tokens_of(req), req.num_computed_tokens, num_new, req.num_tokens
+                req.request_id, tokens_of(req), req.num_computed_tokens, num_new, req.num_tokens, root
             )
             while new_blocks is None:
                 victim = self._pick_victim(self.running[i:])
@@ -253,7 +257,7 @@ class Planner:
                 if victim is req:
                     break
                 new_blocks = self.blocks.allocate(
-                    req.request_id, tokens_of(req), req.num_computed_tokens, num_new, req.num_tokens
+                    req.request_id, tokens_of(req), req.num_computed_tokens, num_new, req.num_tokens, root
                 )
             if new_blocks is None:
                 continue  # req itself was preempted; running[i] is now the next one
@@ -288,8 +292,9 @@ class Planner:
             tokens = req.all_token_ids
             bs = self.blocks.block_size
             # One key chain serves the GPU cache and the tiers below it.
-            keys = extend_block_keys([], tokens, bs, self.blocks.fingerprint) if tiers is not None else None
-            hits = self.blocks.longest_cached_prefix(tokens, keys)
+            root = req.cache_root
+            keys = None if tiers is None else extend_block_keys([], tokens, bs, self.blocks.fingerprint, root)
+            hits = self.blocks.longest_cached_prefix(tokens, keys, root)
             # Always compute at least the last token: its logits give the next token.
             max_blocks = (len(tokens) - 1) // bs
             num_gpu = min(len(hits), max_blocks)
@@ -301,7 +306,7 @@ class Planner:
             if not cfg.enable_chunked_prefill and num_new < len(tokens) - num_computed:
                 break
             new_blocks = self.blocks.allocate(
-                req.request_id, tokens, num_gpu * bs, num_computed - num_gpu * bs + num_new
+                req.request_id, tokens, num_gpu * bs, num_computed - num_gpu * bs + num_new, root=root
             )
             if new_blocks is None:
                 break

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from scheduler_svc.prefix_hash import root_key
 from services.sampling_params import SamplingParams
 from services.step import TokenLogprobs
 
@@ -59,10 +60,15 @@ class Request:
     awaiting_result: bool = False
     spec_skip: int = 0
     spec_failures: int = 0
+    # Tenant isolation of the prefix cache (vLLM's cache_salt): the salt picks the root of the
+    # request's block-key chain, computed once here (scheduler_svc/prefix_hash.py).
+    cache_salt: str = ""
+    cache_root: bytes = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.group:
             self.group = self.request_id
+        self.cache_root = root_key(self.cache_salt)
 
     def restart(self) -> None:
         """Forget the worker-side progress: recomputed from prompt + output tokens so far."""

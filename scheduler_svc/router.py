@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scheduler_svc.planner import Planner
+from scheduler_svc.prefix_hash import ROOT_KEY
 
 
 @dataclass
@@ -25,13 +26,20 @@ def load_of(planner: Planner) -> int:
     return planner.num_running + planner.num_waiting
 
 
-def route(planners: dict[str, Planner], token_ids: list[int], overload_margin: int) -> RouteChoice | None:
-    """None when there is no worker. `overload_margin`: extra queued requests a hit may cost."""
+def route(
+    planners: dict[str, Planner], token_ids: list[int], overload_margin: int, root: bytes = ROOT_KEY
+) -> RouteChoice | None:
+    """None when there is no worker. `overload_margin`: extra queued requests a hit may cost.
+
+    `root`: the root of the prompt's key chain (its cache salt): only blocks of the same salt
+    count as a hit, so routing reveals nothing about another tenant's prompts either.
+    """
     if not planners:
         return None
     choices = []
     for worker_id, planner in planners.items():
-        choices.append(RouteChoice(worker_id, planner.cached_prefix_tokens(token_ids), load_of(planner)))
+        cached = planner.cached_prefix_tokens(token_ids, root)
+        choices.append(RouteChoice(worker_id, cached, load_of(planner)))
     least = min(c.load for c in choices)
     eligible = [c for c in choices if c.load <= least + overload_margin]
     return max(eligible, key=lambda c: (c.cached_tokens, -c.load))  # first maximum wins ties

@@ -19,6 +19,7 @@ import grpc
 from llmesh.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from scheduler_svc.mesh import Connected, LinkBroken, Mesh, NoWorkerAvailable
 from scheduler_svc.planner import RequestRejected
+from scheduler_svc.prefix_hash import check_salt
 from scheduler_svc.request import RequestDelta, coalesce
 from scheduler_svc.worker_link import GrpcWorkerLink
 from services.choices import ABORT, LENGTH, STOP, ChoiceState, FanOut, fit_max_tokens
@@ -87,6 +88,7 @@ class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served here")
         prompt = await self._prompt_of(request, context)
         params = await self._params_of(request, context, len(prompt), info.max_model_len)
+        salt = await self._salt_of(request, context)
         stream_text = request.return_text and params.detokenize
         needs_text = stream_text or bool(params.stop)
         if needs_text and self.tokenizer is None:
@@ -117,7 +119,7 @@ class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
         queue: asyncio.Queue = asyncio.Queue()
 
         def submit(cid: str, child: SamplingParams) -> None:
-            self.mesh.submit(cid, prompt, child, request.priority, queue, group=group)
+            self.mesh.submit(cid, prompt, child, request.priority, queue, group=group, cache_salt=salt)
 
         try:
             fanout.submit(submit, self.mesh.abort)
@@ -233,6 +235,14 @@ class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling_params: {e}")
         return params
+
+    async def _salt_of(self, request, context) -> str:
+        """The tenant's prefix-cache salt, bounded: it is hashed into every request's first key."""
+        try:
+            check_salt(request.cache_salt)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cache_salt: {e}")
+        return request.cache_salt
 
     # ----- the rest of the public API -----
     async def Abort(self, request, context):
