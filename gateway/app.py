@@ -12,13 +12,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from gateway.config import GatewayConfig
-from gateway.errors import APIError, bad_request, install_error_handlers
+from gateway.errors import APIError, install_error_handlers
 from gateway.metrics import CONTENT_TYPE
 from gateway.middleware import GuardMiddleware, MetricsMiddleware
-from gateway.params import check_token_ids
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from gateway.serving_chat import create_chat_completion
 from gateway.serving_completion import create_completion
+from gateway.serving_tokenization import detokenize, tokenize
 from gateway.state import GatewayState
 from gateway.streaming import RAW_SEND
 
@@ -74,12 +74,21 @@ def create_app(config: GatewayConfig, state: GatewayState | None = None) -> Fast
     app.state.gateway = state
     install_error_handlers(app)
     # Added last = outermost: metrics see every response, including the guard's 401/413/415.
-    app.add_middleware(GuardMiddleware, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(GuardMiddleware, api_keys=config.api_keys, max_body_bytes=config.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=state.metrics)
 
-    @app.get("/health", summary="200 when the scheduler reports a ready worker, else 503")
+    @app.get("/health", summary="200 when a generation would be served now, else 503")
     async def health() -> JSONResponse:
+        # Readiness is what a request needs, each part in turn: this gateway's tokenizer, the
+        # scheduler's own readiness (its gRPC health: tokenizer loaded and a worker connected,
+        # which ModelInfo's worker count does not tell while a restarted scheduler loads), a worker.
         state.served()
+        if not await state.client.serving(timeout=config.health_timeout_s):
+            raise APIError(
+                503,
+                "The scheduler is not serving yet (loading, or no worker connected).",
+                code="service_unavailable",
+            )
         info = await state.client.model_info(timeout=config.health_timeout_s)
         if info.num_ready_workers == 0:
             raise APIError(503, "The scheduler has no ready worker.", code="service_unavailable")
@@ -127,28 +136,11 @@ def create_app(config: GatewayConfig, state: GatewayState | None = None) -> Fast
         return await create_chat_completion(state, body, request)
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        model = state.resolve(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise bad_request("prompt", "give exactly one of prompt and messages")
-        if body.messages is not None:
-            if not body.messages:
-                raise bad_request("messages", "must not be empty")
-            ids = await model.tokenizer.encode_chat_async(
-                body.messages,
-                add_special_tokens=bool(body.add_special_tokens),
-                add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message,
-            )
-        else:
-            add = True if body.add_special_tokens is None else body.add_special_tokens
-            ids = await model.tokenizer.encode_async(body.prompt or "", add_special_tokens=add)
-        return {"count": len(ids), "max_model_len": model.info.max_model_len, "tokens": ids}
+    async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:
+        return await tokenize(state, body)
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        model = state.resolve(body.model)
-        check_token_ids("tokens", body.tokens, model.info.vocab_size)
-        return {"prompt": await model.tokenizer.decode_async(body.tokens)}
+    async def detokenize_route(body: DetokenizeRequest) -> dict[str, Any]:
+        return await detokenize(state, body)
 
     return app

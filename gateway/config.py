@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from services.config import option
@@ -43,11 +44,29 @@ class GatewayConfig(RequestLimits, TLSConfig):
     )
     api_key: str | None = option(
         None,
-        help="clients must send `Authorization: Bearer KEY` (all but /health); also sent to the scheduler, "
-        "whose public API takes the same key",
+        help="clients must send `Authorization: Bearer KEY` (all but /health); several keys comma-separated "
+        "(one per tenant); sent as given to the scheduler (whose public API takes the same value) when no "
+        "mesh key is found (prefer the environment or --api-key-file: argv is visible in ps)",
+    )
+    api_key_file: str | None = option(
+        None,
+        help="file of client keys, one a line (blank lines and # comments skipped), taken besides --api-key; "
+        "keys never need to be on a command line",
+    )
+    cache_salt_by_api_key: bool = option(
+        False,
+        help="salt every request's prefix cache by the API key it presented (a sha256 of the key, combined "
+        "with the request's own cache_salt): tenants with different keys never share or probe each "
+        "other's cached prompts",
     )
     internal_key: str | None = option(
-        None, help="the mesh's internal key (`llmesh scheduler --internal-key`), sent to the scheduler first"
+        None,
+        help="the mesh's internal key, sent to the scheduler first (set LLMESH_INTERNAL_KEY, not this "
+        "flag: argv shows in ps); default: --internal-key-file, else this user's local key when the "
+        "scheduler is on loopback (services/mesh_secret.py), else the API key",
+    )
+    internal_key_file: str | None = option(
+        None, help="file holding the mesh's internal key (a mounted Secret)"
     )
     served_model_name: list[str] = option(
         default_factory=list, help="model ids clients use, comma-separated (default: the scheduler's)"
@@ -96,8 +115,53 @@ class GatewayConfig(RequestLimits, TLSConfig):
             self.api_key = None  # an empty key would let every request in by accident of comparison
         if self.internal_key == "":
             self.internal_key = None
+        if self.api_key is not None and not split_keys(self.api_key):
+            raise ValueError("api_key holds no key (only commas and spaces)")
+        keys = self.api_keys  # reads the key file now: a bad one stops startup, not the first request
+        if self.cache_salt_by_api_key and not keys:
+            raise ValueError("cache_salt_by_api_key needs API keys (--api-key or --api-key-file)")
+
+    @functools.cached_property
+    def api_keys(self) -> tuple[str, ...]:
+        """Every key a client may present: --api-key's, then the key file's (read once, here)."""
+        keys = split_keys(self.api_key) if self.api_key else []
+        if self.api_key_file is not None:
+            keys += read_api_key_file(self.api_key_file)
+        return tuple(dict.fromkeys(keys))
 
     @property
     def scheduler_key(self) -> str | None:
-        """The key the gateway's calls to the scheduler carry: the internal key, else the API key."""
-        return self.internal_key or self.api_key
+        """The key the gateway's calls to the scheduler carry.
+
+        The mesh's internal key when there is one, found as every llmesh client finds it: the
+        scheduler's public API takes it as well as the API key, and its Registry (GetStats, behind
+        /metrics) takes only it. Else --api-key as given (`llmesh up` hands the scheduler the same
+        value); a key file's keys are only clients'.
+        """
+        from services import mesh_secret  # the secret flow every service shares
+
+        if self.internal_key:
+            return self.internal_key
+        if self.internal_key_file:
+            return mesh_secret.read_key_file(self.internal_key_file)
+        if mesh_secret.is_loopback(self.scheduler.rsplit(":", 1)[0]):
+            return mesh_secret.local_key()  # what services started on this host with no key use
+        return self.api_key
+
+
+def split_keys(text: str) -> list[str]:
+    """`k1, k2` -> [k1, k2]: several tenants' keys in one flag or variable."""
+    return [k.strip() for k in text.split(",") if k.strip()]
+
+
+def read_api_key_file(path: str) -> list[str]:
+    """Keys of a key file, one a line; a file with none is an error (it would silently mean no auth)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"api_key_file {path!r} cannot be read: {e}") from None
+    keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if not keys:
+        raise ValueError(f"api_key_file {path!r} holds no key")
+    return keys

@@ -149,6 +149,7 @@ class Generation:
         priority: int = 0,
         skip_special_tokens: bool = True,
         include_stop_str_in_output: bool = False,
+        cache_salt: str = "",
     ) -> None:
         self.client = client
         self.prompt_ids = prompt_ids
@@ -156,6 +157,7 @@ class Generation:
         self.model = model
         self.timeout = timeout
         self.priority = priority
+        self.cache_salt = cache_salt  # already combined with the tenant's (gateway/cache_salt.py)
         self.request_id = uuid.uuid4().hex
         self.timings = Timings()
         try:
@@ -192,6 +194,7 @@ class Generation:
             prompt_token_ids=generation_pb2.TokenIds(ids=self.prompt_ids),
             sampling_params=sampling_params_to_proto(params),
             priority=self.priority,
+            cache_salt=self.cache_salt,
         )
 
     async def _pump(self, i: int, call: grpc.aio.UnaryStreamCall, queue: asyncio.Queue) -> None:

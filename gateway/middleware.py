@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import hmac
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from gateway.cache_salt import API_KEY_SCOPE
 from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
 
@@ -47,18 +48,22 @@ def _is_json(content_type: str | None) -> bool:
 
 
 class GuardMiddleware:
-    """Auth on every route but /health; POST bodies must be JSON and at most `max_body_bytes`."""
+    """Auth on every route but /health; POST bodies must be JSON and at most `max_body_bytes`.
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+    With API keys (one or several: one per tenant), the key a request authenticated with is
+    left in its scope (`API_KEY_SCOPE`) for what depends on the tenant (cache salts).
+    """
+
+    def __init__(self, app: ASGIApp, api_keys: Sequence[str], max_body_bytes: int) -> None:
         self.app = app
-        self.api_key = api_key.encode() if api_key else None
+        self.api_keys = [(k, k.encode()) for k in api_keys if k]
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self.api_key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
+        if not self._authenticate(scope):
             await _send_error(
                 send,
                 APIError(
@@ -93,13 +98,30 @@ class GuardMiddleware:
             return
         await self.app(scope, _replay(body, receive), send)
 
-    def _authorized(self, scope: Scope) -> bool:
+    def _authenticate(self, scope: Scope) -> bool:
+        """Whether the request may pass; records the key it presented in its scope."""
+        if not self.api_keys or scope["path"] in OPEN_PATHS:
+            return True
+        key = self._presented_key(scope)
+        if key is None:
+            return False
+        scope[API_KEY_SCOPE] = key
+        return True
+
+    def _presented_key(self, scope: Scope) -> str | None:
+        """The configured key the request's bearer token equals, or None."""
         header = _header(scope, b"authorization") or ""
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer":
-            return False
-        # Constant-time comparison: the key must not leak through response timing.
-        return hmac.compare_digest(token.strip().encode(), self.api_key or b"")
+            return None
+        presented = token.strip().encode("latin-1")
+        found = None
+        # Constant-time comparisons, every key compared: neither a key nor which one matched
+        # leaks through response timing.
+        for key, raw in self.api_keys:
+            if hmac.compare_digest(presented, raw) and found is None:
+                found = key
+        return found
 
     def _too_large(self) -> APIError:
         return APIError(

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from gateway.cache_salt import MAX_CACHE_SALT_BYTES, check_cache_salt
+
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Logprobs are clamped to this in responses (as vLLM does): -inf has no JSON spelling.
@@ -29,6 +31,7 @@ def _valid_unicode(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]
+CacheSalt = Annotated[str, AfterValidator(_valid_unicode), AfterValidator(check_cache_salt)]
 
 
 class _Body(BaseModel):
@@ -87,6 +90,11 @@ class SamplingRequest(_Body):
     stream_options: StreamOptions | None = None
     user: Text | None = None
     priority: int = Field(0, ge=INT32_MIN, le=INT32_MAX, description="lower runs first")
+    cache_salt: CacheSalt | None = Field(
+        None,
+        description="prefix-cache isolation (vLLM's): requests share cached prompt blocks only with "
+        f"requests of the same salt; non-empty, at most {MAX_CACHE_SALT_BYTES} bytes of UTF-8",
+    )
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     # vLLM's older names for structured_outputs' fields.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.errors import APIError, from_grpc
 from llmesh.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -21,6 +22,7 @@ class SchedulerClient:
         self._channel: grpc.aio.Channel | None = None
         self._scheduler: generation_pb2_grpc.SchedulerStub | None = None
         self._registry: worker_pb2_grpc.RegistryStub | None = None
+        self._health: health_pb2_grpc.HealthStub | None = None
 
     async def start(self) -> None:
         """Open the channel (lazily connected); must run inside the serving event loop."""
@@ -29,6 +31,7 @@ class SchedulerClient:
         self._channel = open_channel(self.address, self.security, keepalive_s=self.keepalive_s)
         self._scheduler = generation_pb2_grpc.SchedulerStub(self._channel)
         self._registry = worker_pb2_grpc.RegistryStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
 
     async def close(self) -> None:
         if self._channel is not None:
@@ -48,6 +51,21 @@ class SchedulerClient:
             return await self.scheduler.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=timeout)
         except grpc.RpcError as e:
             raise from_grpc(e, self.address) from e
+
+    async def serving(self, timeout: float) -> bool:
+        """Whether the scheduler's grpc.health.v1 says SERVING (every llmesh service turns it on only
+        once it would serve a request); a server without the health service is taken at its word."""
+        if self._health is None:
+            raise APIError(
+                503, "The gateway is not connected to a scheduler yet.", code="service_unavailable"
+            )
+        try:
+            reply = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return True  # another implementation of the contract: ModelInfo still gates readiness
+            raise from_grpc(e, self.address) from e
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def stats(self, timeout: float) -> worker_pb2.SchedulerStats:
         if self._registry is None:

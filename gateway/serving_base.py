@@ -11,8 +11,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway.cache_salt import API_KEY_SCOPE, effective_salt
 from gateway.errors import APIError
 from gateway.generation import ChoiceDelta, Generation, TokenLogprob, merge
+from gateway.protocol import SamplingRequest
 from gateway.state import GatewayState
 from gateway.streaming import (
     DONE,
@@ -56,6 +58,17 @@ def usage(gens: list[Generation]) -> dict[str, Any]:
     cached = sum(g.cached_tokens for g in gens)
     out["prompt_tokens_details"] = {"cached_tokens": cached}
     return out
+
+
+def cache_salt_of(state: GatewayState, body: SamplingRequest, request: Request) -> str:
+    """The salt this request's generations carry: its own, salted by its API key when configured."""
+    if not state.config.cache_salt_by_api_key:
+        return body.cache_salt or ""
+    key = request.scope.get(API_KEY_SCOPE)
+    if key is None:  # the guard lets no keyless request through: fail closed if that ever changes
+        log.error("cache_salt_by_api_key: a request without an authenticated key reached a route")
+        raise APIError(500, "Internal server error.", code="internal_error")
+    return effective_salt(body.cache_salt, key)
 
 
 class Run:

@@ -13,7 +13,7 @@ from gateway.errors import bad_request
 from gateway.generation import ChoiceDelta, Generation, TokenLogprob
 from gateway.params import check_batch, check_prompt_chars, fit_to_prompt, sampling_params
 from gateway.protocol import LOGPROB_FLOOR, ChatCompletionRequest
-from gateway.serving_base import ChoiceResult, Run, usage
+from gateway.serving_base import ChoiceResult, Run, cache_salt_of, usage
 from gateway.state import GatewayState
 from gateway.streaming import dumps, sse
 from gateway.structured import AUTO, NAMED, REQUIRED, ToolPlan, structured_outputs, tool_plan
@@ -54,6 +54,7 @@ async def create_chat_completion(
     limits = state.limits()
     _check_unsupported(req)
     check_batch(1, req.n, limits)
+    salt = cache_salt_of(state, req, request)
     tools = tool_plan(req)
     structured = _constraint(req, tools)
     if req.max_completion_tokens is not None:
@@ -83,6 +84,7 @@ async def create_chat_completion(
         priority=req.priority,
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
+        cache_salt=salt,
     )
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     run = Run(state, name, [gen])

@@ -20,7 +20,7 @@ from gateway.params import (
     sampling_params,
 )
 from gateway.protocol import LOGPROB_FLOOR, CompletionRequest
-from gateway.serving_base import ChoiceResult, Run, usage
+from gateway.serving_base import ChoiceResult, Run, cache_salt_of, usage
 from gateway.state import GatewayState, ServedModel
 from gateway.streaming import dumps, sse
 from gateway.structured import structured_outputs
@@ -98,6 +98,7 @@ async def create_completion(state: GatewayState, req: CompletionRequest, request
         raise bad_request("stream_options", "is only allowed with stream=true")
     raw = _raw_prompts(req)
     check_batch(len(raw), req.n, limits)
+    salt = cache_salt_of(state, req, request)
     base = sampling_params(
         req,
         limits,
@@ -122,6 +123,7 @@ async def create_completion(state: GatewayState, req: CompletionRequest, request
                 priority=req.priority,
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
+                cache_salt=salt,
             )
         )
     echo = [

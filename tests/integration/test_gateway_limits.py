@@ -64,12 +64,15 @@ def test_megabyte_prompts_are_refused_at_once(roomy_gateway):
             (COMP, {"prompt": BIG}, "prompt"),
             (COMP, {"prompt": ["fine", BIG]}, "prompt[1]"),
             (CHAT, {"messages": [{"role": "user", "content": BIG}]}, "messages"),
+            ("/tokenize", {"prompt": BIG}, "prompt"),  # it was ~5 s and +600 MiB, tokenized in full
+            ("/tokenize", {"messages": [{"role": "user", "content": BIG}]}, "messages"),
+            ("/detokenize", {"tokens": [5] * 1_000_000}, "tokens"),
         ):
             start = time.perf_counter()
             r = http.post(path, json=body)
             took = time.perf_counter() - start
             err = assert_error(r, 400, param, "context_length_exceeded")
-            assert "characters" in err["message"]
+            assert ("characters" in err["message"]) == (path != "/detokenize"), err
             assert took < 1.5, f"{path}: {took:.2f} s to refuse a 5 MB prompt (it was 3-5 s when tokenized)"
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 import httpx
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
@@ -18,6 +19,7 @@ from gateway.tokenizer import Tokenizer
 from llmesh.v1 import generation_pb2 as g
 from llmesh.v1 import generation_pb2_grpc as gg
 from llmesh.v1 import worker_pb2, worker_pb2_grpc
+from services.grpc_server import HealthServicer
 
 MODEL = "fake-model"
 
@@ -52,6 +54,12 @@ class FakeScheduler(gg.SchedulerServicer, worker_pb2_grpc.RegistryServicer):
     finished: list[str] = field(default_factory=list)
     active: int = 0  # Generate calls in progress now
     max_active: int = 0  # ... and at most, so far
+    health: HealthServicer = field(default_factory=HealthServicer)  # SERVING once started
+
+    def set_serving(self, serving: bool) -> None:
+        """What the real scheduler's health says: SERVING once it would serve (tokenizer, a worker)."""
+        statuses = health_pb2.HealthCheckResponse
+        self.health.set("", statuses.SERVING if serving else statuses.NOT_SERVING)
 
     async def GetModelInfo(self, request, context):
         return g.ModelInfo(
@@ -116,6 +124,9 @@ async def start_fake(fake: FakeScheduler, port: int = 0) -> tuple[grpc.aio.Serve
     server = grpc.aio.server()
     gg.add_SchedulerServicer_to_server(fake, server)
     worker_pb2_grpc.add_RegistryServicer_to_server(fake, server)
+    fake.health = HealthServicer()  # bound to this server's event loop
+    fake.set_serving(True)
+    health_pb2_grpc.add_HealthServicer_to_server(fake.health, server)
     port = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     return server, f"127.0.0.1:{port}"

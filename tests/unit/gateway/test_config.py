@@ -68,3 +68,45 @@ def test_processes_and_http_flags():
         with pytest.raises(OSError):
             claim_port("127.0.0.1", taken.getsockname()[1])
     assert claim_port("127.0.0.1", 0) > 0
+
+
+def test_api_keys_from_flags_env_and_a_file(tmp_path):
+    remote = {"LLMESH_GATEWAY_SCHEDULER": "scheduler.example:50051"}
+    cfg = load_config(GatewayConfig, [], {"LLMESH_GATEWAY_API_KEY": "k1, k2", **remote}, service="gateway")
+    assert cfg.api_keys == ("k1", "k2") and cfg.scheduler_key == "k1, k2"  # as `llmesh up` hands both
+    keys = tmp_path / "keys"
+    keys.write_text("# one a line\nk2\nk3\n")
+    cfg = load_config(
+        GatewayConfig, ["--api-key-file", str(keys)], {"LLMESH_API_KEY": "k1,k2"}, service="gateway"
+    )
+    assert cfg.api_keys == ("k1", "k2", "k3")
+    cfg = load_config(GatewayConfig, ["--api-key-file", str(keys)], remote, service="gateway")
+    assert cfg.api_keys == ("k2", "k3") and cfg.scheduler_key is None  # clients' keys, not the mesh's
+    assert GatewayConfig().api_keys == ()
+    keys.write_text("# none\n\n")
+    for argv, env in (
+        (["--api-key-file", str(keys)], {}),  # no key in it would mean no auth at all
+        (["--api-key-file", str(tmp_path / "missing")], {}),
+        (["--api-key", ","], {}),
+        (["--cache-salt-by-api-key"], {}),  # nothing to salt by
+    ):
+        with pytest.raises(SystemExit):
+            load_config(GatewayConfig, argv, env, service="gateway")
+    cfg = load_config(GatewayConfig, ["--cache-salt-by-api-key"], {"LLMESH_API_KEY": "k"}, service="gateway")
+    assert cfg.cache_salt_by_api_key and not GatewayConfig().cache_salt_by_api_key
+
+
+def test_the_scheduler_gets_the_mesh_secret(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMESH_CACHE", str(tmp_path))
+    monkeypatch.delenv("LLMESH_INTERNAL_KEY", raising=False)
+    secret = tmp_path / "secret"
+    secret.write_text("a-mounted-secret-of-the-mesh\n")
+    cfg = GatewayConfig(api_key="k", internal_key_file=str(secret), scheduler="scheduler.example:50051")
+    assert cfg.scheduler_key == "a-mounted-secret-of-the-mesh"
+    assert (
+        GatewayConfig(api_key="k", internal_key="explicit-internal-key").scheduler_key
+        == "explicit-internal-key"
+    )
+    # On loopback, with nothing set: this user's local key, as every service started by hand uses.
+    local = GatewayConfig(api_key="k").scheduler_key
+    assert local and local != "k" and local == (tmp_path / "internal.key").read_text().strip()

@@ -1,5 +1,6 @@
-"""Careless and hostile callers: caps on one request, over-long prompts refused before tokenizing,
-large prompts tokenized off the event loop, a batch's prompts in flight a few at a time."""
+"""Careless and hostile callers: caps on one request, over-long prompts refused before tokenizing
+(by /tokenize and /detokenize too), large prompts tokenized off the event loop, a batch's prompts
+in flight a few at a time."""
 
 from __future__ import annotations
 
@@ -181,3 +182,40 @@ async def test_a_batch_has_few_prompts_in_flight(make_gateway, tokenizer, stream
     # Prompts start in order: the first four calls are the first two prompts'.
     first = {tuple(req.prompt_token_ids.ids) for req in h.fake.requests[:4]}
     assert first == {tuple(tokenizer.encode(p)) for p in prompts[:2]}
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": BIG}, "prompt"),
+        ({"messages": [{"role": "user", "content": BIG[:3000]}, {"role": "user", "content": BIG[:3000]}]},
+         "messages"),
+    ],
+)  # fmt: skip
+async def test_tokenize_has_the_limits_of_completions(make_gateway, monkeypatch, body, param):
+    h = await make_gateway(FakeScheduler(reply=[1], max_model_len=64))
+    calls = record_encodes(monkeypatch, h.state.served().tokenizer)
+    start = time.perf_counter()
+    err = error(await h.client.post("/tokenize", json=body))
+    assert err["param"] == param and err["code"] == "context_length_exceeded", err
+    assert "characters" in err["message"] and calls == []
+    assert time.perf_counter() - start < 1.0
+    # Under the limit it answers, a count over the context included (measuring is the route's use).
+    r = await h.client.post("/tokenize", json={"prompt": "x " * 100})
+    assert r.status_code == 200 and r.json()["count"] > 64 and r.json()["max_model_len"] == 64
+
+
+async def test_detokenize_has_the_limits_of_completions(make_gateway):
+    h = await make_gateway(FakeScheduler(reply=[1], max_model_len=64))
+    err = error(await h.client.post("/detokenize", json={"tokens": [5] * 65}))
+    assert err["param"] == "tokens" and err["code"] == "context_length_exceeded", err
+    assert error(await h.client.post("/detokenize", json={"tokens": [5] * 63 + [49152]}))["param"] == "tokens"
+    r = await h.client.post("/detokenize", json={"tokens": [5] * 64})
+    assert r.status_code == 200 and isinstance(r.json()["prompt"], str)
+
+
+async def test_tokenize_bodies_are_capped_like_every_route(make_gateway):
+    h = await make_gateway(FakeScheduler(reply=[1]), max_body_bytes=1000)
+    for path, body in (("/tokenize", {"prompt": "x" * 2000}), ("/detokenize", {"tokens": [5] * 1000})):
+        r = await h.client.post(path, json=body)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
