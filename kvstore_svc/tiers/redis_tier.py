@@ -8,6 +8,11 @@ never raised; and after a failure a circuit breaker skips Redis altogether for
 `llmesh:kv:<fingerprint hex>:<key hex>`, values the entry blobs; an optional
 TTL expires entries nobody read for that long (reads refresh it). Redis's own
 maxmemory policy (allkeys-lru) bounds its size.
+
+Credentials and TLS come in the URL (`redis://USER:PASSWORD@host/db`,
+`rediss://...?ssl_ca_certs=ca.pem`; KVStoreConfig checks and builds it). A
+wrong password or an ACL user without the rights is one more way of Redis
+being down: a miss, logged with a hint, never raised.
 """
 
 from __future__ import annotations
@@ -16,13 +21,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvstore_svc.tiers.base import Counters, EntryKey, TierStats
+from kvstore_svc.tiers.redis_url import redact_url
+
+__all__ = ["KEY_PREFIX", "CircuitBreaker", "RedisTier", "redact_url", "redis_key"]
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +40,13 @@ def redis_key(key: EntryKey) -> str:
     return f"{KEY_PREFIX}{key.fingerprint.hex()}:{key.key.hex()}"
 
 
-def redact_url(url: str) -> str:
-    """The URL without its password, for logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = f"{parts.username or ''}:***@{parts.hostname or ''}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+def failure_hint(error: Exception) -> str:
+    """What an operator should check, for the failures that are not a network problem."""
+    if isinstance(error, redis.AuthenticationError):
+        return "redis refused the credentials: check the URL's user and --redis-password-file"
+    if isinstance(error, redis.exceptions.NoPermissionError):
+        return "the redis ACL user may not run this command or touch llmesh:* keys"
+    return "redis unavailable"
 
 
 class CircuitBreaker:
@@ -119,7 +126,8 @@ class RedisTier:
             self._counters.add("errors")
             if self.breaker.failure():
                 log.warning(
-                    "redis unavailable: skipping it for %.1f s",
+                    "%s: skipping redis for %.1f s",
+                    failure_hint(e),
                     self.breaker.retry_after_s,
                     extra={"url": self.url, "op": what, "error": f"{type(e).__name__}: {e}"},
                 )

@@ -197,3 +197,96 @@ def test_the_dockerfile_has_cpu_and_cuda_targets_non_root_with_llmesh_healthchec
     assert entry == [["llmesh"], ["--help"]]  # the command names the service: `docker run IMAGE worker ...`
     volume = [shlex.split(arg) for op, arg in final["runtime-base"] if op == "VOLUME"]
     assert volume and "/models" in volume[0][0]
+
+
+# -- secrets: generated, mounted as files, never a value in a manifest ---------------------------
+
+MESH_SECRET = "llmesh-mesh"
+
+
+def _secret_files(spec: dict, container: dict) -> dict[str, str]:
+    """{path in the container: key of the Secret llmesh-mesh} for what this container mounts of it."""
+    volumes = {v["name"]: v.get("secret", {}) for v in spec.get("volumes", [])}
+    files = {}
+    for mount in container.get("volumeMounts", []):
+        secret = volumes.get(mount["name"], {})
+        if secret.get("secretName") == MESH_SECRET:
+            assert mount.get("readOnly") is True
+            files |= {f"{mount['mountPath']}/{i['path']}": i["key"] for i in secret["items"]}
+    return files
+
+
+def _env(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def test_every_pod_takes_the_mesh_secret_and_redis_its_password_from_the_generated_secret(
+    kustomize_build,
+) -> None:
+    _, built = kustomize_build
+    assert not [r for r in built if r["kind"] == "Secret"]  # made by make-secret.sh, never in git
+    for where, spec in _pod_specs(built):
+        container = spec["containers"][0]
+        files, env = _secret_files(spec, container), _env(container)
+        if container["name"] == "redis":
+            script = container["args"][0]
+            assert "--aclfile" in script and "user default off" in script and "requirepass" not in script
+            assert "/etc/llmesh/mesh/redis-password" in script
+            assert files == {"/etc/llmesh/mesh/redis-password": "redis-password"}
+            continue
+        assert "LLMESH_INTERNAL_KEY" not in env, where  # a file, not an environment value
+        assert files[env["LLMESH_INTERNAL_KEY_FILE"]["value"]] == "internal-key", where
+        if container["name"] == "kvstore":
+            url = env["REDIS_URL"]["value"]
+            assert url.startswith("redis://llmesh@") and ":" not in url.split("//")[1].split("@")[0]
+            assert files[env["LLMESH_KVSTORE_REDIS_PASSWORD_FILE"]["value"]] == "redis-password"
+        else:
+            assert "redis-password" not in files.values(), where  # only the store needs it
+
+
+def test_make_secret_makes_random_values_once_and_keeps_them(tmp_path) -> None:
+    import subprocess
+
+    fake = tmp_path / "kubectl"  # records calls; `create secret` copies the files it is given
+    fake.write_text(
+        '#!/bin/sh\necho "$*" >> "$FAKE/calls"\ncase "$*" in\n'
+        '  *"get secret"*) [ -d "$FAKE/secret" ] ;;\n  *"get namespace"*) exit 1 ;;\n'
+        '  *"create secret"*) mkdir "$FAKE/secret"; for a in "$@"; do case "$a" in --from-file=*)\n'
+        '    kv=${a#--from-file=}; cp "${kv#*=}" "$FAKE/secret/${kv%%=*}";; esac; done ;;\nesac\n'
+    )
+    fake.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "KUBECTL": str(fake), "FAKE": str(tmp_path)}
+    script = str(DEPLOY / "k8s" / "make-secret.sh")
+    for _ in range(2):  # the second run finds the Secret and keeps it
+        subprocess.run(["sh", script, "ns1"], env=env, check=True, timeout=30, capture_output=True)
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert "-n ns1 get secret llmesh-mesh" in calls and "create namespace ns1" in calls
+    assert sum("create secret" in c for c in calls) == 1
+    values = {p.name: p.read_text() for p in (tmp_path / "secret").iterdir()}
+    assert set(values) == {"internal-key", "redis-password"}
+    assert all(re.fullmatch("[0-9a-f]{64}", v) for v in values.values()) and len(set(values.values())) == 2
+    assert not any(v in c for v in values.values() for c in calls)  # never on a command line
+
+
+def test_compose_hands_every_service_the_generated_secrets_and_publishes_no_internal_port() -> None:
+    compose = compose_file()
+    services = compose["services"]
+    assert compose["networks"]["mesh"] == {"internal": True}
+    for name, service in services.items():
+        for port in service.get("ports", []):
+            assert name == "gateway" and str(port).startswith("127.0.0.1:"), (name, port)
+        if name in ("secrets", "convert") or "llmesh" not in str(service.get("image", "")):
+            continue
+        env = service["environment"]
+        assert (
+            "LLMESH_INTERNAL_KEY" not in env and env["LLMESH_INTERNAL_KEY_FILE"] == "/run/llmesh/internal-key"
+        )
+        assert "secrets:/run/llmesh:ro" in service["volumes"]
+        assert service["depends_on"]["secrets"] == {"condition": "service_completed_successfully"}
+        assert "edge" not in service["networks"] or name == "gateway"
+    kvstore = services["kvstore"]["environment"]
+    assert kvstore["REDIS_URL"] == "redis://llmesh@redis:6379/0"
+    assert kvstore["LLMESH_KVSTORE_REDIS_PASSWORD_FILE"] == "/run/llmesh/redis-password"
+    redis = services["redis"]
+    assert redis["command"][1:3] == ["--aclfile", "/run/llmesh/users.acl"] and "ports" not in redis
+    assert "secrets:/run/llmesh:ro" in redis["volumes"]

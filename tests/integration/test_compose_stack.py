@@ -1,9 +1,11 @@
 """The compose stack, run without docker: every llmesh service of deploy/docker-compose.yml starts
 as a real process with exactly the command and environment the compose file gives it; only the
-addresses change (0.0.0.0 and compose host names -> loopback, fixed ports -> free ones; redis is
-a real redis-server). Start order follows `depends_on` and its conditions, health is judged by
-`llmesh health` as the image's HEALTHCHECK does (from the service's own command line), and one
-request goes through the gateway with the official `openai` client.
+addresses change (0.0.0.0 and compose host names -> loopback, fixed ports -> free ones) and the
+secrets volume is a temporary folder. The `secrets` service's own script makes the secrets there;
+redis is a real redis-server loading the ACL file it wrote. Start order follows `depends_on` and
+its conditions, health is judged by `llmesh health` as the image's HEALTHCHECK does (from the
+service's own command line), and one request goes through the gateway with the official `openai`
+client.
 """
 
 from __future__ import annotations
@@ -22,22 +24,78 @@ import yaml
 
 from services.healthcheck import check, target_of_command
 from services.launcher import free_port
+from tests.helpers.redis_server import RedisServer
 
 COMPOSE = Path(__file__).resolve().parents[2] / "deploy" / "docker-compose.yml"
 DEFAULT_PROFILE_ORDER = ("convert", "kvstore", "scheduler", "worker", "gateway")
+SECRETS_MOUNT = "/run/llmesh"  # where the services mount the volume `secrets`
 
 
 def _interpolate(value: str, environ: dict[str, str]) -> str:
-    """Compose's `${VAR:-default}` / `${VAR}` substitution."""
-    return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}", lambda m: environ.get(m[1]) or (m[2] or ""), value)
+    """Compose's `${VAR:-default}` / `${VAR}` substitution, and `$$` for a literal `$`."""
+
+    def substitute(m: re.Match) -> str:
+        return "$" if m[0] == "$$" else environ.get(m[1]) or (m[2] or "")
+
+    return re.sub(r"\$\$|\$\{(\w+)(?::-([^}]*))?\}", substitute, value)
+
+
+def make_secrets(services: dict, folder: Path, environ: dict[str, str] | None = None) -> None:
+    """Run the `secrets` service's script as compose would, on `folder` instead of the volume."""
+    service = services["secrets"]
+    assert service["volumes"] == [f"secrets:{SECRETS_MOUNT}"]
+    words = [_interpolate(w, {}) for w in [*service["entrypoint"], *service["command"]]]
+    env = {k: _interpolate(str(v), environ or {}) for k, v in service["environment"].items()}
+    script = words[-1].replace(SECRETS_MOUNT, str(folder))
+    subprocess.run([*words[:-1], script], env={**os.environ, **env}, check=True, timeout=30)
+
+
+def test_the_secrets_service_makes_private_secrets_once_and_takes_a_given_key(tmp_path) -> None:
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    make_secrets(services, tmp_path)
+    files = {p.name: p for p in tmp_path.iterdir()}
+    assert set(files) == {"internal-key", "redis-password", "users.acl"}
+    assert all(p.stat().st_mode & 0o777 == 0o400 for p in files.values())
+    key, password = files["internal-key"].read_text(), files["redis-password"].read_text()
+    assert re.fullmatch("[0-9a-f]{64}", key) and re.fullmatch("[0-9a-f]{64}", password) and key != password
+    assert f" on >{password} ~llmesh:* " in files["users.acl"].read_text()
+    assert "user default off" in files["users.acl"].read_text()
+    make_secrets(services, tmp_path)  # a second `up`: the same secrets
+    assert files["internal-key"].read_text() == key and files["redis-password"].read_text() == password
+    make_secrets(services, tmp_path, {"LLMESH_INTERNAL_KEY": "an-operator-chosen-key"})
+    assert files["internal-key"].read_text() == "an-operator-chosen-key"
+    assert files["redis-password"].read_text() == password
+
+
+def _assert_redis_is_locked(server: RedisServer) -> None:
+    """No anonymous access; the store's ACL user cannot wipe or list Redis."""
+    import redis
+
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=2).get("llmesh:kv:x")
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        server.client().flushall()
+    assert server.client().get("llmesh:kv:x") is None  # its own keys it may read
+
+
+def _redis_from_compose(services: dict, secrets: Path, workdir: Path) -> RedisServer:
+    """redis-server as the compose `redis` service runs it: users from the `secrets` ACL file."""
+    command = services["redis"]["command"]
+    acl = command[command.index("--aclfile") + 1]
+    assert acl.startswith(SECRETS_MOUNT + "/")
+    password = (secrets / "redis-password").read_text()
+    return RedisServer(workdir, user="llmesh", password=password, acl_file=secrets / Path(acl).name)
 
 
 def _port_of(command: list[str]) -> str | None:
     return command[command.index("--port") + 1] if "--port" in command else None
 
 
-def _loopback_commands(services: dict, redis_address: str) -> dict[str, tuple[list[str], dict[str, str]]]:
-    """Each service's command and environment with compose addresses rewritten to loopback ones."""
+def _loopback_commands(
+    services: dict, redis_address: str, secrets: Path
+) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """Each service's command and environment with compose addresses rewritten to loopback ones,
+    the secrets volume to the folder `secrets`."""
     addresses = {"redis:6379": redis_address}
     ports = {}
     for name in DEFAULT_PROFILE_ORDER:
@@ -49,7 +107,7 @@ def _loopback_commands(services: dict, redis_address: str) -> dict[str, tuple[li
     def rewrite(word: str) -> str:
         for compose_address, loopback in addresses.items():
             word = word.replace(compose_address, loopback)
-        return "127.0.0.1" if word == "0.0.0.0" else word
+        return "127.0.0.1" if word == "0.0.0.0" else word.replace(SECRETS_MOUNT, str(secrets))
 
     out = {}
     for name in DEFAULT_PROFILE_ORDER:
@@ -75,19 +133,25 @@ def _wait(what: str, ready, proc: subprocess.Popen, timeout: float = 120.0) -> N
 
 
 @pytest.mark.timeout(240)
-def test_the_compose_services_serve_a_request_with_their_own_flags(redis_server, tmp_path) -> None:
+def test_the_compose_services_serve_a_request_with_their_own_flags(tmp_path) -> None:
     services = yaml.safe_load(COMPOSE.read_text())["services"]
-    plan = _loopback_commands(services, redis_server.url.split("//", 1)[1].rsplit("/", 1)[0])
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    make_secrets(services, secrets)
+    redis_server = _redis_from_compose(services, secrets, tmp_path / "redis")
+    plan = _loopback_commands(services, f"127.0.0.1:{redis_server.port}", secrets)
     # What the compose file pins beyond addresses stays as written (the checks above rewrote only those).
     assert plan["worker"][0][:1] == ["worker"] and "--kvstore-address" in plan["worker"][0]
-    assert plan["kvstore"][1]["REDIS_URL"] == redis_server.url
+    assert plan["kvstore"][1]["REDIS_URL"] == f"redis://llmesh@127.0.0.1:{redis_server.port}/0"
+    assert all(plan[name][1]["LLMESH_INTERNAL_KEY_FILE"] == str(secrets / "internal-key") for name in plan)
     procs: dict[str, subprocess.Popen] = {}
     try:
+        redis_server.start()
         for name in DEFAULT_PROFILE_ORDER:
             command, env = plan[name]
             for dependency, rule in (services[name].get("depends_on") or {}).items():
-                if dependency == "redis":
-                    continue  # the redis_server fixture is up
+                if dependency in ("redis", "secrets"):
+                    continue  # made and started above
                 condition = rule["condition"]
                 if condition == "service_completed_successfully":
                     assert procs[dependency].wait(timeout=300) == 0, f"{dependency} failed"
@@ -110,6 +174,7 @@ def test_the_compose_services_serve_a_request_with_their_own_flags(redis_server,
             model=None, messages=[{"role": "user", "content": "Say hi"}], max_tokens=4, temperature=0
         )
         assert resp.usage.completion_tokens >= 1 and resp.choices[0].message.content
+        _assert_redis_is_locked(redis_server)
     except BaseException:
         for f in sorted(tmp_path.glob("*.log")):
             print(f"--- {f.name} ---\n{f.read_text(errors='replace')[-2000:]}")
@@ -124,3 +189,4 @@ def test_the_compose_services_serve_a_request_with_their_own_flags(redis_server,
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        redis_server.stop()

@@ -411,6 +411,64 @@ def test_redis_killed_mid_run_is_a_miss_and_is_used_again_once_back(tmp_path, re
         assert s.stop() == 0
 
 
+def test_the_store_refuses_an_anonymous_redis_unless_allowed(tmp_path):
+    from tests.helpers.redis_server import RedisServer
+
+    with RedisServer(tmp_path / "redis", password=None) as anonymous:
+        cmd = [sys.executable, "-m", "kvstore_svc.service", "--port", str(free_port())]
+        refused = subprocess.run(
+            [*cmd, "--redis-url", anonymous.url], capture_output=True, text=True, timeout=60
+        )
+        assert refused.returncode == 2 and "--redis-allow-anonymous" in refused.stderr
+        s = StoreProcess(
+            tmp_path, "--memory-bytes", "0", "--redis-url", anonymous.url, "--redis-allow-anonymous"
+        )
+        try:
+            with KVStoreClient(s.address, timeout_s=5) as c:
+                ents = entries(FP, [1000])
+                assert c.put(FP, ents) == 1 and c.get(FP, [ents[0][0]]) == ents
+        finally:
+            assert s.stop() == 0
+
+
+def test_a_wrong_redis_password_is_a_miss_and_the_store_serves_on(tmp_path, redis_server):
+    wrong = redis_server.url.replace(redis_server.password, "not-the-password")
+    s = StoreProcess(tmp_path, "--memory-bytes", "40000", "--redis-url", wrong, "--redis-timeout-s", "0.2")
+    try:
+        with KVStoreClient(s.address, timeout_s=5) as c:
+            ents = entries(FP, [16000] * 3)
+            assert c.put(FP, ents) == 3  # memory takes them; Redis refuses us: skipped, counted
+            assert c.lookup(FP, [ents[0][0]]) == 0  # evicted from memory, never in Redis: a miss
+            stats = c.stats()
+            assert stats.redis_errors >= 1 and stats.redis_circuit_open
+        assert redis_server.client().keys("llmesh:kv:*") == []
+    finally:
+        assert s.stop() == 0
+    log = s.log.read_text()
+    assert "refused the credentials" in log and "not-the-password" not in log
+
+
+def test_an_acl_user_with_its_password_in_a_file(tmp_path):
+    from tests.helpers.redis_server import RedisServer
+
+    with RedisServer(tmp_path / "redis", user="llmesh") as server:
+        secret = tmp_path / "redis-password"
+        secret.write_text(server.password + "\n")
+        url = f"redis://llmesh@127.0.0.1:{server.port}/0"  # no secret on the command line
+        s = StoreProcess(
+            tmp_path, "--memory-bytes", "0", "--redis-url", url, "--redis-password-file", str(secret)
+        )
+        try:
+            with KVStoreClient(s.address, timeout_s=5) as c:
+                ents = entries(FP, [1000] * 2)
+                assert c.put(FP, ents) == 2 and c.get(FP, [k for k, _, _ in ents]) == ents
+                assert c.stats().redis_errors == 0
+            assert len(server.client().keys("llmesh:kv:*")) == 2
+        finally:
+            assert s.stop() == 0
+        assert server.password not in s.log.read_text()
+
+
 def test_llmesh_kvstore_subcommand_serves(tmp_path):
     port = free_port()
     log = tmp_path / "cli.log"

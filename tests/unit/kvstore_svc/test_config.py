@@ -28,10 +28,10 @@ def test_sizes_take_units():
 
 
 def test_redis_url_falls_back_to_redis_url_and_service_scoped_wins():
-    assert load([], {"REDIS_URL": "redis://a:1/0"}).redis_url == "redis://a:1/0"
-    env = {"REDIS_URL": "redis://a:1/0", "LLMESH_KVSTORE_REDIS_URL": "redis://b:2/0"}
-    assert load([], env).redis_url == "redis://b:2/0"
-    assert load(["--redis-url", "redis://c:3/0"], env).redis_url == "redis://c:3/0"
+    assert load([], {"REDIS_URL": "redis://:p@a:1/0"}).redis_url == "redis://:p@a:1/0"
+    env = {"REDIS_URL": "redis://:p@a:1/0", "LLMESH_KVSTORE_REDIS_URL": "redis://u:p@b:2/0"}
+    assert load([], env).redis_url == "redis://u:p@b:2/0"
+    assert load(["--redis-url", "redis://:p@c:3/0"], env).redis_url == "redis://:p@c:3/0"
 
 
 @pytest.mark.parametrize(
