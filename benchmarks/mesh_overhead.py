@@ -86,13 +86,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as logs:
         with start_mesh(1, scheduler_args=["--max-num-seqs", str(args.max_num_seqs)], log_dir=logs) as mesh:
             mesh_dt, mesh_tokens = asyncio.run(run_mesh_clients(mesh.scheduler.address, reqs))
-            import grpc
-
             from llmesh.v1 import worker_pb2, worker_pb2_grpc
+            from services.grpc_server import open_sync_channel
 
-            stats = worker_pb2_grpc.RegistryStub(grpc.insecure_channel(mesh.scheduler.address)).GetStats(
-                worker_pb2.GetStatsRequest()
-            )
+            with open_sync_channel(mesh.scheduler.address, mesh.security) as channel:  # the mesh's secret
+                stats = worker_pb2_grpc.RegistryStub(channel).GetStats(worker_pb2.GetStatsRequest())
     assert mesh_tokens == out_tokens, (mesh_tokens, out_tokens)
     w = stats.workers[0]
     local_step_ms = 1000 * local_dt / local_steps

@@ -25,15 +25,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from null_worker import VOCAB  # noqa: E402
 from serving import Clients, _wait_http, make_prompts, report, table  # noqa: E402
 
+from services.grpc_server import open_sync_channel
 from services.launcher import free_port, grpc_serving, wait_until  # noqa: E402
 
 
 def scheduler_stats(address: str):
-    import grpc
 
     from llmesh.v1 import worker_pb2, worker_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    with open_sync_channel(address) as channel:
         return worker_pb2_grpc.RegistryStub(channel).GetStats(worker_pb2.GetStatsRequest(), timeout=10)
 
 

@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import httpx  # noqa: E402
 
 from services.launcher import Backoff, LocalMesh, Supervisor, start_mesh  # noqa: E402
+from services.mesh_secret import ENV_KEY, new_key  # noqa: E402
 
 SHARED_PREFIX = "You are a concise assistant. Answer in one short sentence and do not repeat the question. "
 TOPICS = [
@@ -404,6 +405,9 @@ async def soak(args: argparse.Namespace, mesh: LocalMesh, sup: Supervisor) -> bo
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # The mesh's secret, in this process's environment as a deployment gives it: the mesh's
+    # children and this benchmark's stats calls (internal RPCs) carry the same key.
+    os.environ.setdefault(ENV_KEY, new_key())
     args.log_dir = args.log_dir or tempfile.mkdtemp(prefix="llmesh-soak-")
     print(f"service logs: {args.log_dir}", flush=True)
     mesh, sup = start(args)

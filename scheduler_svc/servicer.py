@@ -348,6 +348,11 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
                 slot.redial_now.set()
                 await link.close()
                 return worker_id
+            if slot is not None and await self._still_live(worker_id, slot):
+                raise LinkBroken(
+                    f"worker {worker_id} is live at {self.addresses.get(worker_id, '?')}: a registration "
+                    "from another process cannot replace it"
+                )
             connected: Connected = await link.connect()
         except BaseException:
             await link.close()
@@ -358,6 +363,23 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
             self.mesh.add_worker(worker_id, connected.info, link)
         self.addresses[worker_id] = address
         return worker_id
+
+    async def _still_live(self, worker_id: str, slot) -> bool:
+        """Whether the process registered as `worker_id` still answers as itself at its address.
+
+        A registration binds an id to a process (its instance_id): another process may take the id
+        over only once that one is gone (a restarted worker), so that no holder of the mesh secret
+        can hijack a live worker's traffic by registering its id at an address of its own."""
+        old = GrpcWorkerLink(
+            self.addresses.get(worker_id, ""), self.step_timeout_s, "", self.keepalive_s, self.security
+        )
+        try:
+            info = await old.probe(timeout_s=2.0)
+        except LinkBroken:
+            return False
+        finally:
+            await old.close()
+        return info.worker_id == worker_id and info.instance_id == slot.info.instance_id
 
     async def GetStats(self, request, context):
         stats = self.mesh.stats()

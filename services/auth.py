@@ -4,10 +4,12 @@ Two keys, both optional:
 
 - the API key (`--api-key` on the scheduler, the same key as the gateway's): the public
   `llmesh.v1.Scheduler` API, the any-language contract, takes it;
-- the internal key (`--internal-key` on every service, env `LLMESH_INTERNAL_KEY`): once set, every
-  RPC a server hosts needs it, the public API excepted (it takes either key). Every channel a
-  service opens sends it. That keeps holders of the public key from registering a worker, opening
-  a worker's Step stream or writing to the KV store.
+- the internal key (the mesh secret, services/mesh_secret.py: always resolved, from the
+  environment, a file or this user's local key, unless mutual TLS authenticates instead): every
+  RPC a server hosts needs it, the public API excepted (open without an API key, like the
+  gateway; with one, it takes either key). Every channel a service opens sends it. That keeps
+  strangers and holders of the public key from registering a worker, opening a worker's Step
+  stream, or reading, probing and writing the KV store.
 
 Keys travel as `authorization: Bearer KEY` metadata; a call without the right one ends
 UNAUTHENTICATED before its handler runs. Health and reflection stay open (probes, grpcurl).
@@ -98,15 +100,16 @@ class BearerAuth(grpc.aio.ServerInterceptor):
 def server_auth(
     internal_key: str | None, public: Mapping[str, str | None] | None = None
 ) -> BearerAuth | None:
-    """The interceptor for one server: `public` maps its public services to their API key.
+    """The interceptor for one server: `public` maps its public services to their API key (a
+    public service without one is open, as the gateway is without --api-key).
 
-    None when no key is set (no interceptor, no per-call cost).
+    None when no key is set (no interceptor, no per-call cost: mutual TLS authenticates).
     """
     public = public or {}
     if not internal_key and not any(public.values()):
         return None
     internal = (internal_key,) if internal_key else ()
-    keys = {svc: (key, *internal) for svc, key in public.items() if key}
+    keys = {svc: (key, *internal) if key else () for svc, key in public.items()}
     return BearerAuth(default=internal, keys=keys)
 
 

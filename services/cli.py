@@ -6,6 +6,7 @@ import argparse
 import os
 import shlex
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -214,6 +215,12 @@ def _add_up_flags(p: argparse.ArgumentParser) -> None:
         "handed to the gateway in its environment, not on its command line",
     )
     g.add_argument(
+        "--api-key-file",
+        default=None,
+        help="file of client keys, one a line (the gateway's --api-key-file); the first also opens "
+        "the scheduler's public gRPC API",
+    )
+    g.add_argument(
         "--served-model-name",
         default=None,
         metavar="NAMES",
@@ -240,8 +247,10 @@ def _add_up_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--internal-key",
         default=None,
-        help="mesh secret every internal RPC must carry (default $LLMESH_INTERNAL_KEY)",
+        help="mesh secret every internal RPC must carry (default $LLMESH_INTERNAL_KEY, else a fresh "
+        "random one per mesh); prefer the environment or --internal-key-file: argv shows in `ps`",
     )
+    s.add_argument("--internal-key-file", default=None, help="file holding the mesh secret")
     s.add_argument("--tls-cert", default=None, help="PEM certificate every service presents")
     s.add_argument("--tls-key", default=None, help="its PEM private key")
     s.add_argument("--tls-ca", default=None, help="PEM CA bundle that signs the services' certificates")
@@ -321,6 +330,13 @@ def up_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     env = {}
     if args.api_key:  # the gateway's clients and the scheduler's public API take the same key
         env |= {"LLMESH_GATEWAY_API_KEY": args.api_key, "LLMESH_SCHEDULER_API_KEY": args.api_key}
+    if args.api_key_file:
+        keys = [k.strip() for k in Path(args.api_key_file).read_text().splitlines()]
+        keys = [k for k in keys if k and not k.startswith("#")]
+        if not keys:
+            raise SystemExit(f"--api-key-file {args.api_key_file}: no key in it")
+        env["LLMESH_GATEWAY_API_KEY_FILE"] = os.path.abspath(args.api_key_file)
+        env.setdefault("LLMESH_SCHEDULER_API_KEY", keys[0])
     env |= security_env(args)
     if args.redis_url:  # service-scoped and in the environment: a password stays out of `ps` output
         env["LLMESH_KVSTORE_REDIS_URL"] = args.redis_url
@@ -342,8 +358,12 @@ def up_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def security_env(args: argparse.Namespace) -> dict[str, str]:
-    """The environment that gives every service of `llmesh up` the same internal key and TLS files."""
+    """The environment that gives every service of `llmesh up` the same internal key and TLS files.
+
+    No key given: `start_mesh` makes a fresh one for this mesh (services/mesh_secret.py)."""
     env = {"LLMESH_INTERNAL_KEY": args.internal_key} if args.internal_key else {}
+    if getattr(args, "internal_key_file", None):
+        env["LLMESH_INTERNAL_KEY_FILE"] = os.path.abspath(args.internal_key_file)
     for name in ("tls_cert", "tls_key", "tls_ca", "tls_server_name"):
         if getattr(args, name):
             # Absolute: a service resolves them from its own working directory.
@@ -358,9 +378,22 @@ def _flatten(groups: list[list[str]]) -> list[str]:
     return [word for group in groups for word in group]
 
 
+def _warn_secrets_in_argv(args: argparse.Namespace, argv: list[str]) -> None:
+    """A key typed on the command line is readable by every user of the host (`ps`)."""
+    for flag in ("--api-key", "--internal-key"):
+        if any(a == flag or a.startswith(flag + "=") for a in argv):
+            env = "LLMESH_API_KEY" if flag == "--api-key" else "LLMESH_INTERNAL_KEY"
+            print(
+                f"warning: {flag} on the command line is visible to every user of this host (ps); "
+                f"set ${env} or use {flag}-file instead",
+                file=sys.stderr,
+            )
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
     from services.launcher import run_up
 
+    _warn_secrets_in_argv(args, sys.argv[1:])
     return run_up(**up_kwargs(args))
 
 

@@ -47,6 +47,7 @@ except ImportError:  # pragma: no cover - depends on the install
 
 from services.auth import aio_key_interceptors, server_auth, sync_key_interceptor
 from services.config import option
+from services.mesh_secret import client_key, resolve_internal_key
 from services.tls import TLSConfig, channel_credentials, server_credentials, server_name_options
 
 log = logging.getLogger(__name__)
@@ -100,14 +101,20 @@ class ServerConfig(TLSConfig):
     )
     internal_key: str | None = option(
         None,
-        help="mesh secret: every RPC served (health, reflection and a public API's key aside) needs "
-        "`authorization: Bearer KEY`, and every channel opened sends it; set it in the environment",
+        help="mesh secret: every RPC served (health, reflection and an open public API aside) needs "
+        "`authorization: Bearer KEY`, and every channel opened sends it. Set it in the environment "
+        "(LLMESH_INTERNAL_KEY) or --internal-key-file, never here (argv shows in `ps`). Default: "
+        "none needed under mutual TLS, this user's local key on loopback, else refused "
+        "(services/mesh_secret.py)",
     )
+    internal_key_file: str = option("", help="file holding the mesh secret (a mounted Secret)")
 
     def __post_init__(self) -> None:
         TLSConfig.__post_init__(self)
-        if self.internal_key == "":
-            self.internal_key = None  # an empty key must not read as "set"
+        # Secure by default: a key is always resolved (or mTLS authenticates), never "open".
+        self.internal_key = resolve_internal_key(
+            self.internal_key, self.internal_key_file, host=self.host, mutual_tls=self.tls_client_auth
+        )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.shutdown_grace_s < 0:
@@ -186,12 +193,6 @@ def channel_options(
     ]
 
 
-def insecure_channel(
-    target: str, max_message_bytes: int = MAX_MESSAGE_BYTES, keepalive_s: float = DEFAULT_KEEPALIVE_S
-) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(target, options=channel_options(max_message_bytes, keepalive_s))
-
-
 @dataclass(frozen=True)
 class ChannelSecurity:
     """How a service's channels dial: TLS credentials (None = plaintext), extra options, a bearer key."""
@@ -206,7 +207,13 @@ class ChannelSecurity:
         return cls(channel_credentials(tls), tuple(server_name_options(tls)), key or None)
 
 
-PLAINTEXT = ChannelSecurity()
+PLAINTEXT = ChannelSecurity()  # no TLS, no key: only for calls that must show what a stranger gets
+
+
+def default_security() -> ChannelSecurity:
+    """What a channel given no security carries: plaintext with the key this host's services use
+    when told nothing (services/mesh_secret.py: the environment's, else this user's local key)."""
+    return ChannelSecurity(key=client_key())
 
 
 def open_channel(
@@ -216,7 +223,7 @@ def open_channel(
     keepalive_s: float = DEFAULT_KEEPALIVE_S,
 ) -> grpc.aio.Channel:
     """An asyncio channel with llmesh's options, TLS when configured and the key on every call."""
-    security = security or PLAINTEXT
+    security = default_security() if security is None else security
     options = [*channel_options(max_message_bytes, keepalive_s), *security.options]
     interceptors = aio_key_interceptors(security.key) or None
     if security.credentials is None:
@@ -231,7 +238,7 @@ def open_sync_channel(
     keepalive_s: float = DEFAULT_KEEPALIVE_S,
 ) -> grpc.Channel:
     """The blocking twin of `open_channel` (the worker's KV store client, health probes)."""
-    security = security or PLAINTEXT
+    security = default_security() if security is None else security
     options = [*channel_options(max_message_bytes, keepalive_s), *security.options]
     if security.credentials is None:
         channel = grpc.insecure_channel(target, options=options)

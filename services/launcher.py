@@ -12,6 +12,7 @@ everything.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -26,7 +27,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.config import load_config
-from services.grpc_server import ChannelSecurity, open_sync_channel
+from services.grpc_server import PLAINTEXT, ChannelSecurity, open_sync_channel
+from services.mesh_secret import with_mesh_secret
 from services.parent_watch import launcher_env
 from services.ports import free_port
 from services.tls import TLSConfig
@@ -63,6 +65,12 @@ class LocalMesh:
     workers: list[Child] = field(default_factory=list)
     gateway: Child | None = None
     kvstore: Child | None = None
+    internal_key: str | None = None  # the mesh secret its internal RPCs need (None: mutual TLS)
+
+    @property
+    def security(self) -> ChannelSecurity:
+        """How a client dials this mesh's internal services: its TLS settings and its secret."""
+        return dataclasses.replace(self.scheduler.security or PLAINTEXT, key=self.internal_key)
 
     @property
     def children(self) -> list[Child]:
@@ -183,7 +191,8 @@ def start_mesh(
     Every port is explicit (a free one is picked for 0), so that a child restarted by
     `Supervisor` binds the same address and its peers find it again.
     """
-    env = {**os.environ, **(env or {})}
+    # Secure by default: one fresh secret per mesh, in each child's environment (never argv).
+    env, internal_key = with_mesh_secret({**os.environ, **(env or {})})
     model_args = ["--model", model] if model else []
     sched_addr = f"{host}:{scheduler_port or free_port(host)}"
     sched_port = sched_addr.rsplit(":", 1)[1]
@@ -192,6 +201,7 @@ def start_mesh(
     kv_args = ["--kvstore-address", f"{host}:{kv_port}"] if kvstore else []
     sched_args = ["--host", host, "--port", sched_port, *model_args, *kv_args, *(scheduler_args or [])]
     mesh = LocalMesh(_start_child("scheduler", sched_addr, "scheduler_svc.service", sched_args, env, log_dir))
+    mesh.internal_key = internal_key
     try:
         if kvstore:
             mesh.kvstore = _start_kvstore(host, kv_port, kvstore_args or [], env, log_dir)

@@ -1,10 +1,18 @@
 """Generate the gRPC stubs once before any test imports them; fixtures every test folder may use."""
 
+import os
+
 import pytest
 
 from services.gen_protos import ensure_stubs
+from services.mesh_secret import ENV_KEY, new_key
 
 ensure_stubs()
+# Every service the tests start, and every client they open without saying otherwise, carries
+# this session's mesh secret (as a deployment's environment would give it). Tests of what a
+# stranger gets dial with `services.grpc_server.PLAINTEXT`; tests of `llmesh up`'s own fresh
+# secret remove it from the environment they pass.
+os.environ.setdefault(ENV_KEY, new_key())
 
 
 @pytest.fixture

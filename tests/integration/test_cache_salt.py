@@ -53,7 +53,7 @@ def generate(address: str, salt: str) -> tuple[list[int], int]:
         cache_salt=salt,
     )
     tokens, cached = [], -1
-    with grpc.insecure_channel(address) as channel:
+    with open_sync_channel(address) as channel:
         for resp in gg.SchedulerStub(channel).Generate(req, timeout=120):
             tokens.extend(resp.token_ids)
             if resp.HasField("usage"):
@@ -85,7 +85,7 @@ def test_tenants_with_different_salts_share_nothing_and_one_salt_shares(schedule
 
 def test_an_oversized_salt_is_invalid_argument(scheduler):
     req = g.GenerateRequest(prompt_token_ids=g.TokenIds(ids=[1, 2, 3]), cache_salt="é" * 129)
-    with grpc.insecure_channel(scheduler) as channel, pytest.raises(grpc.RpcError) as e:
+    with open_sync_channel(scheduler) as channel, pytest.raises(grpc.RpcError) as e:
         list(gg.SchedulerStub(channel).Generate(req, timeout=30))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert e.value.details().startswith("cache_salt: ")

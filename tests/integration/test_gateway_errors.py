@@ -17,6 +17,7 @@ import pytest
 
 from llmesh.v1 import generation_pb2 as g
 from llmesh.v1 import generation_pb2_grpc as gg
+from services.grpc_server import open_sync_channel
 from services.launcher import free_port
 from tests.integration.test_mesh import stats, wait_blocks_free
 
@@ -212,7 +213,7 @@ def _scheduler_generate(address: str, **sampling) -> list[g.GenerateResponse]:
         prompt_token_ids=g.TokenIds(ids=[504, 3458, 282, 4649, 314]),
         sampling_params=g.SamplingParams(**sampling),
     )
-    with grpc.insecure_channel(address) as channel:
+    with open_sync_channel(address) as channel:
         return list(gg.SchedulerStub(channel).Generate(req, timeout=120))
 
 

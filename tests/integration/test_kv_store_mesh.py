@@ -12,11 +12,11 @@ from __future__ import annotations
 import random
 import time
 
-import grpc
 import pytest
 
 from llmesh.v1 import generation_pb2 as g
 from llmesh.v1 import generation_pb2_grpc as gg
+from services.grpc_server import open_sync_channel
 from services.launcher import _start_kvstore, grpc_serving, start_mesh, wait_until
 from tests.helpers.redis_server import RedisServer
 from tests.integration.conftest import service_logs
@@ -35,7 +35,7 @@ def generate_ids(address: str, prompt: list[int]) -> list[int]:
         prompt_token_ids=g.TokenIds(ids=prompt),
         sampling_params=g.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
     )
-    with grpc.insecure_channel(address) as channel:
+    with open_sync_channel(address) as channel:
         return [t for r in gg.SchedulerStub(channel).Generate(req, timeout=120) for t in r.token_ids]
 
 

@@ -20,6 +20,7 @@ from kvstore_svc.client import AsyncKVStoreClient, KVStoreClient, KVStoreError, 
 from kvstore_svc.entry import EntryHeader, header_to_proto
 from llmesh.v1 import kvstore_pb2 as kv
 from llmesh.v1 import kvstore_pb2_grpc as kvg
+from services.grpc_server import open_sync_channel
 from services.launcher import free_port, grpc_serving, wait_until
 from tests.helpers.kv_entries import FP, OTHER_FP, entry, key
 
@@ -79,7 +80,7 @@ def entries(fp: bytes, sizes: list[int], first: int = 0) -> list[tuple[bytes, En
 
 
 def test_health_and_reflection(store):
-    with grpc.insecure_channel(store.address) as ch:
+    with open_sync_channel(store.address) as ch:
         resp = health_pb2_grpc.HealthStub(ch).Check(
             health_pb2.HealthCheckRequest(service="llmesh.v1.KVStore")
         )
@@ -124,7 +125,7 @@ def test_async_client_round_trip(store):
 
 
 def _put_raw(address: str, messages: list[kv.PutRequest]) -> kv.PutResponse:
-    with grpc.insecure_channel(address) as ch:
+    with open_sync_channel(address) as ch:
         return kvg.KVStoreStub(ch).Put(iter(messages), timeout=30)
 
 
@@ -239,7 +240,7 @@ def test_random_bytes_get_an_error_status_and_the_store_serves_on(store, client)
     import random
 
     rng = random.Random(7)
-    with grpc.insecure_channel(store.address) as ch:
+    with open_sync_channel(store.address) as ch:
         for method in ("Lookup", "Get", "Delete", "Stats"):
             for size in (1, 17, 4096):
                 try:

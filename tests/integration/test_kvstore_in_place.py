@@ -22,6 +22,7 @@ from kvstore_svc import shm
 from kvstore_svc.client import KVStoreClient
 from llmesh.v1 import kvstore_pb2 as kv
 from llmesh.v1 import kvstore_pb2_grpc as kvg
+from services.grpc_server import open_sync_channel
 from tests.helpers.kv_entries import entry
 from tests.integration.test_kvstore import StoreProcess, fresh_fp
 
@@ -38,7 +39,7 @@ def store(tmp_path_factory):
 
 
 def _raw(address: str, method: str, request):
-    with grpc.insecure_channel(address) as ch:
+    with open_sync_channel(address) as ch:
         try:
             return getattr(kvg.KVStoreStub(ch), method)(request, timeout=10)
         except grpc.RpcError as e:
@@ -116,8 +117,9 @@ def test_hostile_in_place_calls_get_the_protocols_codes_and_the_store_serves_on(
 _DYING_READER = """
 import sys, os, grpc
 from llmesh.v1 import kvstore_pb2 as kv, kvstore_pb2_grpc as kvg
+from services.grpc_server import open_sync_channel
 address, fp, keys = sys.argv[1], bytes.fromhex(sys.argv[2]), [bytes.fromhex(k) for k in sys.argv[3:]]
-with grpc.insecure_channel(address) as ch:
+with open_sync_channel(address) as ch:
     r = kvg.KVStoreStub(ch).GetInPlace(kv.GetInPlaceRequest(fingerprint=fp, keys=keys), timeout=10)
 print(len(r.entries), flush=True)
 os._exit(0)  # dies holding the lease

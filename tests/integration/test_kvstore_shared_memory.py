@@ -27,6 +27,7 @@ from kvstore_svc import shm
 from kvstore_svc.client import KVStoreClient, KVStoreUnavailable
 from llmesh.v1 import kvstore_pb2 as kv
 from llmesh.v1 import kvstore_pb2_grpc as kvg
+from services.grpc_server import open_sync_channel
 from tests.helpers.kv_entries import entry
 from tests.integration.test_kvstore import StoreProcess, fresh_fp
 
@@ -86,7 +87,7 @@ def test_entries_round_trip_through_shared_memory_in_rounds(store):
 
 
 def _raw(address: str, method: str, request) -> grpc.RpcError | object:
-    with grpc.insecure_channel(address) as ch:
+    with open_sync_channel(address) as ch:
         try:
             return getattr(kvg.KVStoreStub(ch), method)(request, timeout=10)
         except grpc.RpcError as e:

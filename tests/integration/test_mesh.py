@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from llmesh.v1 import generation_pb2 as g
 from llmesh.v1 import generation_pb2_grpc as gg
 from llmesh.v1 import worker_pb2, worker_pb2_grpc
+from services.grpc_server import open_sync_channel
 from services.launcher import start_mesh
 
 WORKER_ARGS = ["--kv-cache-memory", str(192 << 20)]
@@ -46,11 +47,11 @@ def reference() -> dict[str, list[int]]:
 
 
 def stub(address: str) -> gg.SchedulerStub:
-    return gg.SchedulerStub(grpc.insecure_channel(address))
+    return gg.SchedulerStub(open_sync_channel(address))
 
 
 def stats(address: str) -> worker_pb2.SchedulerStats:
-    with grpc.insecure_channel(address) as channel:
+    with open_sync_channel(address) as channel:
         return worker_pb2_grpc.RegistryStub(channel).GetStats(worker_pb2.GetStatsRequest(), timeout=10)
 
 
@@ -58,7 +59,7 @@ def generate(address: str, prompt: str, max_tokens: int = 16, timeout: float = 3
     req = g.GenerateRequest(
         prompt_text=prompt, sampling_params=g.SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
     )
-    with grpc.insecure_channel(address) as channel:
+    with open_sync_channel(address) as channel:
         return [
             t for resp in gg.SchedulerStub(channel).Generate(req, timeout=timeout) for t in resp.token_ids
         ]
@@ -136,11 +137,11 @@ def join(threads, timeout: float = 120.0) -> None:
 
 def test_health_and_reflection(mesh):
     for child in [mesh.scheduler, *mesh.workers]:
-        resp = health_pb2_grpc.HealthStub(grpc.insecure_channel(child.address)).Check(
+        resp = health_pb2_grpc.HealthStub(open_sync_channel(child.address)).Check(
             health_pb2.HealthCheckRequest(), timeout=5
         )
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
-    refl = reflection_pb2_grpc.ServerReflectionStub(grpc.insecure_channel(mesh.scheduler.address))
+    refl = reflection_pb2_grpc.ServerReflectionStub(open_sync_channel(mesh.scheduler.address))
     answers = list(
         refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
     )

@@ -16,6 +16,7 @@ import pytest
 
 from llmesh.v1 import generation_pb2 as g
 from llmesh.v1 import worker_pb2, worker_pb2_grpc
+from services.grpc_server import open_sync_channel
 from services.launcher import grpc_serving, start_mesh
 from services.step import STEP_TOKEN_METADATA
 from tests.integration.test_mesh import (
@@ -72,7 +73,7 @@ def test_idle_past_many_keepalive_periods_then_serves(mesh, reference):
 
 def test_step_stream_without_the_token_is_refused(mesh):
     worker = mesh.workers[0]
-    call = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(worker.address)).Step(iter([]))
+    call = worker_pb2_grpc.WorkerStub(open_sync_channel(worker.address)).Step(iter([]))
     with pytest.raises(grpc.RpcError) as e:
         list(call)
     assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
@@ -84,7 +85,7 @@ def test_step_stream_without_the_token_is_refused(mesh):
 def test_replayed_registration_changes_nothing(mesh, reference):
     threads, results, errors, started = start_streams(mesh.scheduler.address, PROMPTS)
     assert started.acquire(timeout=60)
-    registry = worker_pb2_grpc.RegistryStub(grpc.insecure_channel(mesh.scheduler.address))
+    registry = worker_pb2_grpc.RegistryStub(open_sync_channel(mesh.scheduler.address))
     for w in mesh.workers:
         resp = registry.RegisterWorker(
             worker_pb2.RegisterWorkerRequest(address=w.address, worker_id=w.name, step_token="forged"),
@@ -103,7 +104,7 @@ def test_step_stream_cut_from_the_worker_side_is_won_back(mesh, reference):
     threads, results, errors, started = start_streams(mesh.scheduler.address, PROMPTS, max_tokens=24)
     assert started.acquire(timeout=60)
     for w in mesh.workers:
-        intruder = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(w.address)).Step(
+        intruder = worker_pb2_grpc.WorkerStub(open_sync_channel(w.address)).Step(
             iter([worker_pb2.StepPlan(step_id=0)]), metadata=((STEP_TOKEN_METADATA, STEP_TOKEN),)
         )
         assert [r.step_id for r in intruder] == [0]

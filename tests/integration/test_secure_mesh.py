@@ -25,7 +25,7 @@ from services.tls import TLSConfig
 from tests.helpers.certs import make_certs
 from tests.integration.conftest import service_logs
 
-API_KEY, INTERNAL_KEY = "api-secret", "internal-secret"
+API_KEY, INTERNAL_KEY = "api-secret", "internal-secret-of-the-test"
 
 
 @pytest.fixture(scope="module")

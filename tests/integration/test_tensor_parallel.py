@@ -13,12 +13,12 @@ import subprocess
 import sys
 import time
 
-import grpc
 import pytest
 
 from llmesh import LLM, SamplingParams
 from llmesh.v1 import generation_pb2 as g
 from llmesh.v1 import generation_pb2_grpc as gg
+from services.grpc_server import open_sync_channel
 from services.launcher import free_port, grpc_serving, start_mesh
 from tests.helpers.tiny_models import make_tiny_model
 from worker_svc.service import EXIT_RANK_LOST
@@ -117,7 +117,7 @@ def _generate(address: str, prompt: list[int]) -> list[int]:
         prompt_token_ids=g.TokenIds(ids=prompt),
         sampling_params=g.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
     )
-    with grpc.insecure_channel(address) as channel:
+    with open_sync_channel(address) as channel:
         return [t for r in gg.SchedulerStub(channel).Generate(req, timeout=120) for t in r.token_ids]
 
 

@@ -18,9 +18,9 @@ from llmesh.v1 import (
     worker_pb2_grpc,
 )
 from services.auth import BearerAuth, bearer_metadata, server_auth
-from services.grpc_server import ChannelSecurity, GrpcServer, ServerConfig, Service, open_channel
+from services.grpc_server import PLAINTEXT, ChannelSecurity, GrpcServer, ServerConfig, Service, open_channel
 
-API_KEY, INTERNAL_KEY = "public-key", "internal-key"
+API_KEY, INTERNAL_KEY = "public-key", "internal-key-of-the-test"
 
 
 class Scheduler(generation_pb2_grpc.SchedulerServicer):
@@ -97,7 +97,7 @@ REFUSED = grpc.StatusCode.UNAUTHENTICATED
 
 
 async def test_no_key_is_refused_everywhere_but_health_and_reflection(server) -> None:
-    async with open_channel(server.address) as channel:
+    async with open_channel(server.address, PLAINTEXT) as channel:  # a stranger: no key at all
         assert await _calls(channel) == dict.fromkeys(OK, REFUSED)
         health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
@@ -123,7 +123,7 @@ async def test_the_api_key_opens_only_the_public_api(server) -> None:
 async def test_a_wrong_key_or_scheme_is_refused(server) -> None:
     async with open_channel(server.address, ChannelSecurity(key="guess")) as channel:
         assert await _calls(channel) == dict.fromkeys(OK, REFUSED)
-    async with open_channel(server.address) as channel:
+    async with open_channel(server.address, PLAINTEXT) as channel:
         stub = generation_pb2_grpc.SchedulerStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as e:  # the key, but not as a bearer token
             await stub.Tokenize(generation_pb2.TokenizeRequest(), metadata=(("authorization", API_KEY),))
@@ -145,8 +145,30 @@ def test_server_auth_is_off_without_keys_and_checks_per_service() -> None:
     assert both.allows("/grpc.health.v1.Health/Check", ())
 
 
-def test_an_empty_internal_key_is_no_key() -> None:
-    assert ServerConfig(internal_key="").internal_key is None
+def test_a_public_api_without_its_key_is_open_and_the_rest_is_not() -> None:
+    auth = server_auth(INTERNAL_KEY, {"llmesh.v1.Scheduler": None})
+    assert auth.allows("/llmesh.v1.Scheduler/Generate", ())
+    assert not auth.allows("/llmesh.v1.Registry/RegisterWorker", ())
+    assert not auth.allows("/llmesh.v1.KVStore/Lookup", ())
+
+
+def test_no_key_given_is_never_no_key(tmp_path, monkeypatch) -> None:
+    """Secure by default: on loopback this user's local key, off loopback a refusal."""
+    from services.mesh_secret import MissingSecret, local_key
+
+    monkeypatch.setenv("LLMESH_CACHE", str(tmp_path))
+    monkeypatch.delenv("LLMESH_INTERNAL_KEY")  # the test session's; here nothing is given
+    key = ServerConfig(internal_key="").internal_key
+    assert key == local_key() and len(key) >= 32
+    assert (tmp_path / "internal.key").stat().st_mode & 0o777 == 0o600
+    with pytest.raises(MissingSecret, match="LLMESH_INTERNAL_KEY"):
+        ServerConfig(host="0.0.0.0")
+    assert ServerConfig(host="0.0.0.0", internal_key=INTERNAL_KEY).internal_key == INTERNAL_KEY
+    secret = tmp_path / "mounted"
+    secret.write_text(f"  {INTERNAL_KEY}\n")
+    assert ServerConfig(host="10.0.0.1", internal_key_file=str(secret)).internal_key == INTERNAL_KEY
+    with pytest.raises(ValueError, match="shorter"):
+        ServerConfig(internal_key="guessable")
 
 
 async def test_blocking_channels_send_the_key_too(server) -> None:

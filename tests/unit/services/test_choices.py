@@ -160,7 +160,7 @@ class FakeMesh:
         self.submitted: list[tuple[str, SamplingParams]] = []
         self.aborted: list[str] = []
 
-    def submit(self, request_id, prompt, params, priority, queue, group=""):
+    def submit(self, request_id, prompt, params, priority, queue, group="", cache_salt=""):
         exc = self.fail_on.get(len(self.submitted))
         if exc is not None:
             raise exc

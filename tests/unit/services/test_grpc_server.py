@@ -23,7 +23,7 @@ from services.gen_protos import ensure_stubs
 ensure_stubs()  # before the imports below: they load the generated llmesh.v1 modules
 
 from llmesh.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
-from services.grpc_server import GrpcServer, ServerConfig, Service, insecure_channel, serve  # noqa: E402
+from services.grpc_server import GrpcServer, ServerConfig, Service, open_channel, serve  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SCHEDULER = "llmesh.v1.Scheduler"
@@ -63,7 +63,7 @@ async def running() -> AsyncIterator[tuple[GrpcServer, SleepyScheduler, grpc.aio
     servicer = SleepyScheduler()
     server = make_server(servicer, shutdown_grace_s=5.0)
     await server.start()
-    channel = insecure_channel(server.address)
+    channel = open_channel(server.address)
     try:
         yield server, servicer, channel
     finally:
@@ -142,7 +142,7 @@ async def test_deadline_exceeded_cancels_the_handler(running) -> None:
 async def test_message_size_limit_is_enforced() -> None:
     server = make_server(SleepyScheduler(), max_message_bytes=1024)
     await server.start()
-    async with grpc.aio.insecure_channel(server.address) as channel:
+    async with open_channel(server.address) as channel:
         assert (await tokenize(channel, "x" * 500)).max_model_len == 500
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await tokenize(channel, "x" * 4096)
@@ -262,7 +262,7 @@ async def test_sigterm_drains_in_flight_and_exits_zero() -> None:
         line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), timeout=20)
         assert line.strip(), f"server did not start: {proc.wait(5)=} {proc.stderr.read()}"
         port = int(line)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async with open_channel(f"127.0.0.1:{port}") as channel:
             health = health_pb2_grpc.HealthStub(channel)
             assert (await health.Check(health_pb2.HealthCheckRequest(), timeout=5)).status == SERVING
             in_flight = asyncio.ensure_future(tokenize(channel, "sleep:0.7"))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 import pytest
 
@@ -9,6 +11,7 @@ from llmesh.v1 import generation_pb2, generation_pb2_grpc
 from services.grpc_server import ChannelSecurity, GrpcServer, ServerConfig, Service, open_channel
 from services.healthcheck import main as health_main
 from services.healthcheck import target_of_command
+from services.mesh_secret import client_key
 from services.tls import TLSConfig
 from tests.helpers.certs import MeshCerts, make_certs
 
@@ -34,6 +37,8 @@ async def _serve(**tls) -> GrpcServer:
 
 
 async def _tokenize(address: str, security: ChannelSecurity | None) -> object:
+    # TLS is what is tested; the mesh secret rides along as every service's channel carries it.
+    security = dataclasses.replace(security or ChannelSecurity(), key=client_key())
     async with open_channel(address, security) as channel:
         try:
             resp = await generation_pb2_grpc.SchedulerStub(channel).Tokenize(
