@@ -20,6 +20,7 @@ that fails any check raises `CorruptEntry`, and the store treats that as a miss.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import struct
 from collections.abc import Sequence
@@ -40,6 +41,7 @@ MAX_HEADER_BYTES = 4096
 MAX_FINGERPRINT_BYTES = 64
 MAX_LAYOUT_BYTES = 256
 MAX_DIMS = 16
+MAC_BYTES = 32  # HMAC-SHA256
 
 # Element size of each dtype a payload may hold. bfloat16 and the float8s have
 # no numpy dtype: `payload_array` gives them as raw integers of the same width.
@@ -88,6 +90,7 @@ class EntryHeader:
     payload_length: int
     checksum: int
     format_version: int = FORMAT_VERSION
+    mac: bytes = b""  # the writer's keyed MAC (services/kv_mac.py); the store keeps it, never checks it
 
     def validate(self, max_payload_bytes: int | None = None) -> None:
         """Raise CorruptEntry unless every field is in range and dtype x shape = payload_length."""
@@ -115,6 +118,12 @@ class EntryHeader:
             )
         if not 0 <= self.checksum < 1 << 64:
             raise CorruptEntry("checksum out of range")
+        if len(self.mac) not in (0, MAC_BYTES):
+            raise CorruptEntry(f"mac must be empty or {MAC_BYTES} bytes")
+
+    def signed_bytes(self) -> bytes:
+        """What the MAC covers of the header: the header with `mac` empty, serialized deterministically."""
+        return _header_bytes(dataclasses.replace(self, mac=b""))
 
 
 def make_header(
@@ -161,6 +170,7 @@ def header_to_proto(header: EntryHeader) -> kvstore_pb2.EntryHeader:
         num_tokens=header.num_tokens,
         payload_length=header.payload_length,
         checksum=header.checksum,
+        mac=header.mac,
     )
 
 
@@ -177,6 +187,7 @@ def header_from_proto(msg: kvstore_pb2.EntryHeader, max_payload_bytes: int | Non
         payload_length=msg.payload_length,
         checksum=msg.checksum,
         format_version=msg.format_version,
+        mac=msg.mac,
     )
     header.validate(max_payload_bytes)
     return header

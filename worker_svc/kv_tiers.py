@@ -18,6 +18,12 @@ only copies bytes, in the order the contract gives, before a plan's forward:
   blocks. A chunk that cannot be had (a miss, a corrupt entry, the store down)
   is not an error: the caller computes the sequence from that chunk on instead.
 
+The store is untrusted storage (services/kv_mac.py): every chunk put carries a MAC under the mesh
+secret, over a keyed digest of its bytes taken where they are (`kernels.kv_digest`: on the GPU, one
+int8 GEMM on the copy stream as the chunk is gathered, or over the device buffer a load was
+uploaded into), and a loaded chunk whose MAC does not verify is a miss, counted, and never
+scattered into the cache: no forward reads it.
+
 The store client is passed in (`KVStoreLink`), so this module knows no transport.
 """
 
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import queue
 import threading
@@ -36,6 +43,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from kernels.kv_digest import digest_key, kv_digest, kv_digest_batch
+from services.kv_mac import KVMac
+from services.mesh_secret import client_key
 from services.step import KVTransfers, StoreLoad, StorePut, store_fingerprint
 from worker_svc.kv_cache import KVCacheSpec
 from worker_svc.kv_put_staging import PutStaging
@@ -70,6 +80,7 @@ class KVTierCounters:
     store_put_dropped: int = 0
     store_put_failed: int = 0
     store_load_failures: int = 0
+    store_verify_failures: int = 0  # chunks whose MAC did not verify (forged, altered, swapped, unsigned)
     # Time and bytes of loads (the achieved bandwidth of each path).
     host_load_seconds: float = 0.0
     store_load_seconds: float = 0.0
@@ -89,9 +100,11 @@ class WorkerKVTiers:
         chunk_blocks: int,
         shards: KVShardExchange | None = None,
         put_bytes: int = DEFAULT_PUT_BYTES,
+        mac: KVMac | None = None,
     ) -> None:
         """`spec` describes whole blocks (every KV head); with tensor parallelism `kv_caches`
-        holds this rank's heads and `shards` moves the others' to and from rank 0."""
+        holds this rank's heads and `shards` moves the others' to and from rank 0. `mac`: the
+        mesh's entry MAC (default: from the key a client told nothing carries, mesh_secret)."""
         self.kv_caches = kv_caches
         self.shards = shards
         self.spec = spec
@@ -100,6 +113,9 @@ class WorkerKVTiers:
         self.store = store
         self.chunk_blocks = chunk_blocks if store is not None else 0
         self.store_fingerprint = store_fingerprint(fingerprint, self.chunk_blocks)
+        self.mac = mac if mac is not None or store is None else KVMac(client_key())
+        # The digest's key matrix (1 MiB), on the device where payloads are digested.
+        self._digest_key = digest_key(self.mac.digest_secret, self.device) if self.mac is not None else None
         self._counters = KVTierCounters()
         # Loads whose copy time is read from CUDA events once they have fired (no host sync):
         # (start, end, True for the host tier / False for the store). The step thread adds them;
@@ -256,7 +272,7 @@ class WorkerKVTiers:
                 slots = torch.tensor(kv.save_host_slots, dtype=torch.long)
                 self.host[:, slots] = gathered[:n_saved].transpose(0, 1)
             for (put, (slot, _)), data in zip(room, self._split_puts(gathered, n_saved, room), strict=True):
-                self._queue_put(put.key, data, None, slot)
+                self._queue_put(put.key, data, None, slot, None)
         else:
             main = torch.cuda.current_stream(self.device)
             cs.wait_stream(main)  # the blocks were written by earlier plans' forwards
@@ -279,9 +295,11 @@ class WorkerKVTiers:
                     if pinned is None:  # not a whole chunk, or no pinned pool: a buffer of its own
                         pinned = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
                     pinned.copy_(data, non_blocking=True)
+                    # The MAC's digest, from the bytes on the device (one GEMM; 64 B per 64 KiB back).
+                    digest = kv_digest(data, self._digest_key).to("cpu", non_blocking=True)
                     done = torch.cuda.Event()
                     done.record(cs)
-                    self._queue_put(put.key, pinned, done, slot)
+                    self._queue_put(put.key, pinned, done, slot, digest)
         self._counters.saved_blocks += n_saved
 
     @staticmethod
@@ -387,6 +405,8 @@ class WorkerKVTiers:
             else None
         )
 
+        headers = []  # of the chunks staged on the device, verified once they are all there
+
         def consume(key: bytes, header, payload) -> bool:
             nonlocal loaded, copy_seconds
             started = time.perf_counter()
@@ -395,8 +415,11 @@ class WorkerKVTiers:
                 return False
             if staged is not None:
                 staged[loaded * c : (loaded + 1) * c].copy_(chunk, non_blocking=True)
-            else:
+                headers.append(header)
+            elif self._verified(key, header, kv_digest(chunk, self._digest_key)):
                 self._load_chunk(load.block_ids[loaded * c : (loaded + 1) * c], chunk)
+            else:
+                return False
             loaded += 1
             copy_seconds += time.perf_counter() - started
             return True
@@ -415,7 +438,9 @@ class WorkerKVTiers:
             log.warning("kv store get failed", extra={"seq_id": load.seq_id, "error": repr(e)})
         self._counters.store_get_seconds += time.perf_counter() - started - copy_seconds
         if staged is not None and loaded:
-            self._load_chunk(load.block_ids[: loaded * c], staged[: loaded * c])
+            loaded = self._verified_prefix(load.keys[:loaded], headers, staged[: loaded * c])
+            if loaded:
+                self._load_chunk(load.block_ids[: loaded * c], staged[: loaded * c])
         if loaded == len(load.keys):
             return None
         return next((b for b in load.block_ids[loaded * c :] if b >= 0), None)
@@ -434,6 +459,30 @@ class WorkerKVTiers:
         self._counters.store_loaded_blocks += len(keep)
         self._counters.store_loaded_bytes += len(keep) * self.spec.bytes_per_block
 
+    def _verified(self, key: bytes, header, digest: torch.Tensor) -> bool:
+        """Whether a chunk's MAC is this mesh's over its name, header and digest (counted if not)."""
+        assert self.mac is not None
+        signed, fp = header.signed_bytes(), self.store_fingerprint
+        ok = self.mac.verify(header.mac, fp, key, signed, _le_bytes(digest))
+        if not ok:
+            self._counters.store_verify_failures += 1
+            log.warning(
+                "kv store entry failed its MAC (forged, altered, swapped or unsigned): computing instead",
+                extra={"key": key.hex()[:16]},
+            )
+        return ok
+
+    def _verified_prefix(self, keys: list[bytes], headers: list, staged: torch.Tensor) -> int:
+        """How many leading chunks uploaded to `staged` verify: one digest GEMM on the device for
+        them all, then one wait for 64 bytes per 64 KiB; the first that fails ends the run (its
+        blocks and the rest are computed, as for a miss)."""
+        chunks = staged.view(len(keys), -1)  # each chunk's bytes, as its own row of elements
+        digests = kv_digest_batch(chunks, self._digest_key).cpu()
+        for i, (key, header) in enumerate(zip(keys, headers, strict=True)):
+            if not self._verified(key, header, digests[i]):
+                return i
+        return len(keys)
+
     def _chunk_tensor(self, entry: tuple, key: bytes) -> torch.Tensor | None:
         """The chunk's KV as [chunk_blocks, layers, 2, ...], or None if it is not what we expect."""
         got_key, header, payload = entry
@@ -448,9 +497,17 @@ class WorkerKVTiers:
         return flat.view(self.spec.dtype).view(want_shape)
 
     # ----- background puts -----
-    def _queue_put(self, key: bytes, data: torch.Tensor, ready: torch.cuda.Event | None, slot: int) -> None:
-        """Hand a chunk (host memory, complete once `ready` fires; staging `slot`) to the sender."""
-        self._puts.put((key, data, ready, slot))
+    def _queue_put(
+        self,
+        key: bytes,
+        data: torch.Tensor,
+        ready: torch.cuda.Event | None,
+        slot: int,
+        digest: torch.Tensor | None,
+    ) -> None:
+        """Hand a chunk (host memory, complete once `ready` fires; staging `slot`) to the sender,
+        with its MAC digest (host memory, landed with `ready`; None: the sender takes it)."""
+        self._puts.put((key, data, ready, slot, digest))
 
     def _send_puts(self) -> None:
         from kvstore_svc.entry import make_header  # the store's value format (no torch)
@@ -460,10 +517,12 @@ class WorkerKVTiers:
             item = self._puts.get()
             if item is None:
                 return
-            key, data, ready, slot = item
+            key, data, ready, slot, digest = item
             try:
                 if ready is not None:
                     ready.synchronize()  # the device-to-host copy has landed
+                if digest is None:
+                    digest = kv_digest(data, self._digest_key)
                 payload = memoryview(data.reshape(-1).view(torch.uint8).numpy())
                 header = make_header(
                     self.store_fingerprint,
@@ -473,7 +532,9 @@ class WorkerKVTiers:
                     self.chunk_blocks * self.spec.block_size,
                     payload,
                 )
-                assert self.store is not None
+                assert self.mac is not None and self.store is not None
+                tag = self.mac.tag(self.store_fingerprint, key, header.signed_bytes(), _le_bytes(digest))
+                header = dataclasses.replace(header, mac=tag)
                 self.store.put(self.store_fingerprint, [(key, header, payload)])
                 self._counters.store_put_chunks += 1
             except Exception as e:  # a put that fails costs a future hit, nothing more
@@ -499,6 +560,11 @@ class WorkerKVTiers:
     def close(self) -> None:
         if self._sender is not None:
             self._puts.put(None)
+
+
+def _le_bytes(digest: torch.Tensor) -> bytes:
+    """A digest's int32 words as little-endian bytes (what the MAC covers, on every host)."""
+    return digest.cpu().contiguous().numpy().astype("<i4", copy=False).tobytes()
 
 
 def block_index(block_ids: list[int], device: torch.device) -> torch.Tensor:

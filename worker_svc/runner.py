@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from services.kv_mac import KVMac
+from services.mesh_secret import client_key
 from services.sampling_params import SamplingParams
 from services.step import NewSequence, StepPlan, StepResult, TokenLogprobs, WorkerInfo
 from worker_svc.attention.base import AttentionMetadata
@@ -274,6 +276,7 @@ class ModelRunner:
             chunk_blocks=config.kv_chunk_tokens // bs,
             shards=self._kv_shards(),
             put_bytes=config.kv_store_put_bytes,
+            mac=self._kv_mac(config) if kv_store is not None else None,
         )
         self.sampler = Sampler(mc.vocab_size, self.device, seed=config.seed)
         self.proposer = self._make_proposer(self.spec)
@@ -309,6 +312,12 @@ class ModelRunner:
             )
             self._verify_graphs.capture()
         log.info("model runner ready", extra={"blocks": self.num_kv_blocks, "device": str(self.device)})
+
+    @staticmethod
+    def _kv_mac(config) -> KVMac:
+        """Store entries are signed and checked with the mesh secret (a service's resolved key;
+        offline, the one a client told nothing carries): the store and Redis are untrusted."""
+        return KVMac(getattr(config, "internal_key", None) or client_key())
 
     def _kv_shards(self) -> KVShardExchange | None:
         """With tensor parallelism, how the tiers reach the other ranks' heads of each block."""

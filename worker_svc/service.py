@@ -122,6 +122,12 @@ def _reachable_host(host: str) -> str:
 
 
 async def run(config: WorkerServiceConfig) -> None:
+    if config.kvstore_address and not config.internal_key:
+        # Mutual TLS without a key: nothing to sign KV entries with that the other workers share.
+        raise SystemExit(
+            "the KV store needs the mesh secret (LLMESH_INTERNAL_KEY or LLMESH_INTERNAL_KEY_FILE) to "
+            "sign and verify its entries, also under mutual TLS"
+        )
     worker_id = config.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     shorten_gil_switch_interval()  # steps run in a thread beside the gRPC event loop
     step_token = config.step_token or (secrets.token_hex(16) if config.scheduler else None)

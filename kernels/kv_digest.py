@@ -1,0 +1,82 @@
+"""A keyed digest of KV payloads, computed where the bytes already are (GPU or CPU), for their MAC.
+
+The KV store, its disk and Redis are untrusted storage, so an entry's MAC must be checked before
+its bytes reach a forward. A cryptographic hash of an 8k-token prefix of an 8B model (1 GiB) takes
+the CPU ~0.5 s; this digest takes the GPU about a millisecond, as one int8 GEMM over the bytes
+already uploaded, and leaves the host a few KiB to authenticate (services/kv_mac.py:
+HMAC-SHA256 over the digest). The construction is hash-then-MAC (a keyed almost-universal hash
+whose output only ever appears under HMAC, so the attacker never sees it):
+
+    the payload's bytes, zero-padded to whole rows of ROW_BYTES, as signed int8: A  [rows, ROW_BYTES]
+    a secret key matrix of non-zero int8 entries, derived from the MAC key:    K  [ROW_BYTES, LANES]
+    digest = A @ K, exact in int32 (|sum| <= 65536 * 128 * 127 < 2**31):      D  [rows, LANES]
+
+Two different payloads of the same (authenticated) length differ in some row; for one lane, fix
+every key entry but one where they differ: at most one value of it makes that lane agree, and it
+is drawn from 254 values with probability <= 2/256. The lanes are independent, so a payload chosen
+without knowing K collides with probability <= 2**-112. K never leaves the worker.
+
+`kv_digest` runs `torch._int_mm` (cuBLAS int8 GEMM on CUDA, a CPU int8 GEMM elsewhere); its twin
+`kv_digest_reference` is the same product in float64 (exact at these magnitudes). Both give the
+same int32 digest, so CPU and GPU workers agree on every entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+ROW_BYTES = 1 << 16  # bytes of payload per digest row: 64 KiB -> 64 bytes of digest
+LANES = 16  # int32 digest words per row: independent lanes of the bound above
+_MIN_ROWS = 17  # torch._int_mm wants more than 16 rows
+
+
+def digest_key(secret: bytes, device: torch.device | str = "cpu") -> torch.Tensor:
+    """K, [ROW_BYTES, LANES] int8 with no zero entry, expanded from `secret` by SHAKE-256."""
+    raw = hashlib.shake_256(b"llmesh kv digest key v1\x00" + secret).digest(ROW_BYTES * LANES)
+    v = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int16) % 254
+    k = torch.where(v < 127, v - 127, v - 126)  # 0..253 -> -127..-1, 1..127
+    return k.to(torch.int8).view(ROW_BYTES, LANES).contiguous().to(device)
+
+
+def digest_rows(num_bytes: int) -> int:
+    """Rows of digest (of LANES int32 words each) of a payload of `num_bytes`."""
+    return -(-num_bytes // ROW_BYTES)
+
+
+def _rows(payload: torch.Tensor) -> torch.Tensor:
+    """The payload's bytes as int8 rows of ROW_BYTES (zero-padded, at least _MIN_ROWS rows)."""
+    flat = payload.reshape(-1).view(torch.int8)
+    n = flat.numel()
+    rows = digest_rows(n)
+    if n == rows * ROW_BYTES and rows >= _MIN_ROWS:
+        return flat.view(rows, ROW_BYTES)  # no copy: the common case on the GPU (2 MiB blocks)
+    padded = torch.zeros(max(rows, _MIN_ROWS) * ROW_BYTES, dtype=torch.int8, device=flat.device)
+    padded[:n] = flat
+    return padded.view(-1, ROW_BYTES)
+
+
+def kv_digest(payload: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """D = rows(payload) @ key, [digest_rows(payload bytes), LANES] int32, on payload's device.
+
+    `payload`: any contiguous tensor (its bytes are digested); `key`: `digest_key` on the same device.
+    """
+    rows = digest_rows(payload.numel() * payload.element_size())
+    return torch._int_mm(_rows(payload), key)[:rows]
+
+
+def kv_digest_batch(chunks: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """The digests of equal-sized chunks, [n, rows, LANES]: one GEMM when each chunk is whole rows."""
+    n = chunks.shape[0]
+    chunk_bytes = chunks[0].numel() * chunks.element_size()
+    if chunk_bytes % ROW_BYTES or n * chunk_bytes // ROW_BYTES < _MIN_ROWS:
+        return torch.stack([kv_digest(c, key) for c in chunks])
+    return kv_digest(chunks, key).view(n, chunk_bytes // ROW_BYTES, LANES)
+
+
+def kv_digest_reference(payload: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """The twin of `kv_digest`: the same product in float64 on the CPU (exact below 2**53)."""
+    rows = digest_rows(payload.numel() * payload.element_size())
+    a = _rows(payload.cpu()).to(torch.float64)
+    return (a @ key.cpu().to(torch.float64)).to(torch.int32)[:rows]
