@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import os
 import random
+import secrets
 import shutil
 import subprocess
 import sys
@@ -154,24 +155,32 @@ def start_redis(stack: ExitStack) -> str:
         raise RuntimeError("redis-server is missing (`make setup` installs it)")
     port = free_port()
     workdir = stack.enter_context(tempfile.TemporaryDirectory())
+    password = secrets.token_urlsafe(16)  # the store refuses an anonymous Redis
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        + ["--dir", workdir],
+        + ["--dir", workdir, "--requirepass", password],
         stdout=subprocess.DEVNULL,
     )
     stack.callback(lambda: (proc.terminate(), proc.wait(10)))
     import redis
 
-    client = redis.Redis(host="127.0.0.1", port=port)
+    client = redis.Redis(host="127.0.0.1", port=port, password=password)
     deadline = time.monotonic() + 10
     while True:
         try:
             client.ping()
-            return f"redis://127.0.0.1:{port}/0"
+            return f"redis://:{password}@127.0.0.1:{port}/0"
         except redis.ConnectionError:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
+
+
+def skip_mac_checks(tiers) -> None:
+    """Load chunks without verifying their MACs: the benchmark's baseline for what the check costs
+    (the product has no such switch: the store is untrusted storage)."""
+    tiers._verified_prefix = lambda keys, headers, staged: len(keys)
+    tiers._verified = lambda key, header, digest: True
 
 
 def document_rows(args, engine_kw: dict, vocab: int, stack: ExitStack) -> list[tuple]:
@@ -222,21 +231,30 @@ def document_rows(args, engine_kw: dict, vocab: int, stack: ExitStack) -> list[t
 
     if args.skip_stores:
         return rows
-    # (row, the store, how the engine reaches a service: streamed over gRPC or through shared memory)
-    stores = [("store (in process)", lambda: open_kv_store(f"memory:{args.store_bytes}"), "off")]
-    stores.append(("store (memory, gRPC)", lambda: start_kvstore(stack, args.store_bytes), "off"))
+    # (row, the store, how the engine reaches a service: streamed over gRPC or through shared memory,
+    # whether the asker verifies the entries' MACs: off only to measure what they cost)
+    in_process = lambda: open_kv_store(f"memory:{args.store_bytes}")  # noqa: E731
+    stores = [("store (in process)", in_process, "off", True)]
+    stores.append(("store (memory, gRPC)", lambda: start_kvstore(stack, args.store_bytes), "off", True))
     stores.append(
         (
             "store (memory, shared memory segments)",
             lambda: start_kvstore(stack, args.store_bytes, "", "--no-memory-arena"),
             "on",
+            True,
         )
     )
     arena_store = lambda: start_kvstore(stack, args.store_bytes)  # noqa: E731
-    stores.append(("store (memory, in place: shared arena)", arena_store, "on"))
+    arena = "store (memory, in place: shared arena)"
+    if args.mac_off_too:  # the same path without verification, either side of the verified one
+        stores.append((arena + ", MACs off", arena_store, "on", False))
+    stores.append((arena, arena_store, "on", True))
+    if args.mac_off_too:
+        stores.append((arena + ", MACs off (again)", arena_store, "on", False))
     if not args.no_redis:
-        stores.append(("store (redis, gRPC)", lambda: start_kvstore(stack, 0, start_redis(stack)), "off"))
-    for name, make, shared in stores:
+        redis_store = lambda: start_kvstore(stack, 0, start_redis(stack))  # noqa: E731
+        stores.append(("store (redis, gRPC)", redis_store, "off", True))
+    for name, make, shared, verify in stores:
         store = make()
         path_kw = dict(kw, kv_store_shared_memory=shared, kv_store_segment_bytes=args.segment_bytes)
         writer = LLM(kv_store=store, **path_kw)
@@ -247,6 +265,8 @@ def document_rows(args, engine_kw: dict, vocab: int, stack: ExitStack) -> list[t
         del writer
         release()
         asker = LLM(kv_store=store, **path_kw)
+        if not verify:
+            skip_mac_checks(asker.engine.runner.kv_tiers)
         ttft(asker, warm_up)  # connects; a miss (computed, and put like any prompt)
         asker.engine.flush_kv()  # its puts are done before the loads are timed
         # Its store client has mapped and page-locked the arena or segments (done once, in the
@@ -366,6 +386,11 @@ def main() -> None:
     ap.add_argument("--store-bytes", type=int, default=4 << 30)
     ap.add_argument("--segment-bytes", type=int, default=128 << 20, help="each shared memory segment")
     ap.add_argument("--no-redis", action="store_true")
+    ap.add_argument(
+        "--mac-off-too",
+        action="store_true",
+        help="also time the in-place store path with MAC verification off, before and after the verified one",
+    )
     ap.add_argument("--chat-users", type=int, default=4)
     ap.add_argument("--chat-rounds", type=int, default=4)
     ap.add_argument("--chat-system", type=int, default=512)

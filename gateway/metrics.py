@@ -75,6 +75,10 @@ class SchedulerStatsCollector(Collector):
                 "llmesh:kv_store_failed_loads",
                 "Requests whose KV store loads failed and were computed instead",
             ),
+            "kv_verify_failures": (
+                "llmesh:kv_store_verify_failures",
+                "KV store chunks refused because their MAC did not verify (forged, altered or swapped)",
+            ),
             # Speculative decoding, as vLLM's spec_decode counters.
             "spec_num_drafts": ("llmesh:spec_decode_num_drafts", "Verifications that carried draft tokens"),
             "spec_num_draft_tokens": ("llmesh:spec_decode_num_draft_tokens", "Draft tokens verified"),

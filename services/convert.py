@@ -339,6 +339,7 @@ def step_result_to_proto(result: StepResult) -> worker_pb2.StepResult:
         failed_load_seq_ids=result.failed_load_seq_ids,
         draft_seq_ids=result.draft_seq_ids,
         num_draft_tokens=result.num_draft_tokens,
+        kv_verify_failures=result.kv_verify_failures,
     )
     if len(result.draft_seq_ids) != len(result.num_draft_tokens):
         raise ValueError("StepResult: draft_seq_ids and num_draft_tokens differ in length")
@@ -365,6 +366,7 @@ def step_result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
         failed_load_seq_ids=list(msg.failed_load_seq_ids),
         draft_seq_ids=list(msg.draft_seq_ids),
         num_draft_tokens=list(msg.num_draft_tokens),
+        kv_verify_failures=msg.kv_verify_failures,
     )
 
 

@@ -144,6 +144,8 @@ class StepResult:
     # verify up to num_draft_tokens[i] tokens for draft_seq_ids[i]. Absent: none proposed.
     draft_seq_ids: list[str] = field(default_factory=list)
     num_draft_tokens: list[int] = field(default_factory=list)
+    # Store chunks of this step's loads whose MAC failed (each a miss; services/kv_mac.py).
+    kv_verify_failures: int = 0
 
 
 @dataclass

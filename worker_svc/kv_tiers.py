@@ -203,6 +203,11 @@ class WorkerKVTiers:
                 c.store_load_failures += 1
         return failed
 
+    @property
+    def verify_failures(self) -> int:
+        """Store chunks refused so far because their MAC did not verify."""
+        return self._counters.store_verify_failures
+
     def take_layer_events(self) -> list[torch.cuda.Event] | None:
         """The last plan's host load, one event per layer that fires once that layer's blocks are
         in the cache (None: nothing loading on the side). The caller's forward must wait on

@@ -399,9 +399,11 @@ class ModelRunner:
         self, plan: StepPlan, order: list[tuple[SequenceState, int]], result: StepResult
     ) -> list[tuple[SequenceState, int]]:
         """Do the plan's KV moves; a sequence whose store chunks could not be had computes them now."""
+        refused = self.kv_tiers.verify_failures
         failed = self.kv_tiers.apply(plan.kv, lambda seq_id, block: self.seqs[seq_id].block_ids.index(block))
         if not failed:
             return order
+        result.kv_verify_failures = self.kv_tiers.verify_failures - refused
         result.failed_load_seq_ids = list(failed)
         bs = self.config.block_size
         redone = []

@@ -143,3 +143,45 @@ def test_saves_and_host_loads_never_synchronize_the_host() -> None:
     torch.cuda.synchronize()
     assert torch.equal(blocks_of(tiers, [40, 41, 42]), want)
     assert tiers.counters.host_load_seconds > 0
+
+
+def test_the_device_digest_is_its_twin_at_an_8b_chunk() -> None:
+    """One 256-token chunk of Llama-3.1-8B (32 MiB of bf16) and a padded odd size, GPU vs float64."""
+    from kernels.kv_digest import digest_key, kv_digest, kv_digest_batch, kv_digest_reference
+
+    key = digest_key(b"gpu test secret")
+    chunk = torch.randn(16, 32, 2, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(kv_digest(chunk, key.cuda()).cpu(), kv_digest_reference(chunk, key))
+    odd = torch.randint(0, 256, (3 * 65536 + 77,), device="cuda", dtype=torch.uint8)
+    assert torch.equal(kv_digest(odd, key.cuda()).cpu(), kv_digest_reference(odd, key))
+    two = torch.stack([chunk, chunk + 1])
+    assert torch.equal(kv_digest_batch(two, key.cuda())[1].cpu(), kv_digest_reference(chunk + 1, key))
+
+
+def test_a_tampered_chunk_is_never_scattered_on_the_device() -> None:
+    """The batched CUDA load: chunk a verifies, chunk b (altered payload, valid checksum) does not."""
+    import dataclasses
+
+    from kvstore_svc.entry import checksum
+
+    store = open_kv_store("memory:100000000")
+    tiers = make_tiers(store, chunk_blocks=4)
+    ids = [1, 2, 3, 4, 10, 11, 12, 13]
+    want = blocks_of(tiers, ids[:4]).clone()
+    tiers.apply(
+        KVTransfers(store_puts=[StorePut(b"a" * 32, ids[:4]), StorePut(b"b" * 32, ids[4:])]), lambda s, b: 0
+    )
+    tiers.flush()
+    fp = tiers.store_fingerprint
+    ((_, header, payload),) = store.get(fp, [b"b" * 32])
+    altered = bytearray(payload)
+    altered[100] ^= 0x40
+    store.put(fp, [(b"c" * 32, dataclasses.replace(header, checksum=checksum(altered)), bytes(altered))])
+    targets = [40, 41, 42, 43, 50, 51, 52, 53]
+    before = blocks_of(tiers, targets[4:]).clone()
+    load = StoreLoad("s", [b"a" * 32, b"c" * 32], targets)
+    failed = tiers.apply(KVTransfers(store_loads=[load]), lambda s, b: targets.index(b))
+    assert failed == {"s": 4}
+    assert tiers.counters.store_verify_failures == 1
+    assert torch.equal(blocks_of(tiers, targets[:4]), want)
+    assert torch.equal(blocks_of(tiers, targets[4:]), before)
