@@ -149,13 +149,13 @@ def test_the_device_digest_is_its_twin_at_an_8b_chunk() -> None:
     """One 256-token chunk of Llama-3.1-8B (32 MiB of bf16) and a padded odd size, GPU vs float64."""
     from kernels.kv_digest import digest_key, kv_digest, kv_digest_batch, kv_digest_reference
 
-    key = digest_key(b"gpu test secret")
+    key, on_gpu = digest_key(b"gpu test secret"), digest_key(b"gpu test secret", "cuda")
     chunk = torch.randn(16, 32, 2, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
-    assert torch.equal(kv_digest(chunk, key.cuda()).cpu(), kv_digest_reference(chunk, key))
+    assert torch.equal(kv_digest(chunk, on_gpu).cpu(), kv_digest_reference(chunk, key))
     odd = torch.randint(0, 256, (3 * 65536 + 77,), device="cuda", dtype=torch.uint8)
-    assert torch.equal(kv_digest(odd, key.cuda()).cpu(), kv_digest_reference(odd, key))
+    assert torch.equal(kv_digest(odd, on_gpu).cpu(), kv_digest_reference(odd, key))
     two = torch.stack([chunk, chunk + 1])
-    assert torch.equal(kv_digest_batch(two, key.cuda())[1].cpu(), kv_digest_reference(chunk + 1, key))
+    assert torch.equal(kv_digest_batch(two, on_gpu)[1].cpu(), kv_digest_reference(chunk + 1, key))
 
 
 def test_a_tampered_chunk_is_never_scattered_on_the_device() -> None:
