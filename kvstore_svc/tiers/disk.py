@@ -43,7 +43,8 @@ class DiskTier:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.root = Path(directory)
         self.capacity_bytes = capacity_bytes
-        self.root.mkdir(parents=True, exist_ok=True)
+        # Only this user: KV bytes reveal prompts, and file names (chunk keys) say which were sent.
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._lock_file = self._take_dir_lock()
         self._index: OrderedDict[EntryKey, int] = OrderedDict()  # key -> file size, oldest first
         self._used = 0
@@ -107,7 +108,7 @@ class DiskTier:
     def _ensure_dir(self, key: EntryKey) -> None:
         name = key.fingerprint.hex()
         if name not in self._made_dirs:
-            (self.root / name).mkdir(exist_ok=True)
+            (self.root / name).mkdir(mode=0o700, exist_ok=True)
             self._made_dirs.add(name)
 
     def _unlink(self, path: str | Path) -> None:
@@ -165,7 +166,7 @@ class DiskTier:
         tmp = path.with_name(f"{path.stem}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}")
         try:
             self._ensure_dir(key)
-            with open(tmp, "wb") as f:
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
                 f.write(blob)
         except OSError as e:
             self._counters.add("errors")

@@ -25,6 +25,16 @@ def test_entries_are_files_named_by_hex_key(tmp_path):
     assert not list(tmp_path.rglob("*.tmp"))  # written to a temp file, renamed into place
 
 
+def test_only_the_stores_user_reads_the_folders_and_files(tmp_path):
+    """KV bytes reveal prompts and file names (chunk keys) say which were sent."""
+    root = tmp_path / "kv"
+    tier = DiskTier(root, 10_000)
+    assert tier.put(k(1), b"hello")
+    assert root.stat().st_mode & 0o777 == 0o700
+    assert (root / FP.hex()).stat().st_mode & 0o777 == 0o700
+    assert next((root / FP.hex()).glob("*.kv")).stat().st_mode & 0o777 == 0o600
+
+
 def test_budget_evicts_least_recently_used_and_deletes_their_files(tmp_path):
     tier = DiskTier(tmp_path, 300)
     for i in range(3):
