@@ -262,7 +262,9 @@ class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
             max_logprobs=self.max_logprobs,
             has_tokenizer=self.tokenizer is not None,
             num_workers=len(self.mesh.workers),
-            num_ready_workers=len(self.mesh.workers),
+            # Ready = a request would be served now: a connected worker, and no tokenizer pending
+            # (Generate answers UNAVAILABLE meanwhile), as the gRPC health says.
+            num_ready_workers=0 if self.tokenizer_pending and self.tokenizer is None else self._connected(),
         )
         if info is not None:
             msg.max_model_len = info.max_model_len
@@ -270,6 +272,9 @@ class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
             msg.eos_token_ids.extend(info.eos_token_ids)
             msg.block_size = info.block_size
         return msg
+
+    def _connected(self) -> int:
+        return sum(1 for slot in self.mesh.workers.values() if slot.connected)
 
     async def GetModelInfo(self, request, context):
         if request.model and request.model != self.card.name:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -155,7 +156,7 @@ class FakeMesh:
 
     def __init__(self, fail_on: dict[int, Exception] | None = None) -> None:
         self.model_info = WorkerInfo("m", b"f", 16, 100, 64, 1000, [2])
-        self.workers = {"w": object()}
+        self.workers = {"w": SimpleNamespace(connected=True)}
         self.fail_on = fail_on or {}
         self.submitted: list[tuple[str, SamplingParams]] = []
         self.aborted: list[str] = []
