@@ -18,13 +18,17 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import openai
 import pytest
 import yaml
 
+from services.grpc_server import PLAINTEXT, ChannelSecurity
 from services.healthcheck import check, target_of_command
 from services.launcher import free_port
+from services.mesh_secret import ENV_KEY
 from tests.helpers.redis_server import RedisServer
+from tests.integration.test_zero_trust import call_empty, proto_services
 
 COMPOSE = Path(__file__).resolve().parents[2] / "deploy" / "docker-compose.yml"
 DEFAULT_PROFILE_ORDER = ("convert", "kvstore", "scheduler", "worker", "gateway")
@@ -121,6 +125,29 @@ def _loopback_commands(
     return out
 
 
+def _without_session_key(environ) -> dict[str, str]:
+    """The test session's environment without its mesh secret (tests/conftest.py sets one)."""
+    return {k: v for k, v in environ.items() if k != ENV_KEY}
+
+
+def _assert_internal_rpcs_need_the_secret(plan: dict, key_file: Path) -> None:
+    """Every internal RPC of the stack refuses a stranger, and answers the generated secret."""
+    address = {
+        name: target_of_command(plan[name][0], {**os.environ, **plan[name][1]}).address
+        for name in ("scheduler", "worker", "kvstore")
+    }
+    hosts = {"llmesh.v1.Registry": "scheduler", "llmesh.v1.Worker": "worker", "llmesh.v1.KVStore": "kvstore"}
+    internal = [
+        (address[hosts[svc]], m) for svc, methods in proto_services().items() if svc in hosts for m in methods
+    ]
+    assert len(internal) >= 10, internal
+    refused = {m.full_name: call_empty(a, m, PLAINTEXT) for a, m in internal}
+    assert set(refused.values()) == {grpc.StatusCode.UNAUTHENTICATED}, refused
+    key = ChannelSecurity(key=key_file.read_text().strip())
+    answered = {m.full_name: call_empty(a, m, key) for a, m in internal}
+    assert grpc.StatusCode.UNAUTHENTICATED not in answered.values(), answered
+
+
 def _wait(what: str, ready, proc: subprocess.Popen, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -162,7 +189,7 @@ def test_the_compose_services_serve_a_request_with_their_own_flags(tmp_path) -> 
             log = open(tmp_path / f"{name}.log", "wb")  # noqa: SIM115 - the child holds it
             procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "services.cli", *command],
-                env={**os.environ, **env},
+                env={**_without_session_key(os.environ), **env},  # the key comes from the secrets file
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
@@ -175,6 +202,7 @@ def test_the_compose_services_serve_a_request_with_their_own_flags(tmp_path) -> 
         )
         assert resp.usage.completion_tokens >= 1 and resp.choices[0].message.content
         _assert_redis_is_locked(redis_server)
+        _assert_internal_rpcs_need_the_secret(plan, secrets / "internal-key")
     except BaseException:
         for f in sorted(tmp_path.glob("*.log")):
             print(f"--- {f.name} ---\n{f.read_text(errors='replace')[-2000:]}")
