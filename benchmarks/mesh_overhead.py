@@ -57,7 +57,7 @@ def main() -> None:
 
     from llmesh import LLM, SamplingParams
     from services.launcher import start_mesh
-    from worker_svc.model_files import resolve_model
+    from services.model_files import resolve_model
     from worker_svc.models.config import ModelConfig
 
     path = resolve_model(None)

@@ -113,7 +113,7 @@ def main() -> None:
     ap.add_argument("--skip-transformers", action="store_true")
     args = ap.parse_args()
 
-    from worker_svc.model_files import resolve_model
+    from services.model_files import resolve_model
     from worker_svc.models.config import ModelConfig
 
     path = resolve_model(args.model)

@@ -161,8 +161,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from llmesh import LLM
+    from services.model_files import resolve_model
     from worker_svc.loader import load_tokenizer
-    from worker_svc.model_files import resolve_model
 
     smol = resolve_model(args.smollm2, None)
     hf = load_tokenizer(smol)

@@ -11,7 +11,7 @@ from typing import Any
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from worker_svc.model_files import resolve_model
+    from services.model_files import resolve_model
 
     print(resolve_model(args.model, args.cache_dir))
     return 0

@@ -20,8 +20,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from services.model_files import resolve_model
 from worker_svc.attention.base import AttentionBackend
-from worker_svc.model_files import resolve_model
 from worker_svc.models.config import ModelConfig
 from worker_svc.models.registry import get_model_class
 from worker_svc.parallel import TensorParallel, check_shardable

@@ -22,13 +22,13 @@ import time
 import numpy as np
 import torch
 
+from services.model_files import default_cache_dir
 from worker_svc.attention.base import AttentionMetadata
 from worker_svc.config import WorkerConfig
 from worker_svc.decode_gemms import choose_decode_gemms
 from worker_svc.kv_cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
 from worker_svc.kv_shards import serve_gather, serve_scatter
 from worker_svc.loader import load_model
-from worker_svc.model_files import default_cache_dir
 from worker_svc.parallel import TensorParallel, backend_for, open_group
 from worker_svc.rank_channel import KV_GATHER, KV_SCATTER, STEP, STOP, ForwardInputs, read_message
 from worker_svc.rank_group import joined_key

@@ -89,7 +89,7 @@ def _llmesh_environment_names() -> set[str]:
     """Every LLMESH_* variable some service reads: LLMESH_<SERVICE>_<FIELD>, LLMESH_<FIELD>."""
     import importlib
 
-    names = {"LLMESH_CACHE"}  # read by worker_svc.model_files, not a config field
+    names = {"LLMESH_CACHE"}  # read by services.model_files, not a config field
     for service, (module, cls_name) in SERVICE_CONFIGS.items():
         cls = getattr(importlib.import_module(module), cls_name)
         for f in dataclasses.fields(cls):

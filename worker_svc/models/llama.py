@@ -51,7 +51,10 @@ from worker_svc.parallel import TensorParallel
 
 
 def compute_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """RoPE inverse frequencies [head_dim/2] in fp32, exactly as transformers computes them."""
+    """RoPE inverse frequencies [head_dim/2] in fp32, exactly as transformers computes them.
+
+    services/model_files.py's `rope_inv_freq` is its numpy twin (the GGUF converter checks
+    llama.cpp's rope_freqs without torch); change both together."""
     dim = config.head_dim
     base = config.rope_theta
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))

@@ -21,6 +21,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -304,6 +305,34 @@ def _hf_config(
     return AutoConfig.for_model(arch, **kwargs)
 
 
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> np.ndarray:
+    """RoPE inverse frequencies [head_dim/2] in fp32, plain or Llama 3 scaled.
+
+    The numpy twin of worker_svc/models/llama.py's `compute_inv_freq` (torch), kept here so
+    this module imports no torch; tests/unit/services/test_model_files.py compares the two.
+    Change both together.
+    """
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    inv_freq = (np.float32(1.0) / (np.float32(theta) ** exponents)).astype(np.float32)
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] != "llama3":
+        raise NotImplementedError(f"rope type {scaling['rope_type']!r}")
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = (2 * math.pi / inv_freq).astype(np.float32)
+    # Long wavelengths are divided by `factor`, short ones kept, the band between blended.
+    inv_freq_llama = np.where(wavelen > low_freq_wavelen, inv_freq / np.float32(factor), inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * inv_freq_llama / np.float32(factor) + smooth * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return np.where(is_medium, smoothed, inv_freq_llama).astype(np.float32)
+
+
 def _rope_scaling(
     meta: dict[str, Any], arch: str, head_dim: int, theta: float, ctx: int, rope_freqs: np.ndarray | None
 ) -> dict[str, Any] | None:
@@ -311,9 +340,6 @@ def _rope_scaling(
     if rope_freqs is not None:
         # llama.cpp bakes Llama 3's rope scaling into per-frequency divisors. Recover the
         # config that produces them (Meta's low/high factors are always 1 and 4) and check it.
-        from worker_svc.models.config import ModelConfig
-        from worker_svc.models.llama import compute_inv_freq
-
         orig = int(meta.get(f"{arch}.rope.scaling.original_context_length", 8192))
         scaling = {
             "rope_type": "llama3",
@@ -322,10 +348,7 @@ def _rope_scaling(
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": orig,
         }
-        probe = ModelConfig("x", 1, 1, 1, 1, 1, 1, head_dim, rope_theta=theta, rope_scaling=None)
-        plain = compute_inv_freq(probe)
-        probe.rope_scaling = scaling
-        expected = (plain / compute_inv_freq(probe)).numpy()
+        expected = rope_inv_freq(head_dim, theta) / rope_inv_freq(head_dim, theta, scaling)
         if expected.shape != rope_freqs.shape or not np.allclose(expected, rope_freqs, rtol=1e-3):
             raise NotImplementedError("GGUF rope_freqs do not match Llama 3 rope scaling")
         return scaling
