@@ -10,7 +10,6 @@ that call until the caller's `consume` returns.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 from collections.abc import Callable, Sequence
 
@@ -21,6 +20,7 @@ from kvstore_svc.entry import CorruptEntry, EntryHeader, check_payload, header_f
 from kvstore_svc.shm import Region, Segment, SegmentPool, align, copy_into
 from kvstore_svc.wire import EntryIn
 from llmesh.v1 import kvstore_pb2
+from services.mesh_secret import is_loopback as host_is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +42,7 @@ def is_loopback(address: str) -> bool:
     """Whether a gRPC target names this host: a loopback IP, localhost, or a unix socket."""
     if address.startswith("unix:"):
         return True
-    host = address.rsplit(":", 1)[0] if ":" in address else address
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return host_is_loopback(address.rsplit(":", 1)[0] if ":" in address else address)
 
 
 def wants_shared(mode: str, address: str, root: str = shm.SHM_DIR) -> bool:
