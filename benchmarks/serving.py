@@ -447,7 +447,7 @@ def gpu_model(root: str, tokenizer_dir: str | None) -> str:
         for name in os.listdir(tokenizer_dir):
             shutil.copy(os.path.join(tokenizer_dir, name), path)
     else:
-        from worker_svc.loader import load_tokenizer
+        from services.model_files import load_tokenizer
 
         load_tokenizer(None).save_pretrained(path)
     return path
@@ -511,12 +511,16 @@ def main() -> None:
     ap.add_argument("--skip-engine", action="store_true", help="do not run the in-process engine")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="write table.txt and results.json here")
+    ap.add_argument("--smoke", action="store_true", help="a few tiny requests, both paths, one level (make test)")
     args = ap.parse_args()
+    if args.smoke:
+        args.concurrency, args.num_requests, args.min_requests, args.client_procs = "2", 4, 4, 1
+        args.prompt_len, args.output_len, args.timeout, args.api_server_count = 8, 4, 120.0, "1"
     if args.serve_fake_scheduler is not None:
         serve_fake_scheduler(args.serve_fake_scheduler, args.fake_step_ms)
         return
     if args.save_tokenizer is not None:
-        from worker_svc.loader import load_tokenizer
+        from services.model_files import load_tokenizer
 
         load_tokenizer(None).save_pretrained(args.save_tokenizer)
         return
@@ -630,6 +634,8 @@ def main() -> None:
             f.write(text + "\n")
         with open(os.path.join(args.out, "serving_results.json"), "w") as f:
             json.dump(result, f, indent=2)
+    if args.smoke and (not rows or any(r["failed"] for r in rows)):
+        sys.exit("smoke: a path failed requests (or ran none)")
 
 
 def bench_engine(prompts: list[list[int]], args: argparse.Namespace, model: str | None) -> dict[str, Any]:

@@ -49,14 +49,14 @@ def _walk(fill, accept, stopped, mask, vocab: int, rng: random.Random, steps: in
     return times
 
 
-def compile_section(hf: Any) -> list[tuple[str, str]]:
+def compile_section(hf: Any, num_schemas: int | None = None) -> list[tuple[str, str]]:
     import llguidance
     import llguidance.hf
     import llguidance.torch as lt
 
     from services.structured_outputs import StructuredOutputs, parser_limits
 
-    schemas = json.loads(SCHEMAS.read_text())
+    schemas = json.loads(SCHEMAS.read_text())[:num_schemas]
     rows = []
     t = time.perf_counter()
     tok = llguidance.hf.from_tokenizer(hf, n_vocab=V_SMOL)
@@ -110,7 +110,7 @@ def _stats(name: str, comp: list[float], masks: list[float]) -> list[tuple[str, 
     ms = sorted(masks)
     return [
         (
-            f"{name} compile per schema (20)",
+            f"{name} compile per schema ({len(comp)})",
             f"median {statistics.median(comp) * 1e3:.2f} ms, max {max(comp) * 1e3:.2f} ms",
         ),
         (
@@ -158,17 +158,20 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--sections", default="compile,steps")
     ap.add_argument("--smollm2", default=None, help="SmolLM2 .gguf or folder (default: the embedded package)")
+    ap.add_argument("--smoke", action="store_true", help="3 schemas, batch 2, 4 tokens (make test)")
     args = ap.parse_args()
+    num_schemas = None
+    if args.smoke:
+        num_schemas, args.batch, args.tokens, args.reps = 3, [2], 4, 1
 
     from llmesh import LLM
-    from services.model_files import resolve_model
-    from worker_svc.loader import load_tokenizer
+    from services.model_files import load_tokenizer, resolve_model
 
     smol = resolve_model(args.smollm2, None)
     hf = load_tokenizer(smol)
     rows: list[tuple[str, str]] = []
     if "compile" in args.sections:
-        rows += compile_section(hf)
+        rows += compile_section(hf, num_schemas)
     if "steps" in args.sections:
         kw: dict[str, Any] = dict(device=args.device, max_num_seqs=max(args.batch), max_model_len=1024)
         tmp = None

@@ -126,7 +126,7 @@ class GatewayState:
 
 
 def _load_tokenizer(source: str | None, cache_dir: str | None):
-    from worker_svc.loader import load_tokenizer
+    from services.model_files import load_tokenizer
 
     if source is not None and not os.path.exists(source):
         log.warning("model path not found here; trying it as given", extra={"model": source})

@@ -14,9 +14,9 @@ from llmesh.engine import EngineConfig, LLMEngine
 from scheduler_svc.prefix_hash import check_salt
 from scheduler_svc.request import RequestDelta
 from services.choices import ChoiceState, FanOut, fit_max_tokens
+from services.model_files import load_tokenizer
 from services.sampling_params import SamplingParams
 from services.step import TokenLogprobs
-from worker_svc.loader import load_tokenizer
 
 Prompt = str | list[int] | dict[str, Any]
 

@@ -89,7 +89,7 @@ class SchedulerServiceConfig(ServerConfig, PlannerConfig, RequestLimits):
 
 def load_tokenizer_and_bound(config: SchedulerServiceConfig) -> tuple[Any, int]:
     """The tokenizer (or None) and its longest token's characters: a vocabulary walk, so in a thread."""
-    from worker_svc.loader import load_tokenizer
+    from services.model_files import load_tokenizer
 
     tokenizer = load_tokenizer(config.model, config.cache_dir)
     return tokenizer, longest_token_chars(tokenizer) if tokenizer is not None else 0

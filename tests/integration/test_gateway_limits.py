@@ -52,7 +52,7 @@ def roomy_gateway(gateway_mesh, tmp_path_factory) -> str:
 def _prompt_chars(url: str) -> int:
     """The gateway's character limit for text prompts (what it refuses without tokenizing)."""
     from services.limits import longest_token_chars, prompt_char_limit
-    from worker_svc.loader import load_tokenizer
+    from services.model_files import load_tokenizer
 
     max_model_len = httpx.get(f"{url}/v1/models").json()["data"][0]["max_model_len"]
     return prompt_char_limit(max_model_len, longest_token_chars(load_tokenizer(None)))

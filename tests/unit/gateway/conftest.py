@@ -26,7 +26,7 @@ MODEL = "fake-model"
 
 @pytest.fixture(scope="session")
 def hf_tokenizer() -> Any:
-    from worker_svc.loader import load_tokenizer
+    from services.model_files import load_tokenizer
 
     return load_tokenizer(None)
 

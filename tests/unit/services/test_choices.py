@@ -38,7 +38,7 @@ INT64_MAX = 2**63 - 1
 
 @pytest.fixture(scope="module")
 def hf():
-    from worker_svc.loader import load_tokenizer
+    from services.model_files import load_tokenizer
 
     return load_tokenizer(None)
 

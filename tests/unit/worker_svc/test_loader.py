@@ -15,10 +15,10 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from services.model_files import convert_gguf, resolve_model
+from services.model_files import convert_gguf, load_tokenizer, resolve_model
 from tests.helpers.paged import PagedKV
 from tests.helpers.tiny_models import make_tiny_model
-from worker_svc.loader import load_model, load_tokenizer, model_fingerprint, safetensors_files
+from worker_svc.loader import load_model, model_fingerprint, safetensors_files
 from worker_svc.models import ModelConfig
 from worker_svc.models.llama import compute_inv_freq
 

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
+from services.model_files import load_tokenizer
 from services.sampling_params import SamplingParams
 from services.structured_outputs import StructuredOutputs
-from worker_svc.loader import load_tokenizer
 from worker_svc.sampler import Sampler, SamplingRow
 from worker_svc.structured import StructuredOutputManager
 
