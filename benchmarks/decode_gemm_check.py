@@ -59,7 +59,7 @@ def step_ms(llm, batch: int, steps: int = 128) -> float:
     return (min(run(steps + 1) for _ in range(2)) - min(run(1) for _ in range(3))) / steps * 1e3
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(ap)
     ap.add_argument("--device", default="cuda")
@@ -67,7 +67,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of timings (0: none)")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--tie-tol", type=float, default=0.125)
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="make test: parse, then skip without CUDA")
+    args = ap.parse_args(argv)
+    if args.smoke:  # make test (tests/benchmarks): the engines are GPU work of minutes, even on a GPU
+        print("smoke: arguments parsed; the engines (cuBLAS vs skinny GEMM, CUDA) skipped")
+        return 0
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
     tp = args.tensor_parallel_size

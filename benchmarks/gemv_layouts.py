@@ -1,12 +1,16 @@
 """M-row GEMMs of decode shapes: `linear(x, W)` against `mm(x, W^T stored K-major)`, in CUDA graphs.
 
     python3 benchmarks/gemv_layouts.py     # ~30 s on an H100
+    python3 benchmarks/gemv_layouts.py --smoke   # one tiny shape on the CPU, wall-clock timed (make test)
 
 Each cell rotates over enough weight copies (>= 200 MB) that L2 never holds them; GB/s is weight
 bytes over time, to read against the D2D copy bandwidth of `benchmarks/gpu.py`.
 """
 
 from __future__ import annotations
+
+import argparse
+import time
 
 import torch
 import torch.nn.functional as F
@@ -26,9 +30,14 @@ SHAPES = {
 }
 
 
-def per_call_us(fn, reps: int = 12) -> float:
+def per_call_us(fn, reps: int = 12, device: str = "cuda") -> float:
     for _ in range(2):
         fn()
+    if device == "cpu":  # --smoke: no graphs, no events; a wall-clock mean
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t0) / reps * 1e6
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -54,20 +63,29 @@ def rotating(op, x: torch.Tensor, weights: list[torch.Tensor]):
     return call
 
 
-def main() -> None:
+SMOKE_SHAPES = {"tiny": (64, 96)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="one tiny shape on the CPU (checks the code runs)")
+    args = ap.parse_args(argv)
+    device = "cpu" if args.smoke else "cuda"
+    shapes, ms, min_bytes = (SMOKE_SHAPES, (1, 4), 0) if args.smoke else (SHAPES, (1, 4, 16, 64), 200e6)
     print("| shape | M | linear us | GB/s | mm(K-major) us | GB/s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for name, (k, n) in SHAPES.items():
-        copies = max(2, int(200e6 // (k * n * 2)) + 1)
-        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    for name, (k, n) in shapes.items():
+        copies = max(2, int(min_bytes // (k * n * 2)) + 1)
+        weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(copies)]
         k_major = [w.t().contiguous() for w in weights]
-        for m in (1, 4, 16, 64):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            a = per_call_us(rotating(F.linear, x, weights))
-            b = per_call_us(rotating(torch.mm, x, k_major))
+        for m in ms:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            a = per_call_us(rotating(F.linear, x, weights), device=device)
+            b = per_call_us(rotating(torch.mm, x, k_major), device=device)
             gb = k * n * 2 / 1e3
             print(f"| {name} | {m} | {a:.1f} | {gb / a:.0f} | {b:.1f} | {gb / b:.0f} |", flush=True)
         del weights, k_major
+
 
 if __name__ == "__main__":
     main()

@@ -53,7 +53,10 @@ def main() -> None:
     ap.add_argument("--output", type=int, nargs=2, default=(16, 64))
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="4 short requests (make test)")
     args = ap.parse_args()
+    if args.smoke:
+        args.num_requests, args.prompt, args.output = 4, (8, 16), (4, 8)
 
     from llmesh import LLM, SamplingParams
     from services.launcher import start_mesh
@@ -81,10 +84,13 @@ def main() -> None:
     llm.generate([{"prompt_token_ids": p} for p, _ in reqs], params, use_tqdm=False)
     local_dt = time.perf_counter() - t0
     local_steps = llm.engine.num_steps - steps0
+    llm.engine.close()  # its threads too: left running, they took CPU from the mesh's worker
     del llm
 
     with tempfile.TemporaryDirectory() as logs:
-        with start_mesh(1, scheduler_args=["--max-num-seqs", str(args.max_num_seqs)], log_dir=logs) as mesh:
+        sched_args = ["--max-num-seqs", str(args.max_num_seqs)]
+        worker_args = ["--kv-cache-memory", str(128 << 20)] if args.smoke else []
+        with start_mesh(1, scheduler_args=sched_args, worker_args=worker_args, log_dir=logs) as mesh:
             mesh_dt, mesh_tokens = asyncio.run(run_mesh_clients(mesh.scheduler.address, reqs))
             from llmesh.v1 import worker_pb2, worker_pb2_grpc
             from services.grpc_server import open_sync_channel

@@ -1,6 +1,7 @@
 """A worker service without a model: the real Step stream, a runner that samples instantly.
 
     python benchmarks/null_worker.py --host 127.0.0.1 --port P --scheduler HOST:PORT [--max-num-seqs N]
+    python benchmarks/null_worker.py --smoke     # plans through the worker's StepPipeline, no service
 
 It registers with the scheduler like `llmesh worker` and answers every plan at once with one
 token per sequence that reaches its end (token ids cycle through the vocabulary), so a
@@ -32,8 +33,11 @@ class _Seq:
 
 @dataclass
 class _Launched:
+    """What `StepPipeline` reads of a `LaunchedStep`: no device work, so nothing to wait on."""
+
     result: StepResult
     sampling: list[str] = field(default_factory=list)
+    sampled: None = None  # `LaunchedStep.sampled`; None: `pending_event` has no event to await
 
 
 class NullRunner:
@@ -98,7 +102,37 @@ class NullRunner:
         return result
 
 
+def smoke() -> int:
+    """Plans through the worker's own `StepPipeline` (what the Step servicer drives), no service:
+    two sequences prefill, then decode three steps, each launched before the previous is read."""
+    from services.sampling_params import SamplingParams
+    from services.step import NewSequence, ScheduledSequence
+    from worker_svc.pipeline import StepPipeline
+
+    pipeline = StepPipeline(NullRunner(WorkerConfig()))  # type: ignore[arg-type]
+    ids = ["a", "b"]
+    plans = [StepPlan(step_id=1, new_seqs=[
+        NewSequence(i, [5, 6, 7, 8], 4, [n], 0, 4, SamplingParams(max_tokens=4)) for n, i in enumerate(ids)
+    ])]  # fmt: skip
+    plans += [StepPlan(step_id=s, scheduled=[ScheduledSequence(i, 1) for i in ids]) for s in (2, 3, 4)]
+    results = []
+    for plan in plans:
+        results += pipeline.push(plan)
+        # What the servicer reads between plans (`_arrives_first`): None, nothing to await.
+        assert pipeline.pending_event is None
+    results += pipeline.flush()
+    print(f"{'step':>5}  sequences  tokens")
+    for r in results:
+        assert not isinstance(r, Exception), r
+        print(f"{r.step_id:>5}  {','.join(r.seq_ids):>9}  {r.token_ids}")
+    ok = [r.step_id for r in results] == [1, 2, 3, 4] and all(r.seq_ids == ids for r in results)
+    print(f"every plan answered with one token per sequence: {'yes' if ok else 'NO'}")
+    return 0 if ok else 1
+
+
 def main() -> int:
+    if "--smoke" in sys.argv[1:]:
+        return smoke()
     import worker_svc.service as service
 
     service.ModelRunner = NullRunner  # type: ignore[misc, assignment]

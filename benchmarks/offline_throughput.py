@@ -111,13 +111,21 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="4 short requests, llmesh only (make test)")
     args = ap.parse_args()
+    prompt_len, output_len = (32, 512), (16, 128)  # make_workload's defaults
+    if args.smoke:
+        args.num_requests, prompt_len, output_len = 4, (8, 16), (4, 8)
+        if not args.skip_transformers:  # importing transformers and its generate: ~35 s of a 2-core CPU
+            print("smoke: the transformers baseline is skipped")
+            args.skip_transformers = True
 
     from services.model_files import resolve_model
     from worker_svc.models.config import ModelConfig
 
     path = resolve_model(args.model)
-    reqs = make_workload(args.num_requests, ModelConfig.from_pretrained(path).vocab_size, args.seed)
+    vocab = ModelConfig.from_pretrained(path).vocab_size
+    reqs = make_workload(args.num_requests, vocab, args.seed, prompt_len, output_len)
     print(
         f"workload: {len(reqs)} requests, {sum(len(p) for p, _ in reqs)} prompt tokens, "
         f"{sum(o for _, o in reqs)} output tokens; torch threads={torch.get_num_threads()}"

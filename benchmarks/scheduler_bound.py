@@ -37,7 +37,7 @@ def scheduler_stats(address: str):
         return worker_pb2_grpc.RegistryStub(channel).GetStats(worker_pb2.GetStatsRequest(), timeout=10)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 64, 256])
     ap.add_argument("--num-requests", type=int, default=512)
@@ -48,7 +48,11 @@ def main() -> int:
     ap.add_argument("--gateway", action="store_true", help="also through the OpenAI gateway")
     ap.add_argument("--stream-interval", type=int, default=1, help="the scheduler's --stream-interval")
     ap.add_argument("--timeout", type=float, default=600.0)
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="a few tiny requests at one concurrency (make test)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.concurrency, args.num_requests, args.prompt_len, args.output_len = [4], 8, 8, 4
+        args.client_procs, args.max_num_seqs, args.timeout = 1, 8, 60.0
 
     host = "127.0.0.1"
     sched = f"{host}:{free_port(host)}"
@@ -106,6 +110,11 @@ def main() -> int:
                         f"{row['plan_ms']:.2f} ms send->result per plan, {row['failed']} failed",
                         flush=True,
                     )
+        except BaseException:
+            for name in sorted(os.listdir(logs)):  # the services' own words on why
+                with open(os.path.join(logs, name), errors="replace") as f:
+                    print(f"--- {name} (last lines)\n" + "".join(f.readlines()[-20:]), file=sys.stderr)
+            raise
         finally:
             clients.close()
             for p in procs:
@@ -121,7 +130,7 @@ def main() -> int:
     for r in rows:
         if r["path"] == "grpc":
             print(f"{r['concurrency']:>8}{r['steps_s']:>10,.0f}{r['plan_ms']:>9.2f}")
-    return 0
+    return 1 if any(r["failed"] for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -511,7 +511,7 @@ def main() -> None:
     ap.add_argument("--skip-engine", action="store_true", help="do not run the in-process engine")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="write table.txt and results.json here")
-    ap.add_argument("--smoke", action="store_true", help="a few tiny requests, both paths, one level (make test)")
+    ap.add_argument("--smoke", action="store_true", help="4 tiny requests, one level (make test)")
     args = ap.parse_args()
     if args.smoke:
         args.concurrency, args.num_requests, args.min_requests, args.client_procs = "2", 4, 4, 1

@@ -23,7 +23,7 @@ from triton.runtime.errors import OutOfResources
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.gemv_layouts import SHAPES, per_call_us, rotating  # noqa: E402
+from benchmarks.gemv_layouts import SHAPES, SMOKE_SHAPES, per_call_us, rotating  # noqa: E402
 from kernels import reference  # noqa: E402
 from kernels.triton.skinny_gemm import SkinnyConfig, skinny_gemm  # noqa: E402
 
@@ -46,40 +46,45 @@ def sweep(quick: bool) -> list[SkinnyConfig]:
     return [SkinnyConfig(n, k, w, s) for n, k, w, s in grid]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ms", default="1,4,16")
     ap.add_argument("--shapes", default=",".join(ALL_SHAPES))
     ap.add_argument("--quick", action="store_true", help="two configs instead of the sweep")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
+    ap.add_argument("--smoke", action="store_true", help="a tiny shape on the CPU, the kernel interpreted")
+    args = ap.parse_args(argv)
+    device, min_bytes = "cuda", 200e6
+    if args.smoke:  # Triton's interpreter on CPU tensors (kernels/triton dual_jit): checks, not speed
+        device, min_bytes, args.ms, args.shapes, args.quick = "cpu", 0, "1,4", "tiny", True
+        ALL_SHAPES["tiny"] = SMOKE_SHAPES["tiny"]
+    elif not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
-    configs = sweep(args.quick)
-    print(f"{torch.cuda.get_device_name()}, {len(configs)} configs (+ the plain-sum body at M = 1)")
+    configs = sweep(args.quick)[:1] if args.smoke else sweep(args.quick)
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreted)"
+    print(f"{gpu}, {len(configs)} configs (+ the plain-sum body at M = 1)")
     print("| shape | M | out | cuBLAS us | GB/s | skinny us | GB/s | skinny / cuBLAS | best config |")
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |")
     failures = 0
     for name in args.shapes.split(","):
         k, n = ALL_SHAPES[name]
         gb = k * n * 2 / 1e3  # weight bytes, in units that make GB/s of bytes / us
-        copies = max(2, int(200e6 // (k * n * 2)) + 1)
-        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64 for _ in range(copies)]
+        copies = max(2, int(min_bytes // (k * n * 2)) + 1)
+        weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) / 64 for _ in range(copies)]
         outs = [torch.bfloat16] + ([torch.float32] if name in ROW_PARALLEL else [])
         for m, out_dtype in itertools.product((int(v) for v in args.ms.split(",")), outs):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             if out_dtype == torch.float32:
-                t_cublas = per_call_us(
-                    rotating(lambda a, w: torch.mm(a, w.t(), out_dtype=torch.float32), x, weights)
-                )
+                fp32_mm = rotating(lambda a, w: torch.mm(a, w.t(), out_dtype=torch.float32), x, weights)
+                t_cublas = per_call_us(fp32_mm, device=device)
             else:
-                t_cublas = per_call_us(rotating(F.linear, x, weights))
+                t_cublas = per_call_us(rotating(F.linear, x, weights), device=device)
             cands = configs + ([SkinnyConfig(c.block_n, c.block_k, c.num_warps, c.num_stages, dot=False)
                                 for c in configs] if m == 1 else [])  # fmt: skip
             best, best_t = None, float("inf")
             for cfg in cands:
                 call = rotating(lambda a, w, c=cfg, o=out_dtype: skinny_gemm(a, w, o, c), x, weights)
                 try:
-                    t = per_call_us(call)
+                    t = per_call_us(call, reps=1 if args.smoke else 12, device=device)
                 except OutOfResources:  # too many stages of too large a tile for shared memory
                     continue
                 if t < best_t:
@@ -95,7 +100,8 @@ def main() -> int:
                 flush=True,
             )
         del weights
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     return 1 if failures else 0
 
 

@@ -169,7 +169,10 @@ def main() -> int:
     ap.add_argument("--workloads", default="copy,random")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per row (the best counts)")
     ap.add_argument("--json", default=None, help="also write the rows here")
+    ap.add_argument("--smoke", action="store_true", help="batch 2, 8 tokens, one repeat (make test)")
     args = ap.parse_args()
+    if args.smoke:
+        args.batch_sizes, args.max_tokens, args.random_prompt_len, args.repeats = [2], 8, 16, 1
     methods = args.methods.split(",")
     if methods[0] != "off":
         methods.insert(0, "off")  # the reference every other method is compared with
