@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from worker_svc.attention.base import AttentionMetadata
+from kernels.attention_metadata import AttentionMetadata
 
 
 def write_kv_cache(

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from worker_svc.attention.base import AttentionMetadata
+from kernels.attention_metadata import AttentionMetadata
 from worker_svc.models.parallel_layers import decode_graph_gemms
 
 if TYPE_CHECKING:

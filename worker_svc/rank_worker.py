@@ -22,8 +22,8 @@ import time
 import numpy as np
 import torch
 
+from kernels.attention_metadata import AttentionMetadata
 from services.model_files import default_cache_dir
-from worker_svc.attention.base import AttentionMetadata
 from worker_svc.config import WorkerConfig
 from worker_svc.decode_gemms import choose_decode_gemms
 from worker_svc.kv_cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget

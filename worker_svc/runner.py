@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kernels.attention_metadata import AttentionMetadata
 from services.kv_mac import KVMac
 from services.mesh_secret import client_key
 from services.model_files import default_cache_dir, load_tokenizer, resolve_model
 from services.sampling_params import SamplingParams
 from services.step import NewSequence, StepPlan, StepResult, TokenLogprobs, WorkerInfo
-from worker_svc.attention.base import AttentionMetadata
 from worker_svc.config import WorkerConfig, default_batch_limits
 from worker_svc.decode_gemms import choose_decode_gemms
 from worker_svc.kv_cache import KVCacheSpec, allocate_kv_cache

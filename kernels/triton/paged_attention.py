@@ -43,8 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_metadata import AttentionMetadata
 from kernels.triton import dual_jit, is_interpreted
-from worker_svc.attention.base import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 

@@ -11,7 +11,7 @@ import random
 
 import torch
 
-from worker_svc.attention.base import AttentionMetadata
+from kernels.attention_metadata import AttentionMetadata
 from worker_svc.models.config import ModelConfig
 
 

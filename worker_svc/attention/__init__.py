@@ -1,3 +1,3 @@
-from worker_svc.attention.base import AttentionBackend, AttentionMetadata
+from worker_svc.attention.base import AttentionBackend
 
-__all__ = ["AttentionBackend", "AttentionMetadata"]
+__all__ = ["AttentionBackend"]

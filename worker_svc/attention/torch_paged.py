@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from kernels import reference
-from worker_svc.attention.base import AttentionMetadata, RotaryInputs
+from kernels.attention_metadata import AttentionMetadata
+from worker_svc.attention.base import RotaryInputs
 
 
 class TorchPagedBackend:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 import kernels.triton as triton_kernels
-from worker_svc.attention.base import AttentionMetadata, RotaryInputs
+from kernels.attention_metadata import AttentionMetadata
+from worker_svc.attention.base import RotaryInputs
 
 
 class TritonPagedBackend:

@@ -37,7 +37,8 @@ import torch
 from torch import nn
 
 from kernels import reference
-from worker_svc.attention.base import AttentionBackend, AttentionMetadata
+from kernels.attention_metadata import AttentionMetadata
+from worker_svc.attention.base import AttentionBackend
 from worker_svc.models.config import ModelConfig
 from worker_svc.models.parallel_layers import (
     MergedColumnParallelLinear,

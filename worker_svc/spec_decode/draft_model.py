@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from worker_svc.attention.base import AttentionMetadata
+from kernels.attention_metadata import AttentionMetadata
 from worker_svc.kv_cache import KVCacheSpec, allocate_kv_cache
 from worker_svc.loader import load_model
 from worker_svc.spec_decode.config import SpeculativeConfig

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker_svc.attention.base import AttentionMetadata
+from kernels.attention_metadata import AttentionMetadata
 
 
 @dataclass
