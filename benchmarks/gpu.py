@@ -714,7 +714,7 @@ def print_table(args: argparse.Namespace, gpu: str, elapsed: float) -> str:
     return text
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="llama-3.1-8b,qwen2.5-0.5b")
     ap.add_argument("--sections", default="ceilings,attention,models")
@@ -755,7 +755,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes and sizes: checks every code path runs")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for table.txt / results.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     args.hf_batch_sizes = [int(x) for x in args.hf_batch_sizes.split(",") if x]
     args.b1_models = args.b1_models.split(",")
     args.tp_compare_models = args.tp_compare_models.split(",")
@@ -771,6 +771,11 @@ def main() -> None:
         args.attn_batches, args.attn_contexts, args.attn_rotate_mib, args.attn_reps = "1,32", "512,2048", 8, 2
         args.check_prompt_lens, args.check_tokens, args.check_kv_blocks = [5, 33], 8, 64
         args.b1_prompt, args.b1_steps, args.max_num_seqs = 8, 4, 8
+    if args.smoke and args.device == "cuda" and not torch.cuda.is_available():
+        args.device = "cpu"  # make test's smoke run (tests/benchmarks): every code path, interpreted
+    if args.smoke and args.device == "cpu":  # Triton interpreted: one small attention cell
+        args.attn_batches, args.attn_contexts, args.attn_rotate_mib, args.attn_reps = "1", "64", 1, 1
+        args.attn_splits_diag, args.skip_transformers = [], True
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device (use --smoke --device cpu for a dry run)")
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
@@ -811,6 +816,8 @@ def main() -> None:
                 json.dump(
                     {"gpu": gpu, "rows": ROWS, "attention_grid": ATTN_GRID, "args": vars(args)}, f, indent=1
                 )
+    if args.smoke and any(value == "ERROR" for _, _, value, _ in ROWS):
+        sys.exit("smoke: a section failed (ERROR rows above)")
 
 
 if __name__ == "__main__":
