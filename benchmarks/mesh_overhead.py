@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="4 short requests (make test)")
     args = ap.parse_args()
     if args.smoke:
-        args.num_requests, args.prompt, args.output = 4, (8, 16), (4, 8)
+        args.num_requests, args.prompt, args.output = 2, (8, 16), (2, 4)
 
     from llmesh import LLM, SamplingParams
     from services.launcher import start_mesh

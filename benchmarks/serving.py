@@ -516,6 +516,7 @@ def main() -> None:
     if args.smoke:
         args.concurrency, args.num_requests, args.min_requests, args.client_procs = "2", 4, 4, 1
         args.prompt_len, args.output_len, args.timeout, args.api_server_count = 8, 4, 120.0, "1"
+        args.skip_engine = True  # the in-process engine's path is offline_throughput's smoke run
     if args.serve_fake_scheduler is not None:
         serve_fake_scheduler(args.serve_fake_scheduler, args.fake_step_ms)
         return

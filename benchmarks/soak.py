@@ -355,7 +355,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--smoke", action="store_true", help="seconds, one worker, no SIGKILL (make test)")
     args = ap.parse_args(argv)
     if args.smoke:  # the whole path in seconds; an RSS figure over them says nothing, so no target
-        args.duration_s, args.warmup_s, args.clients, args.workers, args.no_kill = 3.0, 1.0, 2, 1, True
+        args.duration_s, args.warmup_s, args.clients, args.workers, args.no_kill = 2.0, 0.5, 2, 1, True
         args.max_tokens, args.max_rss_growth_pct = (2, 6), float("inf")
         print("smoke: one worker, no SIGKILL, no RSS target")
     return args
