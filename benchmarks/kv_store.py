@@ -416,11 +416,8 @@ def main() -> None:
         args.prefix, args.suffix, args.docs, args.chunk_tokens, args.random_output = 64, 8, 1, 32, 4
         args.host_bytes, args.store_bytes, args.segment_bytes = 64 << 20, 64 << 20, 8 << 20
         args.chat_users, args.chat_rounds, args.chat_system, args.chat_turn, args.chat_answer = 2, 2, 32, 8, 4
-        # The service store's throughput rows crash this process on main (SIGSEGV in a put thread
-        # of an engine already closed: WorkerKVTiers.close does not join its sender): the
-        # in-process store here until that is fixed; the document rows still cover the service.
         # `--smoke --skip-chat` (make test) leaves out the chat rows' 12 engines (~7 s on 2 cores).
-        args.random_batches, args.throughput_store = 1, "memory"
+        args.random_batches = 1
         if args.model is None:  # dummy weights of a tiny shape: ~14 engines start in seconds on a CPU
             args.model, args.load_format = "llama-tiny", "dummy"
             SHAPES["llama-tiny"] = SMOKE_SHAPES["llama-tiny"]

@@ -562,9 +562,15 @@ class WorkerKVTiers:
         while self.staging.pending_bytes and time.monotonic() < deadline:
             time.sleep(0.005)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Send what is queued, then stop the sender and wait for it (and for the store client's
+        preparation): the caller closes the store client next, which unmaps the memory those
+        threads read (a sender still copying out of it crashed the process)."""
         if self._sender is not None:
             self._puts.put(None)
+            self._sender.join(timeout_s)
+        if self._preparing is not None:
+            self._preparing.join(timeout_s)
 
 
 def _le_bytes(digest: torch.Tensor) -> bytes:

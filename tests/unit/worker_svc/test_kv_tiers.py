@@ -54,3 +54,27 @@ def test_wait_prepared_waits_for_the_store_clients_preparation() -> None:
     release.set()
     assert tiers.wait_prepared() is True
     assert tiers_with(None).wait_prepared() is True  # nothing to prepare
+
+
+def test_close_waits_for_the_sender_before_the_store_client_goes() -> None:
+    """The caller closes the store client (unmapping the memory puts read) right after close():
+    a sender still putting then crashed the process (SIGSEGV in benchmarks/kv_store.py)."""
+    started, release = threading.Event(), threading.Event()
+    sent = []
+
+    class SlowStore:
+        def put(self, fingerprint, entries):
+            started.set()
+            release.wait(5)
+            sent.extend(entries)
+            return len(entries)
+
+        def get(self, fingerprint, keys):
+            return []
+
+    tiers = tiers_with(SlowStore())
+    tiers.apply(KVTransfers(store_puts=[StorePut(b"a" * 32, [1, 2])]), lambda s, b: 0)
+    assert started.wait(5)
+    threading.Timer(0.2, release.set).start()
+    tiers.close()
+    assert len(sent) == 1 and not tiers._sender.is_alive()
