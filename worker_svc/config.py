@@ -20,7 +20,7 @@ class WorkerConfig:
     load_format: str = "auto"  # auto | dummy (random weights made on the device)
     block_size: int = 16
     num_kv_blocks: int = 0  # 0 = from the memory budget below
-    kv_cache_memory: int = 1 << 30  # bytes of KV cache on CPU
+    kv_cache_memory: ByteSize = ByteSize(1 << 30)  # bytes of KV cache on CPU (a unit may be given: 64MiB)
     gpu_memory_utilization: float = 0.9  # fraction of device memory for weights + KV on CUDA
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     max_num_seqs: int = option(
