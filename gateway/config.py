@@ -138,15 +138,20 @@ class GatewayConfig(RequestLimits, TLSConfig):
         /metrics) takes only it. Else --api-key as given (`llmesh up` hands the scheduler the same
         value); a key file's keys are only clients'.
         """
-        from services import mesh_secret  # the secret flow every service shares
+        from services.mesh_secret import MissingSecret, resolve_internal_key  # every service's rules
 
-        if self.internal_key:
-            return self.internal_key
-        if self.internal_key_file:
-            return mesh_secret.read_key_file(self.internal_key_file)
-        if mesh_secret.is_loopback(self.scheduler.rsplit(":", 1)[0]):
-            return mesh_secret.local_key()  # what services started on this host with no key use
-        return self.api_key
+        try:
+            # environ={}: this config has read the environment already, as for every other field.
+            key = resolve_internal_key(
+                self.internal_key,
+                self.internal_key_file,
+                host=self.scheduler.rsplit(":", 1)[0],
+                mutual_tls=self.tls_client_auth,
+                environ={},
+            )
+        except MissingSecret:  # a remote scheduler and no secret: the gateway is only a client
+            key = None
+        return key or self.api_key
 
 
 def split_keys(text: str) -> list[str]:
