@@ -31,7 +31,6 @@ import grpc
 
 from kvstore_svc import shm
 from kvstore_svc.config import PIECE_BYTES
-from kvstore_svc.entry import CorruptEntry, EntryHeader, check_payload
 from kvstore_svc.inplace_client import ArenaMap, InPlacePath
 from kvstore_svc.shared_client import Consume, Fence, SharedPath, SharedRefused, wants_shared
 from kvstore_svc.shm import Segment
@@ -44,6 +43,7 @@ from services.grpc_server import (
     open_channel,
     open_sync_channel,
 )
+from services.kv_entry import CorruptEntry, EntryHeader, check_payload
 
 log = logging.getLogger(__name__)
 

@@ -27,9 +27,9 @@ import grpc
 
 from kvstore_svc import shm
 from kvstore_svc.arena import check_arena_name
-from kvstore_svc.entry import CorruptEntry, EntryHeader, header_from_proto
 from kvstore_svc.shared_client import Consume, Fence, SharedRefused, refused
 from llmesh.v1 import kvstore_pb2
+from services.kv_entry import CorruptEntry, EntryHeader, header_from_proto
 
 log = logging.getLogger(__name__)
 

@@ -23,12 +23,12 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvstore_svc.entry import CorruptEntry, encode_entry, header_from_proto, header_to_proto
 from kvstore_svc.shared_transfer import SharedEntry, copy_out, ingest
 from kvstore_svc.shm import Region, SegmentMaps, SegmentUnavailable
 from kvstore_svc.store import MAX_KEYS_PER_REQUEST, StoreStats, TieredKVStore, check_key, check_keys
 from kvstore_svc.wire import Assembled, EntryAssembler, get_responses
 from llmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
+from services.kv_entry import CorruptEntry, encode_entry, header_from_proto, header_to_proto
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -16,10 +16,10 @@ from collections.abc import Callable, Sequence
 import grpc
 
 from kvstore_svc import shm
-from kvstore_svc.entry import CorruptEntry, EntryHeader, check_payload, header_from_proto, header_to_proto
 from kvstore_svc.shm import Region, Segment, SegmentPool, align, copy_into
 from kvstore_svc.wire import EntryIn
 from llmesh.v1 import kvstore_pb2
+from services.kv_entry import CorruptEntry, EntryHeader, check_payload, header_from_proto, header_to_proto
 from services.mesh_secret import is_loopback as host_is_loopback
 
 log = logging.getLogger(__name__)

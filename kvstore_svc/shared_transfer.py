@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstore_svc.entry import CorruptEntry, EntryHeader
 from kvstore_svc.shm import Region, align
 from kvstore_svc.store import TieredKVStore, check_key, check_keys
+from services.kv_entry import CorruptEntry, EntryHeader
 
 
 @dataclass(frozen=True)

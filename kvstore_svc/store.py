@@ -20,7 +20,13 @@ from dataclasses import dataclass, field
 
 from kvstore_svc import shm
 from kvstore_svc.config import KVStoreConfig
-from kvstore_svc.entry import (
+from kvstore_svc.tiers.arena import ArenaMemoryTier
+from kvstore_svc.tiers.base import EntryKey, Tier, TierStats
+from kvstore_svc.tiers.disk import DiskTier
+from kvstore_svc.tiers.memory import MemoryTier
+from kvstore_svc.tiers.redis_tier import RedisTier
+from kvstore_svc.write_behind import WriteBehind
+from services.kv_entry import (
     MAX_FINGERPRINT_BYTES,
     CorruptEntry,
     EntryHeader,
@@ -28,12 +34,6 @@ from kvstore_svc.entry import (
     decode_entry,
     encode_entry,
 )
-from kvstore_svc.tiers.arena import ArenaMemoryTier
-from kvstore_svc.tiers.base import EntryKey, Tier, TierStats
-from kvstore_svc.tiers.disk import DiskTier
-from kvstore_svc.tiers.memory import MemoryTier
-from kvstore_svc.tiers.redis_tier import RedisTier
-from kvstore_svc.write_behind import WriteBehind
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvstore_svc.config import PIECE_BYTES
-from kvstore_svc.entry import CorruptEntry, EntryHeader, Payload, header_from_proto, header_to_proto
 from llmesh.v1 import kvstore_pb2
+from services.kv_entry import CorruptEntry, EntryHeader, Payload, header_from_proto, header_to_proto
 
 EntryIn = tuple[bytes, EntryHeader, Payload]
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from kvstore_svc.entry import encode_entry
 from kvstore_svc.store import TieredKVStore
 from kvstore_svc.tiers.memory import MemoryTier
+from services.kv_entry import encode_entry
 
 DEFAULT_MEMORY_BYTES = 1 << 30
 

@@ -515,7 +515,7 @@ class WorkerKVTiers:
         self._puts.put((key, data, ready, slot, digest))
 
     def _send_puts(self) -> None:
-        from kvstore_svc.entry import make_header  # the store's value format (no torch)
+        from services.kv_entry import make_header  # the store's value format (no torch)
 
         dtype_name = DTYPE_NAMES[self.spec.dtype]
         while True:

@@ -27,9 +27,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvstore_svc.arena import ArenaFile, FreeSpace
-from kvstore_svc.entry import EntryHeader, decode_entry, encode_entry
 from kvstore_svc.shm import SHM_DIR, align
 from kvstore_svc.tiers.base import Counters, EntryKey, TierStats
+from services.kv_entry import EntryHeader, decode_entry, encode_entry
 
 DEFAULT_LEASE_TIMEOUT_S = 10.0
 MAX_LEASES = 4096

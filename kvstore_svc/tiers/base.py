@@ -1,6 +1,6 @@
 """What every tier shares: the key of an entry, its counters, and the small interface the store calls.
 
-A tier stores opaque blobs (kvstore_svc.entry's format) under an `EntryKey`;
+A tier stores opaque blobs (services.kv_entry's format) under an `EntryKey`;
 it never parses them. Validation is the store's job, so that a tier is only
 about where bytes live, how many fit and which go first.
 """

@@ -12,8 +12,8 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kvstore_svc.entry import EntryHeader, decode_entry
 from kvstore_svc.tiers.base import Counters, EntryKey, TierStats
+from services.kv_entry import EntryHeader, decode_entry
 
 
 class MemoryTier:

@@ -162,7 +162,7 @@ def test_a_tampered_chunk_is_never_scattered_on_the_device() -> None:
     """The batched CUDA load: chunk a verifies, chunk b (altered payload, valid checksum) does not."""
     import dataclasses
 
-    from kvstore_svc.entry import checksum
+    from services.kv_entry import checksum
 
     store = open_kv_store("memory:100000000")
     tiers = make_tiers(store, chunk_blocks=4)

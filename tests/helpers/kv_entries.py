@@ -6,7 +6,7 @@ import hashlib
 
 import numpy as np
 
-from kvstore_svc.entry import EntryHeader, encode_entry, make_header
+from services.kv_entry import EntryHeader, encode_entry, make_header
 
 FP = hashlib.sha256(b"test-model/float32/bs16").digest()
 OTHER_FP = hashlib.sha256(b"another-model").digest()

@@ -16,12 +16,12 @@ import os
 import httpx
 import pytest
 
-from kvstore_svc.entry import checksum, decode_entry, encode_entry
 from kvstore_svc.tiers.base import EntryKey
 from kvstore_svc.tiers.redis_tier import redis_key
 from llmesh.v1 import worker_pb2, worker_pb2_grpc
 from scheduler_svc.prefix_hash import extend_block_keys
 from services.grpc_server import open_sync_channel
+from services.kv_entry import checksum, decode_entry, encode_entry
 from services.launcher import _start_kvstore, grpc_serving, start_mesh, wait_until
 from services.step import store_fingerprint
 from tests.helpers.redis_server import RedisServer

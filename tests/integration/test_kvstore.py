@@ -17,10 +17,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvstore_svc.client import AsyncKVStoreClient, KVStoreClient, KVStoreError, KVStoreUnavailable
-from kvstore_svc.entry import EntryHeader, header_to_proto
 from llmesh.v1 import kvstore_pb2 as kv
 from llmesh.v1 import kvstore_pb2_grpc as kvg
 from services.grpc_server import open_sync_channel
+from services.kv_entry import EntryHeader, header_to_proto
 from services.launcher import free_port, grpc_serving, wait_until
 from tests.helpers.kv_entries import FP, OTHER_FP, entry, key
 

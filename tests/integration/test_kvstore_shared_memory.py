@@ -101,7 +101,7 @@ def test_hostile_regions_get_the_protocols_codes_and_the_store_serves_on(store, 
     try:
         seg.view[: len(p)] = p
         good = kv.SharedRegion(segment=seg.name, segment_bytes=seg.size, offset=0, length=seg.size)
-        from kvstore_svc.entry import header_to_proto
+        from services.kv_entry import header_to_proto
 
         hp = header_to_proto(h)
         cases = {

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore_svc.entry import CorruptEntry, encode_entry
 from kvstore_svc.store import TieredKVStore
 from kvstore_svc.tiers.arena import ArenaMemoryTier
 from kvstore_svc.tiers.base import EntryKey
+from services.kv_entry import CorruptEntry, encode_entry
 from tests.helpers.clock import Clock
 from tests.helpers.kv_entries import FP, OTHER_FP, entry
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvstore_svc import entry as E
-from kvstore_svc.entry import CorruptEntry, EntryHeader, decode_entry, encode_entry, make_header
+from services import kv_entry as E
+from services.kv_entry import CorruptEntry, EntryHeader, decode_entry, encode_entry, make_header
 from tests.helpers.kv_entries import FP, LAYOUT
 
 

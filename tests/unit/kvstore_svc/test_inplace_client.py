@@ -7,10 +7,10 @@ import os
 import pytest
 
 from kvstore_svc.arena import ArenaFile
-from kvstore_svc.entry import CorruptEntry, header_to_proto
 from kvstore_svc.inplace_client import ArenaMap, _checked
 from kvstore_svc.shared_client import SharedRefused
 from llmesh.v1 import kvstore_pb2 as kv
+from services.kv_entry import CorruptEntry, header_to_proto
 from tests.helpers.kv_entries import FP, OTHER_FP, entry
 
 

@@ -13,12 +13,12 @@ import threading
 import pytest
 
 from kvstore_svc import shm
-from kvstore_svc.entry import CorruptEntry, encode_entry
 from kvstore_svc.shared_client import is_loopback, wants_shared
 from kvstore_svc.shared_transfer import SharedEntry, copy_out, ingest
 from kvstore_svc.shm import Region, Segment, SegmentMaps, SegmentPool, SegmentUnavailable
 from kvstore_svc.store import TieredKVStore
 from kvstore_svc.tiers.memory import MemoryTier
+from services.kv_entry import CorruptEntry, encode_entry
 from tests.helpers.kv_entries import FP, OTHER_FP, entry
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="no /dev/shm on this host")

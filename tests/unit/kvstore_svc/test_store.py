@@ -6,12 +6,12 @@ import threading
 
 import pytest
 
-from kvstore_svc.entry import CorruptEntry, encode_entry, make_header
 from kvstore_svc.store import TieredKVStore
 from kvstore_svc.tiers.base import EntryKey
 from kvstore_svc.tiers.disk import DiskTier
 from kvstore_svc.tiers.memory import MemoryTier
 from kvstore_svc.tiers.redis_tier import RedisTier, redis_key
+from services.kv_entry import CorruptEntry, encode_entry, make_header
 from tests.helpers.kv_entries import FP, LAYOUT, OTHER_FP, blob, entry, key, payload
 
 

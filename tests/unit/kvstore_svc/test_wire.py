@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore_svc.entry import CorruptEntry, header_to_proto
 from kvstore_svc.wire import EntryAssembler, entries_of, get_responses, put_requests
+from services.kv_entry import CorruptEntry, header_to_proto
 from tests.helpers.kv_entries import FP, entry
 
 

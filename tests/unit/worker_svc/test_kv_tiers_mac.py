@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore_svc.entry import checksum
 from llmesh.kv_store import open_kv_store
+from services.kv_entry import checksum
 from services.kv_mac import KVMac
 from services.step import KVTransfers, StoreLoad, StorePut
 from worker_svc.kv_cache import KVCacheSpec, allocate_kv_cache
