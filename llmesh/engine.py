@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from llmesh.kv_store import ThreadedLookup, open_kv_store
+from llmesh.local_link import LocalWorkerLink
 from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.local_link import LocalWorkerLink
 from scheduler_svc.mesh import Mesh, MeshConfig
 from scheduler_svc.planner import Planner, PlannerConfig
 from scheduler_svc.request import Request, RequestDelta

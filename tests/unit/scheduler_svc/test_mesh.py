@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from scheduler_svc.local_link import LocalWorkerLink
+from llmesh.local_link import LocalWorkerLink
 from scheduler_svc.mesh import Connected, LinkBroken, Mesh, MeshConfig, NoWorkerAvailable
 from scheduler_svc.planner import PlannerConfig
 from services.sampling_params import SamplingParams

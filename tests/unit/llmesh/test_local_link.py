@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from scheduler_svc.local_link import LocalWorkerLink
+from llmesh.local_link import LocalWorkerLink
 from services.step import StepPlan, StepResult, WorkerInfo
 from tests.helpers.fake_device import FakeDeviceEvent
 
