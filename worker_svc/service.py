@@ -166,6 +166,7 @@ async def run(config: WorkerServiceConfig) -> None:
     finally:
         for task in background:
             task.cancel()
+        servicer.close()  # its step loop
         if servicer.runner is not None:
             servicer.runner.close()  # the other tensor-parallel ranks, if any
         for client in kv_clients:

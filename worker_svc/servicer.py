@@ -1,14 +1,17 @@
 """The worker's gRPC edge: `GetWorkerInfo`, `Ping` and the bidirectional `Step` stream.
 
-A thin adapter: protobuf in, `ModelRunner.execute` (in a thread, so the event
-loop keeps answering health checks) and protobuf out. One Step stream at a
-time: a new stream means the scheduler reconnected, so the old stream is
-cancelled and its sequence state dropped.
+A thin adapter: protobuf in, the worker's `StepLoop` (worker_svc.step_loop, the
+same loop the in-process link drives) and protobuf out. The plans of a stream
+are read by a task of their own and submitted as they come, so a plan that
+arrives while a step runs is launched behind it at once; results go back in
+plan order. One Step stream at a time: a new stream means the scheduler
+reconnected, so the old stream ends (ABORTED, after the results of the plans it
+had sent) and the sequence state is dropped.
 
 A plan that reached the worker is executed whole even when its stream breaks
-meanwhile (the step's thread cannot be stopped half-way anyway): the lock is
-held until it ends, so a new stream never drops state under a running step,
-and `last_step_id` tells a reconnecting scheduler which plans wrote their KV.
+meanwhile (a step cannot be stopped half-way): dropping state is queued on the
+step loop behind every plan already submitted, and `last_step_id` tells a
+reconnecting scheduler which plans wrote their KV.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 import grpc
 
@@ -29,12 +31,9 @@ from services.convert import step_plan_from_proto, step_result_to_proto, worker_
 from services.step import STEP_TOKEN_METADATA, StepResult
 from worker_svc.pipeline import StepPipeline
 from worker_svc.runner import ModelRunner
+from worker_svc.step_loop import StepLoop
 
 log = logging.getLogger(__name__)
-
-# How long a worker with a step in flight waits for the next plan before it reads that step's
-# results instead: a plan the scheduler already sent is on the socket by then.
-ARRIVAL_GRACE_S = 0.0002
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -44,11 +43,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # None: any caller may open the Step stream (a worker dialled by a static list).
         self.step_token = step_token
         self.runner: ModelRunner | None = None  # set once the model is loaded
-        self._lock = asyncio.Lock()
+        self._steps: StepLoop | None = None  # made with the first stream, kept for the process
         self._stream_epoch = 0
-        # The current stream's "a newer stream replaced you" event; None while no stream is open.
-        self._replaced: asyncio.Event | None = None
-        self._last_step_id = 0
+        self._current: _Stream | None = None  # the open stream; None while none is
         self._stream_closed_at = time.monotonic()
 
     def _ready_runner(self) -> ModelRunner:
@@ -56,14 +53,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise _Abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
         return self.runner
 
-    @property
-    def _stream_open(self) -> bool:
-        return self._replaced is not None
+    def close(self) -> None:
+        """Stop the step loop once the work queued on it is done."""
+        if self._steps is not None:
+            self._steps.stop()
 
     # ----- for the registration loop -----
     async def wait_orphaned(self, grace_s: float) -> None:
         """Return once no Step stream has been open for `grace_s` seconds in a row."""
-        while self._stream_open or time.monotonic() - self._stream_closed_at < grace_s:
+        while self._current is not None or time.monotonic() - self._stream_closed_at < grace_s:
             await asyncio.sleep(min(grace_s, 0.25))
 
     # ----- RPCs -----
@@ -83,9 +81,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.PingResponse(
             worker_id=self.worker_id,
             instance_id=self.instance_id,
-            stepping=self._stream_open,
+            stepping=self._current is not None,
             num_seqs=len(self.runner.seqs) if self.runner else 0,
-            last_step_id=self._last_step_id,
+            last_step_id=self._steps.last_step_id if self._steps else 0,
         )
 
     def _authorized(self, context: grpc.aio.ServicerContext) -> bool:
@@ -106,149 +104,81 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 "this worker takes its Step stream only from the scheduler it registered with",
             )
         runner = self.runner
+        if self._steps is None:
+            # Plans are launched one ahead of reading the previous one's sampled ids when the
+            # next plan is already here (the scheduler keeps one in flight ahead): the GPU never
+            # waits for this process between two steps.
+            self._steps = StepLoop(StepPipeline(runner))
+        steps = self._steps
         self._stream_epoch += 1
         epoch = self._stream_epoch
-        if self._replaced is not None:
-            self._replaced.set()  # the old stream ends with ABORTED; a step it runs still completes
-        replaced = self._replaced = asyncio.Event()
-        async with self._lock:  # waits for any step of the old stream to finish
-            runner.drop_all()  # state belongs to one stream
+        if self._current is not None:
+            self._current.replace()  # submits nothing more; ends ABORTED after what it sent
+        stream = self._current = _Stream()
+        await steps.call(runner.drop_all)  # state belongs to one stream: after the old one's steps
         log.info("step stream opened", extra={"epoch": epoch, "peer": context.peer()})
-        plans = request_iterator.__aiter__()
-        stop = asyncio.ensure_future(replaced.wait())  # one waiter for the stream's life
-        # Plans are launched one ahead of reading the previous one's sampled ids when the next
-        # plan is already here (the scheduler keeps one in flight ahead): the GPU never waits
-        # for this process between two steps.
-        pipeline = StepPipeline(runner)
-        device = _DeviceDone()
-        read: asyncio.Future | None = None
+        reader = asyncio.ensure_future(_read_plans(request_iterator, steps, stream))
         try:
             while True:
-                if read is None:
-                    read = asyncio.ensure_future(anext(plans, None))
-                if pipeline.has_pending and not await _arrives_first(pipeline, device, read, stop):
-                    # No plan came before the step in flight finished: read it now.
-                    for outcome in await self._locked(pipeline.flush):
-                        yield await self._result_or_abort(outcome, runner, context)
-                    continue
-                msg = await _next_or_none(read, stop)
-                read = None
-                if replaced.is_set():
-                    await context.abort(grpc.StatusCode.ABORTED, "a newer Step stream replaced this one")
-                if msg is None:
+                item = await stream.items.get()
+                if item is None:
                     break
+                if isinstance(item, _Abort):
+                    await context.abort(item.code, item.message)
                 try:
-                    plan = step_plan_from_proto(msg)
-                except ValueError as e:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad plan: {e}")
-                if plan.step_id == 0:
-                    if plan.num_seqs or plan.finished_ids or plan.preempted_ids or plan.kv:
-                        await context.abort(
-                            grpc.StatusCode.INVALID_ARGUMENT, "a sync plan (step_id 0) must be empty"
-                        )
-                    if pipeline.has_pending:  # results go back in plan order
-                        for outcome in await self._locked(pipeline.flush):
-                            yield await self._result_or_abort(outcome, runner, context)
-                    yield step_result_to_proto(StepResult(step_id=0))
-                    continue
-                for outcome in await self._locked(lambda plan=plan: pipeline.push(plan)):
-                    yield await self._result_or_abort(outcome, runner, context)
+                    result = await item
+                except (KeyError, ValueError) as e:  # the plan contradicts the worker's state: resync
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"plan rejected: {e}")
+                yield step_result_to_proto(result)
         finally:
-            stop.cancel()
-            if read is not None:
-                read.cancel()
-            # A launched step still writes its KV: wait for it (even when cancelled: this is the end).
-            if pipeline.has_pending:
-                with contextlib.suppress(Exception, asyncio.CancelledError):
-                    await self._locked(pipeline.flush)
+            reader.cancel()
             if epoch == self._stream_epoch:
                 self._stream_closed_at = time.monotonic()
-                self._replaced = None
-                async with self._lock:
-                    runner.drop_all()
+                self._current = None
+                # Behind the plans this stream sent, which still run whole and write their KV.
+                dropped = steps.call(runner.drop_all)
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await asyncio.shield(dropped)
             log.info("step stream closed", extra={"epoch": epoch})
 
-    async def _result_or_abort(self, outcome, runner: ModelRunner, context) -> worker_pb2.StepResult:
-        if isinstance(outcome, KeyError | ValueError):
-            # The plan contradicts the worker's state: the scheduler must resync.
-            runner.drop_all()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"plan rejected: {outcome}")
-        if isinstance(outcome, Exception):
-            raise outcome
-        return step_result_to_proto(outcome)
 
-    async def _locked(self, fn) -> list:
-        """`_run_whole(fn)` under the step lock (a new stream waits for it before dropping state)."""
-        async with self._lock:
-            return await self._run_whole(fn)
-
-    async def _run_whole(self, fn) -> list:
-        """Run pipeline work in a thread; if the stream is cancelled meanwhile, still wait for it to end."""
-        task = asyncio.ensure_future(asyncio.to_thread(fn))
-
-        def executed(t: asyncio.Future) -> None:
-            if t.cancelled() or t.exception() is not None:
-                return
-            done = [o.step_id for o in t.result() if isinstance(o, StepResult)]
-            if done:
-                self._last_step_id = done[-1]
-
-        task.add_done_callback(executed)
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                await task  # hold the caller's lock until the step's thread is done
-            raise
-
-
-class _DeviceDone:
-    """The end of a step's device work as an awaitable: one thread-pool wait per step."""
+class _Stream:
+    """What one Step stream's reader hands its writer, in plan order: a plan's future, an
+    `_Abort`, or None at the end of the plans."""
 
     def __init__(self) -> None:
-        self._event: Any = None
-        self._done: asyncio.Future | None = None
+        self.items: asyncio.Queue = asyncio.Queue()
+        self.replaced = False
 
-    def of(self, event: Any) -> asyncio.Future:
-        if event is not self._event or self._done is None:
-            self._event = event
-            self._done = asyncio.ensure_future(asyncio.to_thread(event.synchronize))
-            # A failed wait shows again in the flush that follows; not an unretrieved error here.
-            self._done.add_done_callback(lambda f: f.cancelled() or f.exception())
-        return self._done
+    def replace(self) -> None:
+        self.replaced = True
+        self.items.put_nowait(_Abort(grpc.StatusCode.ABORTED, "a newer Step stream replaced this one"))
 
 
-async def _arrives_first(
-    pipeline: StepPipeline, device: _DeviceDone, read: asyncio.Future, stop: asyncio.Future
-) -> bool:
-    """Whether the next plan (or the stream's end) comes before the step in flight is done.
-
-    On a GPU the wait is for whichever comes first, so a plan that arrives while the step runs
-    is launched at once behind it rather than after its results are read; where the step's end
-    cannot be awaited (nothing on a device), one short look at the socket.
-    """
-    event = pipeline.pending_event
-    if event is None:
-        return await _arrives_now(read, stop)
-    if not read.done() and not stop.done():
-        await asyncio.wait((read, stop, device.of(event)), return_when=asyncio.FIRST_COMPLETED)
-    return read.done() or stop.done()
-
-
-async def _arrives_now(read: asyncio.Future, stop: asyncio.Future) -> bool:
-    """Whether the next plan (or the stream's end) is already here, after one look at the socket."""
-    if not read.done() and not stop.done():
-        await asyncio.wait((read, stop), timeout=ARRIVAL_GRACE_S)
-    return read.done() or stop.done()
-
-
-async def _next_or_none(read: asyncio.Future, stop: asyncio.Future):
-    """The next plan, or None at the end of the stream or once `stop` is done (the stream was replaced)."""
-    if not stop.done():
-        await asyncio.wait((read, stop), return_when=asyncio.FIRST_COMPLETED)
-    if stop.done():
-        return None
-    return read.result() if not read.cancelled() else None
+async def _read_plans(plans: AsyncIterator[worker_pb2.StepPlan], steps: StepLoop, stream: _Stream) -> None:
+    """Submit a stream's plans to the step loop as they arrive, until it ends or is replaced."""
+    try:
+        async for msg in plans:
+            if stream.replaced:
+                return  # a newer stream owns the worker's state now
+            try:
+                plan = step_plan_from_proto(msg)
+            except ValueError as e:
+                stream.items.put_nowait(_Abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad plan: {e}"))
+                return
+            if plan.step_id == 0:  # a sync: answered once every plan before it is
+                if plan.num_seqs or plan.finished_ids or plan.preempted_ids or plan.kv:
+                    stream.items.put_nowait(
+                        _Abort(grpc.StatusCode.INVALID_ARGUMENT, "a sync plan (step_id 0) must be empty")
+                    )
+                    return
+                stream.items.put_nowait(steps.call(lambda: StepResult(step_id=0)))
+                continue
+            stream.items.put_nowait(steps.submit(plan))
+    except Exception as e:  # the caller went away (or its stream broke): the writer ends with it
+        log.info("step stream read ended", extra={"error": repr(e)})
+    finally:
+        stream.items.put_nowait(None)
 
 
 class _Abort(Exception):
