@@ -118,7 +118,7 @@ def smoke() -> int:
     results = []
     for plan in plans:
         results += pipeline.push(plan)
-        # What the servicer reads between plans (`_arrives_first`): None, nothing to await.
+        # What the servicer reads between plans (`StepLoop._next_item`): None, nothing to await.
         assert pipeline.pending_event is None
     results += pipeline.flush()
     print(f"{'step':>5}  sequences  tokens")
