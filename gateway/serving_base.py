@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,9 +124,14 @@ class Run:
         request: Request,
         head: list[bytes],
         chunk: Callable[[ChoiceDelta], bytes | None],
-        tail: Callable[[], list[bytes]],
+        tail: Callable[[], list[bytes] | Awaitable[list[bytes]]],
+        *,
+        end: bytes = DONE,
+        error_event: Callable[[APIError], bytes] | None = None,
     ) -> Response:
-        """SSE: `head` events, one event per delta (None = skip), `tail` events, then [DONE].
+        """SSE: `head` events, one event per delta (None = skip), `tail` events, then `end` ([DONE];
+        APIs without that marker pass b""). A failure after the 200 is an `error_event` (OpenAI's
+        error body by default).
 
         Waits for the first delta before answering, so that a request the
         scheduler refuses (or a scheduler that is down) gets a real HTTP error
@@ -169,14 +175,16 @@ class Run:
                         out = frames(batch)
                         if out:
                             yield out[0] if len(out) == 1 else b"".join(out)
-                pending += tail()
+                last = tail()
+                pending += (await last) if inspect.isawaitable(last) else last
                 if pending:
                     yield b"".join(pending)
             except APIError as e:  # after the 200 went out: the error travels as an event
-                yield sse(e.body())
+                yield error_event(e) if error_event is not None else sse(e.body())
             finally:
                 await cleanup()  # before [DONE]: usage and metrics are final by then
-            yield DONE
+            if end:
+                yield end
 
         # on_close: a client gone before the body even started must still cancel the calls.
         return SSEResponse(body(), on_close=cleanup)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -46,9 +47,20 @@ def _logprobs(tok: Tokenizer, entries: list[TokenLogprob]) -> dict[str, Any]:
     }
 
 
-async def create_chat_completion(
-    state: GatewayState, req: ChatCompletionRequest, request: Request
-) -> Response:
+@dataclass
+class ChatRun:
+    """A chat request ready to run: what the other chat-shaped APIs (gateway/serving_messages.py,
+    serving_responses.py) build on, each writing its own reply."""
+
+    run: Run
+    gen: Generation
+    tools: ToolPlan
+    name: str  # the model name the reply carries
+    tokenizer: Tokenizer
+
+
+async def prepare_chat(state: GatewayState, req: ChatCompletionRequest, request: Request) -> ChatRun:
+    """Checks, the chat template, the prompt tokenized, and its generation (not started yet)."""
     model = state.resolve(req.model)
     name = req.model or model.names[0]
     limits = state.limits()
@@ -86,13 +98,21 @@ async def create_chat_completion(
         include_stop_str_in_output=req.include_stop_str_in_output,
         cache_salt=salt,
     )
+    return ChatRun(Run(state, name, [gen]), gen, tools, name, model.tokenizer)
+
+
+async def create_chat_completion(
+    state: GatewayState, req: ChatCompletionRequest, request: Request
+) -> Response:
+    chat = await prepare_chat(state, req, request)
+    run, gen, tools, name = chat.run, chat.gen, chat.tools, chat.name
+    tok = chat.tokenizer
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    run = Run(state, name, [gen])
     if req.stream:
-        return await _stream(run, request, req, model.tokenizer, rid, created, name, tools)
+        return await _stream(run, request, req, tok, rid, created, name, tools)
 
     def choice(r: ChoiceResult) -> dict[str, Any]:
-        content, calls = _tool_calls(tools, "".join(r.text), r.finish_reason)
+        content, calls = split_tool_calls(tools, "".join(r.text), r.finish_reason)
         return {
             "index": r.index,
             "message": {
@@ -101,7 +121,7 @@ async def create_chat_completion(
                 "refusal": None,
                 "tool_calls": [c.to_openai() for c in calls],
             },
-            "logprobs": _logprobs(model.tokenizer, r.logprobs) if req.logprobs else None,
+            "logprobs": _logprobs(tok, r.logprobs) if req.logprobs else None,
             "finish_reason": "tool_calls" if calls and r.finish_reason == "stop" else r.finish_reason,
             "stop_reason": r.stop_reason,
         }
@@ -135,7 +155,9 @@ def _constraint(req: ChatCompletionRequest, tools: ToolPlan) -> StructuredOutput
     return tools.spec
 
 
-def _tool_calls(tools: ToolPlan, text: str, finish: str | None) -> tuple[str | None, list[ParsedToolCall]]:
+def split_tool_calls(
+    tools: ToolPlan, text: str, finish: str | None
+) -> tuple[str | None, list[ParsedToolCall]]:
     """(content, tool calls) of a whole choice. Forced calls are read only from output that
     finished (a choice cut by max_tokens keeps its text as content)."""
     calls: list[ParsedToolCall] = []
@@ -151,7 +173,7 @@ def _tool_calls(tools: ToolPlan, text: str, finish: str | None) -> tuple[str | N
     return (text if text or not calls else None), calls
 
 
-class _ToolCallStream:
+class ToolCallStream:
     """One streamed choice of a request with tools: content and `delta.tool_calls` per delta."""
 
     def __init__(self, tools: ToolPlan) -> None:
@@ -226,7 +248,7 @@ async def _stream(
     prefix += b'"choices":[{"index":'
     plain_tail = b'},"logprobs":null,"finish_reason":null}]}\n\n'
 
-    tool_streams = [_ToolCallStream(tools) for _ in range(req.n)] if tools.mode != "none" else None
+    tool_streams = [ToolCallStream(tools) for _ in range(req.n)] if tools.mode != "none" else None
 
     def chunk(d: ChoiceDelta) -> bytes | None:
         lp = _logprobs(tok, d.logprobs) if req.logprobs and d.logprobs else None
