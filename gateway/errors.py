@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -33,6 +34,23 @@ _TYPES = {
 }
 
 
+# Anthropic's Messages routes answer in Anthropic's shape: {"type": "error", "error": {"type", "message"}}.
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+
+def anthropic_route(path: str) -> bool:
+    """Whether a path is one of Anthropic's API (its errors take Anthropic's shape)."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
 class APIError(Exception):
     """A failure to answer in OpenAI's error shape."""
 
@@ -49,12 +67,48 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> Response:
+    def anthropic_body(self) -> dict[str, Any]:
+        default = "api_error" if self.status >= 500 else "invalid_request_error"
+        kind = _ANTHROPIC_TYPES.get(self.status, default)
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def body_for(self, path: str) -> dict[str, Any]:
+        """The body in the shape of the API `path` belongs to."""
+        return self.anthropic_body() if anthropic_route(path) else self.body()
+
+    def response(self, path: str = "") -> Response:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
         # ASCII JSON: a message quoting client input stays encodable whatever that input was.
         return Response(
-            json.dumps(self.body()), status_code=self.status, headers=headers, media_type="application/json"
+            json.dumps(self.body_for(path)),
+            status_code=self.status,
+            headers=headers,
+            media_type="application/json",
         )
+
+    def renamed(self, rename: Callable[[str], str]) -> APIError:
+        """The same error naming another API's parameters (`rename` maps the chat route's
+        name of one to that API's), in `param` and in the message's prefix."""
+        if self.param is None or (param := rename(self.param)) == self.param:
+            return self
+        message = self.message
+        if message.startswith(self.param + ":"):
+            message = param + message[len(self.param) :]
+        return APIError(self.status, message, param=param, code=self.code, type=self.type)
+
+
+def renamer(*rules: tuple[str, str]) -> Callable[[str], str]:
+    """A `rename` for APIError.renamed: the first (regex, replacement) rule that matches applies."""
+    compiled = [(re.compile(pattern), repl) for pattern, repl in rules]
+
+    def rename(param: str) -> str:
+        for pattern, repl in compiled:
+            new, n = pattern.subn(repl, param, count=1)
+            if n:
+                return new
+        return param
+
+    return rename
 
 
 def bad_request(param: str | None, message: str, code: str | None = None) -> APIError:
@@ -154,11 +208,11 @@ def validation_error(exc: RequestValidationError) -> APIError:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
-        return exc.response()
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
-        return validation_error(exc).response()
+        return validation_error(exc).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
@@ -168,10 +222,10 @@ def install_error_handlers(app: FastAPI) -> None:
             err = APIError(405, f"Method {request.method} is not allowed on {request.url.path}.")
         else:
             err = APIError(exc.status_code, str(exc.detail))
-        return err.response()
+        return err.response(request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
         # A bug, not bad input: log it with its traceback and answer in shape.
         log.exception("unhandled error", extra={"path": request.url.path})
-        return APIError(500, "Internal server error.", code="internal_error").response()
+        return APIError(500, "Internal server error.", code="internal_error").response(request.url.path)

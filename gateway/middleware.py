@@ -1,5 +1,7 @@
 """ASGI middleware in front of every route: HTTP metrics, API-key auth, body type and size limits.
 
+Errors take the shape of the API the path belongs to (OpenAI's, or Anthropic's on /v1/messages).
+
 Pure ASGI (not BaseHTTPMiddleware) so that streaming responses and client
 disconnects pass through untouched.
 """
@@ -24,8 +26,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 OPEN_PATHS = frozenset({"/health"})  # reachable without the API key (load balancers, kubelets)
 
 
-async def _send_error(send: Send, err: APIError) -> None:
-    body = json.dumps(err.body()).encode()
+async def _send_error(send: Send, err: APIError, scope: Scope) -> None:
+    body = json.dumps(err.body_for(scope.get("path", ""))).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if err.status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
@@ -68,9 +70,11 @@ class GuardMiddleware:
                 send,
                 APIError(
                     401,
-                    "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+                    "Incorrect or missing API key: send `Authorization: Bearer <key>` "
+                    "(or `x-api-key: <key>`).",
                     code="invalid_api_key",
                 ),
+                scope,
             )
             return
         if scope["method"] not in ("POST", "PUT", "PATCH"):
@@ -78,13 +82,13 @@ class GuardMiddleware:
             return
         length = _header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            await _send_error(send, self._too_large())
+            await _send_error(send, self._too_large(), scope)
             return
         body, more = await self._read_body(receive)
         if more is None:
             return  # the client went away while sending
         if more:
-            await _send_error(send, self._too_large())
+            await _send_error(send, self._too_large(), scope)
             return
         if body and not _is_json(_header(scope, b"content-type")):
             await _send_error(
@@ -94,6 +98,7 @@ class GuardMiddleware:
                     "The request body must be JSON (Content-Type: application/json).",
                     code="unsupported_media_type",
                 ),
+                scope,
             )
             return
         await self.app(scope, _replay(body, receive), send)
@@ -109,12 +114,16 @@ class GuardMiddleware:
         return True
 
     def _presented_key(self, scope: Scope) -> str | None:
-        """The configured key the request's bearer token equals, or None."""
+        """The configured key the request presents, or None: its bearer token, or (no Authorization
+        header) its `x-api-key` header, as Anthropic's clients send it."""
         header = _header(scope, b"authorization") or ""
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer":
+        if scheme.lower() == "bearer":
+            presented = token.strip().encode("latin-1")
+        elif not header and (x_api_key := _header(scope, b"x-api-key")) is not None:
+            presented = x_api_key.strip().encode("latin-1")
+        else:
             return None
-        presented = token.strip().encode("latin-1")
         found = None
         # Constant-time comparisons, every key compared: neither a key nor which one matched
         # leaks through response timing.
