@@ -2,7 +2,7 @@
 
 A decode step of a large model is a few hundred small kernels; launched one by one from
 Python they cost more host time than the GPU spends on them at small batches. So at start
-the runner records the whole model forward (not the sampler) for each capture size
+each rank's `ModelExecutor` records the whole model forward (not the sampler) for each capture size
 (1, 2, 4, 8, ... up to max_num_seqs) into a CUDA graph over persistent input buffers, and
 a decode batch of n sequences replays the smallest graph of size >= n:
 
@@ -40,7 +40,7 @@ from kernels.attention_metadata import AttentionMetadata
 from worker_svc.models.parallel_layers import decode_graph_gemms
 
 if TYPE_CHECKING:
-    from worker_svc.runner import ModelRunner
+    from worker_svc.executor import ModelExecutor
 
 log = logging.getLogger(__name__)
 
@@ -58,16 +58,18 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(
-        self, runner: ModelRunner, sizes: list[int], capture: bool = True, query_len: int = 1
+        self, executor: ModelExecutor, sizes: list[int], capture: bool = True, query_len: int = 1
     ) -> None:
-        self.runner = runner
+        # What it reads of the executor: device, max_blocks_per_seq, max_model_len, model,
+        # kv_caches, draft and upload.
+        self.executor = executor
         self.sizes = sorted(set(sizes))
         self.max_size = self.sizes[-1]
         self.capture_enabled = capture
         self.q = query_len  # query rows per sequence (1: decode; 1 + drafts: verification)
-        dev = runner.device
+        dev = executor.device
         b = self.max_size
-        self.width = runner.max_blocks_per_seq
+        self.width = executor.max_blocks_per_seq
         # Row 0: token ids, row 1: positions, row 2: slots (-1: padding, not written).
         self.i64 = torch.zeros((3, b * self.q), dtype=torch.long, device=dev)
         self.i64[2].fill_(-1)
@@ -85,7 +87,7 @@ class DecodeGraphs:
         raise ValueError(f"decode batch of {n} exceeds the largest capture size {self.max_size}")
 
     def _meta(self, b: int) -> AttentionMetadata:
-        max_len = self.runner.max_model_len
+        max_len = self.executor.max_model_len
         t = b * self.q
         return AttentionMetadata(
             slot_mapping=self.i64[2, :t],
@@ -99,7 +101,7 @@ class DecodeGraphs:
         )
 
     def _forward(self, b: int) -> torch.Tensor:
-        r = self.runner
+        r = self.executor
         meta = self._meta(b)
         t = b * self.q
         hidden = r.model(self.i64[0, :t], self.i64[1, :t], r.kv_caches, meta)
@@ -121,7 +123,7 @@ class DecodeGraphs:
             with decode_graph_gemms():
                 for _ in range(2):
                     self._forward(b)
-            torch.cuda.synchronize(self.runner.device)
+            torch.cuda.synchronize(self.executor.device)
             graph = torch.cuda.CUDAGraph()
             # thread_local: the NCCL process group's watchdog thread polls the events of earlier
             # collectives, a call that the default (global) mode counts as an error in the capture.
@@ -129,7 +131,7 @@ class DecodeGraphs:
                 out = self._forward(b)
             self.graphs[b] = graph
             self.outputs[b] = out
-        torch.cuda.synchronize(self.runner.device)
+        torch.cuda.synchronize(self.executor.device)
         self.capture_seconds = time.perf_counter() - t0
         log.info("captured %d decode graphs in %.1f s", len(self.sizes), self.capture_seconds)
 
@@ -165,7 +167,7 @@ class DecodeGraphs:
         lens[:n] = seq_lens
         bt = np.zeros((b, w), dtype=np.int32)
         bt[:n] = tables
-        d_i64, d_lens, d_bt = self.runner.upload([i64, lens, bt])
+        d_i64, d_lens, d_bt = self.executor.upload([i64, lens, bt])
         self.i64[:, : b * self.q].copy_(d_i64)
         if patch is not None:
             self.i64[0].index_copy_(0, *patch)

@@ -1,4 +1,4 @@
-"""The paged KV cache tensors of one worker, sized from a memory budget."""
+"""The paged KV cache tensors of one worker rank, sized from a memory budget."""
 
 from __future__ import annotations
 
@@ -31,8 +31,23 @@ class KVCacheSpec:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
 
-def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int) -> int:
-    return max(budget_bytes // spec.bytes_per_block, 0)
+# Left free on a GPU for the activations of the largest batch (a generous fixed margin).
+ACTIVATION_MARGIN_BYTES = 1 << 30
+
+
+def kv_budget_bytes(device: torch.device, kv_cache_memory: int, gpu_memory_utilization: float) -> int:
+    """The bytes a rank's KV cache may take: `kv_cache_memory` off CUDA; on CUDA what is free
+    now (weights loaded) beyond the unused share of the device and the activation margin."""
+    if device.type != "cuda":
+        return kv_cache_memory
+    free, total = torch.cuda.mem_get_info(device)
+    reserve = total * (1.0 - gpu_memory_utilization)
+    return int(max(free - reserve - ACTIVATION_MARGIN_BYTES, 0))
+
+
+def num_blocks_for_budget(budget_bytes: int, bytes_per_block: int) -> int:
+    """Blocks of `bytes_per_block` (every cache that has a slot per block, summed) in the budget."""
+    return max(budget_bytes // bytes_per_block, 0)
 
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device | str) -> list[torch.Tensor]:

@@ -85,19 +85,26 @@ def read_message(f: BinaryIO) -> tuple[int, list[np.ndarray]] | None:
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
+# How a step's forward runs (`ModelExecutor.forward`): eagerly, or by replaying the captured
+# decode graphs, or the verification graphs (q rows per sequence, speculative decoding).
+EAGER = 0
+DECODE_GRAPH = 1
+VERIFY_GRAPH = 2
+
 
 @dataclass
 class ForwardInputs:
-    """One step's forward, as the runner built it on the host.
+    """One step's forward, as rank 0 built it on the host (`step_inputs.prepare_step`).
 
-    `graph`: a pure decode replayed from the CUDA graphs (`DecodeGraphs.run` takes ids,
-    positions, slots, seq_lens, tables); otherwise an eager forward that also needs the query
-    start offsets and lengths. `sample_index`: the rows of the hidden states to take logits of
-    (None: every row); `num_sampled` = 0 means no logits at all. `patch_where`: positions in
-    `ids` whose token is still on rank 0's device (it broadcasts them after this message).
+    `mode`: a graph replay (`DecodeGraphs.run` takes ids, positions, slots, seq_lens, tables;
+    for `VERIFY_GRAPH` already padded to q rows per sequence), or `EAGER`, a forward that also
+    needs the query start offsets and lengths. `sample_index`: the rows of the hidden states to
+    take logits of (None: every row); `num_sampled` = 0 means no logits at all. `patch_where`:
+    positions in `ids` whose token is still on rank 0's device (it broadcasts them after this
+    message). Every rank runs it alike (`ModelExecutor.forward`).
     """
 
-    graph: bool
+    mode: int
     ids: np.ndarray
     positions: np.ndarray
     slots: np.ndarray
@@ -114,7 +121,7 @@ class ForwardInputs:
     def encode(self) -> bytes:
         scalars = np.array(
             [
-                int(self.graph),
+                self.mode,
                 self.num_sampled,
                 int(self.sample_index is not None),
                 self.max_query_len,
@@ -142,9 +149,9 @@ class ForwardInputs:
     @classmethod
     def decode(cls, arrays: list[np.ndarray]) -> ForwardInputs:
         scalars, ids, positions, slots, seq_lens, tables, sample_index, qsl, query_lens, where = arrays
-        graph, num_sampled, has_index, max_query_len, max_seq_len = (int(v) for v in scalars)
+        mode, num_sampled, has_index, max_query_len, max_seq_len = (int(v) for v in scalars)
         return cls(
-            graph=bool(graph),
+            mode=mode,
             ids=ids,
             positions=positions,
             slots=slots,

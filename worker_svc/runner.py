@@ -3,11 +3,12 @@
 Stateful by design (ARCHITECTURE principle 3): it keeps every running sequence's tokens, block
 table and sampling parameters, so a plan only says what changed.
 
-Per step the host work is vectorised: each sequence holds a row of a host block table (numpy)
-that is filled as blocks arrive, positions and slots come from numpy over the whole batch, and
-all integer inputs reach the device in one non-blocking copy. On CUDA with the Triton backend
-pure-decode steps replay CUDA graphs (`worker_svc.cuda_graphs`); the only host sync of a step is
-the sampler's copy of the sampled ids.
+A step is: apply the plan to that state, prepare the forward's inputs on the host
+(`worker_svc.step_inputs`, numpy over the whole batch), give them to the other tensor-parallel
+ranks, run the forward (`worker_svc.executor.ModelExecutor`, which every rank owns alike: all
+integer inputs reach the device in one non-blocking copy, and on CUDA with the Triton backend
+pure decodes replay CUDA graphs), then queue the sampling. The only host sync of a step is the
+sampler's copy of the sampled ids.
 """
 
 from __future__ import annotations
@@ -21,25 +22,23 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kernels.attention_metadata import AttentionMetadata
 from services.kv_mac import KVMac
 from services.mesh_secret import client_key
-from services.model_files import default_cache_dir, load_tokenizer, resolve_model
+from services.model_files import load_tokenizer, resolve_model
 from services.sampling_params import SamplingParams
 from services.step import NewSequence, StepPlan, StepResult, TokenLogprobs, WorkerInfo
 from worker_svc.config import WorkerConfig, default_batch_limits
-from worker_svc.decode_gemms import choose_decode_gemms
-from worker_svc.kv_cache import KVCacheSpec, allocate_kv_cache
+from worker_svc.executor import ModelExecutor
+from worker_svc.kv_cache import KVCacheSpec
 from worker_svc.kv_shards import KVShardExchange
 from worker_svc.kv_tiers import KVStoreLink, WorkerKVTiers
-from worker_svc.loader import load_model, model_fingerprint
+from worker_svc.loader import model_fingerprint
 from worker_svc.parallel import TensorParallel
-from worker_svc.rank_channel import ForwardInputs
 from worker_svc.rank_group import RankGroup, start_rank_group
 from worker_svc.sampler import SampledIds, Sampler, SamplingRow
 from worker_svc.spec_decode.config import SpeculativeConfig
-from worker_svc.spec_decode.draft_model import DraftModel
 from worker_svc.spec_decode.ngram import NgramProposer
+from worker_svc.step_inputs import BlockTableRows, prepare_step
 from worker_svc.structured import SequenceGrammar, StructuredOutputManager
 
 log = logging.getLogger(__name__)
@@ -116,101 +115,10 @@ def _uses_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
-def _round16(n: int) -> int:
-    return (n + 15) // 16 * 16
-
-
-class _BlockTableRows:
-    """One row per live sequence of a host int32 block table, filled incrementally."""
-
-    def __init__(self, width: int, rows: int = 64) -> None:
-        self.table = np.zeros((rows, width), dtype=np.int32)
-        self.lens = np.zeros(rows, dtype=np.int64)
-        self.free = list(range(rows - 1, -1, -1))
-
-    def alloc(self, block_ids: list[int]) -> int:
-        if not self.free:
-            old = self.table.shape[0]
-            self.table = np.concatenate([self.table, np.zeros_like(self.table)])
-            self.lens = np.concatenate([self.lens, np.zeros_like(self.lens)])
-            self.free = list(range(2 * old - 1, old - 1, -1))
-        row = self.free.pop()
-        self.append(row, block_ids)
-        return row
-
-    def append(self, row: int, block_ids: list[int]) -> None:
-        if not block_ids:
-            return
-        start = int(self.lens[row])
-        end = start + len(block_ids)
-        if end > self.table.shape[1]:
-            grown = np.zeros(
-                (self.table.shape[0], _round16(max(end, 2 * self.table.shape[1]))), dtype=np.int32
-            )
-            grown[:, : self.table.shape[1]] = self.table
-            self.table = grown
-        self.table[row, start:end] = block_ids
-        self.lens[row] = end
-
-    def release(self, row: int) -> None:
-        # Zero the row so that a later occupant's unread tail holds valid block ids (0).
-        self.table[row, : int(self.lens[row])] = 0
-        self.lens[row] = 0
-        self.free.append(row)
-
-    def clear(self) -> None:
-        self.table[:] = 0
-        self.lens[:] = 0
-        self.free = list(range(self.table.shape[0] - 1, -1, -1))
-
-
-_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
-_ALIGN = 64  # bytes: Triton specialises pointer arguments on 16-byte alignment
-
-
-def pack_to_device(arrays: list[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
-    """`arrays` (int32/int64) as views into one device buffer filled by a single copy.
-
-    The copy is non-blocking from pageable memory: the driver stages the bytes before returning
-    and waits for no queued kernel, so the host buffer may be dropped at once. Each array starts
-    on a 64-byte boundary, so its pointer alignment (which Triton specialises on) never varies.
-    """
-    offsets = []
-    total = 0
-    for a in arrays:
-        total = -(-total // _ALIGN) * _ALIGN
-        offsets.append(total)
-        total += a.nbytes
-    blob = np.empty(max(total, _ALIGN), dtype=np.uint8)
-    for a, off in zip(arrays, offsets, strict=True):
-        blob[off : off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-    dev = torch.from_numpy(blob).to(device, non_blocking=True)
-    return [
-        dev[off : off + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
-        for a, off in zip(arrays, offsets, strict=True)
-    ]
-
-
-def _patch_where(from_device: list[tuple[int, int]]) -> np.ndarray:
-    """The input positions whose token the previous step sampled on the device (for the other ranks)."""
-    return np.asarray([i for i, _ in from_device], dtype=np.int64)
-
-
-def make_backend(name: str, device: torch.device):
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "torch":
-        from worker_svc.attention.torch_paged import TorchPagedBackend
-
-        return TorchPagedBackend()
-    if name == "triton":
-        from worker_svc.attention.triton_paged import TritonPagedBackend
-
-        return TritonPagedBackend()
-    raise ValueError(f"attention_backend must be auto, torch or triton; got {name!r}")
-
-
 class ModelRunner:
+    """Rank 0 of a worker: the sequences' state, input preparation and sampling around a
+    `ModelExecutor` (the model side, which every other tensor-parallel rank runs alike)."""
+
     def __init__(
         self,
         config: WorkerConfig,
@@ -222,7 +130,6 @@ class ModelRunner:
         self.device = config.torch_device()
         self.dtype = config.torch_dtype()
         self.model_path = resolve_model(config.model, config.cache_dir)
-        self.backend = make_backend(config.attention_backend, self.device)
         # Tensor parallelism: this process is rank 0; the others start here (None at size 1).
         self.ranks: RankGroup | None = start_rank_group(config, self.model_path, on_rank_failure)
         self.tp = self.ranks.tp if self.ranks is not None else TensorParallel()
@@ -233,32 +140,14 @@ class ModelRunner:
             raise
 
     def _build(self, config: WorkerConfig, kv_store: KVStoreLink | None) -> None:
-        if config.decode_gemm not in ("auto", "cublas"):
-            raise ValueError(f"decode_gemm must be auto or cublas, got {config.decode_gemm!r}")
-        self.model, self.model_config = load_model(
-            self.model_path,
-            dtype=self.dtype,
-            device=self.device,
-            backend=self.backend,
-            load_format=config.load_format,
-            tp=self.tp,
-        )
+        ex = self.executor = ModelExecutor(config, self.tp, self.model_path)
+        # The executor's, under the names the worker's other parts (and benchmarks) read.
+        self.model, self.model_config, self.backend = ex.model, ex.model_config, ex.backend
+        self.spec, self.draft = ex.spec, ex.draft
+        self.max_model_len, self.max_blocks_per_seq = ex.max_model_len, ex.max_blocks_per_seq
+        self.num_kv_blocks, self.kv_caches = ex.num_kv_blocks, ex.kv_caches
         mc = self.model_config
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
         bs = config.block_size
-        spec = KVCacheSpec.of(mc, bs, self.dtype, self.tp.size)
-        self.spec = SpeculativeConfig.parse(config.speculative_config)
-        self.draft = DraftModel(self.spec, self) if self.spec and self.spec.method == "draft_model" else None
-        # A draft model's KV cache has a block for each of the target's: they share the budget.
-        per_block = spec.bytes_per_block + (self.draft.kv_spec.bytes_per_block if self.draft else 0)
-        num_kv_blocks = config.num_kv_blocks or max(self._kv_budget(spec) // per_block, 0)
-        # Every rank holds its heads' share of every block: the count is the least any rank holds.
-        self.num_kv_blocks = self.tp.min_int(num_kv_blocks, self.device)
-        if self.num_kv_blocks < 1:
-            raise ValueError("the KV cache budget holds no block; raise kv_cache_memory")
-        self.kv_caches = allocate_kv_cache(spec, self.num_kv_blocks, self.device)
-        if self.draft is not None:
-            self.draft.allocate(self.num_kv_blocks, self.device)
         # Blocks are only interchangeable between workers with the same weights and cache layout.
         # The tiers hold whole blocks in size 1's layout whatever the tensor-parallel size (the
         # ranks' heads joined in order), so workers of every size share the store's chunks.
@@ -285,33 +174,18 @@ class ModelRunner:
             lambda: load_tokenizer(self.model_path), mc.vocab_size, mc.eos_token_ids
         )
         self.seqs: dict[str, SequenceState] = {}
-        # Block-table widths are kept multiples of 16: Triton specialises integer arguments (the
-        # table's row stride among them) on divisibility by 16, so varying widths would compile
-        # new kernel variants mid-run.
-        self.max_blocks_per_seq = _round16((self.max_model_len + bs - 1) // bs)
         self.max_num_seqs = config.resolved_max_num_seqs()
         # vLLM's token budget for this device: a suggestion to schedulers that set none (WorkerInfo).
         self.suggested_batched_tokens = default_batch_limits(self.device)[1]
-        self._tables = _BlockTableRows(self.max_blocks_per_seq, rows=self.max_num_seqs)
+        self._tables = BlockTableRows(self.max_blocks_per_seq, rows=self.max_num_seqs)
         self._eos = list(mc.eos_token_ids)
-        self._graphs = None
-        if self.device.type == "cuda" and self.backend.name == "triton" and not config.enforce_eager:
-            from worker_svc.cuda_graphs import DecodeGraphs, capture_sizes
-
-            if config.decode_gemm == "auto":
-                models = [self.model] + ([self.draft.model] if self.draft else [])
-                choose_decode_gemms(models, self.device, config.cache_dir or default_cache_dir())
-            self._graphs = DecodeGraphs(self, capture_sizes(self.max_num_seqs))
-            self._graphs.capture()
-        # Verification steps (speculative decoding) replay graphs of 1 + num_speculative_tokens
-        # query rows per sequence: eager, a small model's verification costs several decode steps.
-        self._verify_graphs = None
-        if self._graphs is not None and self.spec is not None and self.tp.size == 1:
-            self._verify_graphs = DecodeGraphs(
-                self, capture_sizes(self.max_num_seqs), query_len=1 + self.spec.num_speculative_tokens
-            )
-            self._verify_graphs.capture()
+        ex.capture_graphs()  # last, as the other ranks do: their capture's collectives match
         log.info("model runner ready", extra={"blocks": self.num_kv_blocks, "device": str(self.device)})
+
+    @property
+    def _graphs(self):  # type: ignore[no-untyped-def]
+        """The decode graphs (None: eager), under the name benchmarks/ read."""
+        return self.executor.graphs
 
     @staticmethod
     def _kv_mac(config) -> KVMac:
@@ -325,14 +199,6 @@ class ModelRunner:
             return None
         ranks = self.ranks
         return KVShardExchange(self.tp, lambda kind, block_ids: ranks.announce(kind, [block_ids]))
-
-    def _kv_budget(self, spec: KVCacheSpec) -> int:
-        if self.device.type != "cuda":
-            return self.config.kv_cache_memory
-        free, total = torch.cuda.mem_get_info(self.device)
-        reserve = total * (1.0 - self.config.gpu_memory_utilization)
-        # Leave room for activations of the largest batch (a generous fixed margin).
-        return int(max(free - reserve - (1 << 30), 0))
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do at size 1)."""
@@ -441,13 +307,8 @@ class ModelRunner:
 
     # ----- host -> device -----
     def upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
-        """Tensors on the runner's device equal to `arrays` (int32/int64 numpy).
-
-        On CPU they share the arrays' memory; on CUDA they arrive in one non-blocking copy.
-        """
-        if self.device.type != "cuda":
-            return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
-        return pack_to_device(arrays, self.device)
+        """Tensors on the runner's device equal to `arrays` (`ModelExecutor.upload`)."""
+        return self.executor.upload(arrays)
 
     # ----- execution -----
     def execute(self, plan: StepPlan) -> StepResult:
@@ -477,7 +338,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> LaunchedStep:
-        """Queue a plan's forward and sampling; a sequence's token still in flight is read on the device."""
+        """Queue a plan's forward and sampling; a sequence's token still in flight is read on the device.
+
+        Apply the plan, prepare the inputs on the host (`step_inputs`), give them to the other
+        ranks, run the forward (`ModelExecutor.forward`), then queue the sampling.
+        """
         order = self._apply(plan)
         result = StepResult(step_id=plan.step_id)
         if plan.kv:
@@ -491,184 +356,44 @@ class ModelRunner:
             return launched
         if self.draft is not None:
             self._draft_now(order)
-        bs = self.config.block_size
-        n = len(order)
-        starts = np.empty(n, dtype=np.int64)
-        query_lens = np.empty(n, dtype=np.int64)
-        rows = np.empty(n, dtype=np.int64)
-        input_ids: list[int] = []
-        sample_rows: list[int] = []  # index in the batch of the sequences that sample
-        sampling: list[SequenceState] = []
-        verified: list[list[int]] = []  # per sampling sequence: the drafts it verifies
-        outputs_before: list[int] = []  # per sampling sequence: its output tokens before this step
-        propose: list[int] = []
-        # (index in input_ids, row of the previous step's sampled ids) for tokens still in flight.
-        from_device: list[tuple[int, int]] = []
-        prev: SampledIds | None = None
-        pure_decode = True
-        for i, (st, num_new) in enumerate(order):
-            start = st.num_computed_tokens
-            end = start + num_new
-            known = len(st.token_ids)
-            inflight = st.inflight is not None
-            base = known + inflight  # its tokens, the one still on the device included
-            drafts: list[int] = []
-            if end > base:  # past its tokens: verify drafts (proposed perhaps a token before)
-                skip, want = base - st.draft_start, end - base
-                drafts = st.drafts[skip : skip + want] if skip >= 0 else []
-                if len(drafts) < want:
-                    # A later proposal replaced the drafts the plan counted (they were made while
-                    # a step was in flight): fill up. Any token is a valid draft, only likelier
-                    # to be rejected; the output stays exactly the model's.
-                    drafts += [drafts[-1] if drafts else st.token_ids[-1]] * (want - len(drafts))
-            total = base + len(drafts)
-            if end > total or end > len(st.block_ids) * bs or (drafts and start >= base):
-                raise ValueError(f"sequence {st.seq_id!r}: {end} tokens exceed its tokens or blocks")
-            starts[i] = start
-            query_lens[i] = num_new
-            rows[i] = st.row
-            if num_new != 1:
-                pure_decode = False
-            input_ids.extend(st.token_ids[start:min(end, known)])
-            if inflight and end > known:  # an input is the token the unfinished step samples
-                assert st.inflight is not None and st.inflight.sampled is not None
-                prev = st.inflight.sampled
-                from_device.append((len(input_ids), st.inflight_row))
-                input_ids.append(0)
-            input_ids.extend(drafts)
-            if end == total:
-                st.inflight, st.inflight_row = launched, len(sampling)
-                sample_rows.append(i)
-                sampling.append(st)
-                verified.append(drafts)
-                outputs_before.append(base - st.num_prompt_tokens)
-                propose.append(min(st.max_draft_tokens, self.spec.num_speculative_tokens) if self.spec else 0)
-        launched.sampling = sampling
-        launched.propose = propose
-        num_verified = sum(len(d) for d in verified)
-        if num_verified:
-            launched.verified = verified
-            pure_decode = False
-        seq_lens = starts + query_lens
-        max_seq_len = int(seq_lens.max())
-        table = self._tables.table
-        width = min(_round16((max_seq_len + bs - 1) // bs), table.shape[1])
-        tables = table[rows, :width]  # fancy indexing: a fresh contiguous copy
-        ids = np.asarray(input_ids, dtype=np.int64)
-        if pure_decode:
-            positions = starts
-            token_rows = rows
-        else:
-            qsl = np.zeros(n + 1, dtype=np.int64)
-            np.cumsum(query_lens, out=qsl[1:])
-            num_tokens = int(qsl[-1])
-            positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - qsl[:-1], query_lens)
-            token_rows = np.repeat(rows, query_lens)
-        slots = table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
-        if not pure_decode:
-            last = qsl[1:][sample_rows] - 1 if sample_rows else np.zeros(0, dtype=np.int64)
-            if num_verified:  # a verifying sequence samples at each draft's position too
-                per_seq = np.asarray([len(d) + 1 for d in verified], dtype=np.int64)
-                first = np.cumsum(per_seq) - per_seq
-                offsets = np.arange(int(per_seq.sum()), dtype=np.int64) - np.repeat(first, per_seq)
-                last = np.repeat(last + 1 - per_seq, per_seq) + offsets
-        # A verification whose sequences all sample replays the verify graphs: token i of the
-        # step becomes row to_padded[i] of q rows per sequence.
-        vgraphs = self._verify_graphs
-        to_padded = None
-        if num_verified and vgraphs is not None and len(sampling) == n and n <= vgraphs.max_size:
-            q = vgraphs.q
-            if int(query_lens.max()) <= q:
-                # Context = seq_len - q: the rows past a sequence's end are padding.
-                p_seq_lens = (starts + q).astype(np.int32)
-                p_width = min(_round16((int(p_seq_lens.max()) + bs - 1) // bs), table.shape[1])
-                if p_width <= vgraphs.width:
-                    grid = (np.arange(n, dtype=np.int64) * q)[:, None] + np.arange(q)[None, :]
-                    to_padded = grid[np.arange(q)[None, :] < query_lens[:, None]]
+        ex = self.executor
+        step = prepare_step(
+            order, self._tables.table, self.config.block_size, self.max_model_len, ex.graphs, ex.verify_graphs
+        )
         patch = None
-        if from_device:
-            assert prev is not None
-            moves = np.asarray(from_device, dtype=np.int64).T.copy()
-            if to_padded is not None:
-                moves[0] = to_padded[moves[0]]
-            where = self.upload([moves])[0]
-            patch = (where[0], prev.sampled.index_select(0, where[1]).to(torch.int64))
-
-        graphs = self._graphs
-        use_graph = pure_decode and graphs is not None and n <= graphs.max_size and width <= graphs.width
-        if use_graph or to_padded is not None:  # a graph replay waits for the whole load
-            self.kv_tiers.wait_for_loads(loading)
-        if use_graph:
-            all_sample = len(sample_rows) == n
-            last_rows = None if all_sample else np.asarray(sample_rows, dtype=np.int64)
-            if self.ranks is not None:  # the other ranks run the same forward on their shards
-                self.ranks.send(
-                    ForwardInputs(True, ids, positions, slots, seq_lens.astype(np.int32), tables,
-                                  len(sampling), last_rows, patch_where=_patch_where(from_device)),
-                    patch,
-                )  # fmt: skip
-            hidden = graphs.run(ids, positions, slots, seq_lens.astype(np.int32), tables, patch)
-            sample_index = None if all_sample else self.upload([last_rows])[0]
-        elif to_padded is not None:
-            assert vgraphs is not None
-            q = vgraphs.q
-            p_ids = np.zeros(n * q, dtype=np.int64)
-            p_ids[to_padded] = ids
-            p_slots = np.full(n * q, -1, dtype=np.int64)  # padding rows write no KV
-            p_slots[to_padded] = slots
-            # Padding rows' positions only need to stay inside the rotary table.
-            p_pos = np.minimum(starts[:, None] + np.arange(q)[None, :], self.max_model_len - 1).reshape(-1)
-            hidden = vgraphs.run(p_ids, p_pos, p_slots, p_seq_lens, table[rows, :p_width], patch)
-            sample_index = self.upload([to_padded[last]])[0]
-        else:
-            if pure_decode:
-                qsl = np.arange(n + 1, dtype=np.int64)
-                last = qsl[1:][sample_rows] - 1 if sample_rows else np.zeros(0, dtype=np.int64)
-            all_sample = pure_decode and len(sample_rows) == n
-            if self.ranks is not None:  # the other ranks run the same forward on their shards
-                self.ranks.send(
-                    ForwardInputs(False, ids, positions, slots, seq_lens.astype(np.int32), tables,
-                                  len(sampling), None if all_sample else last, qsl.astype(np.int32),
-                                  query_lens, int(query_lens.max()), max_seq_len, _patch_where(from_device)),
-                    patch,
-                )  # fmt: skip
-            d_ids, d_pos, d_slots, d_last, d_qsl, d_lens, d_tables = self.upload(
-                [ids, positions, slots, last, qsl.astype(np.int32), seq_lens.astype(np.int32), tables]
-            )
-            if patch is not None:
-                d_ids.index_copy_(0, *patch)
-            meta = AttentionMetadata(
-                slot_mapping=d_slots,
-                query_start_loc=d_qsl,
-                seq_lens=d_lens,
-                block_tables=d_tables,
-                max_query_len=int(query_lens.max()),
-                max_seq_len=max_seq_len,
-                query_lens_cpu=query_lens.tolist(),
-                seq_lens_cpu=seq_lens.tolist(),
-                layer_ready=loading,
-            )
-            hidden = self.model(d_ids, d_pos, self.kv_caches, meta)
-            self.kv_tiers.wait_for_loads(loading)
-            if self.draft is not None:
-                self.draft.forward_alongside(d_ids, d_pos, meta)
-            sample_index = None if all_sample else d_last
+        if step.patch_moves is not None:
+            # Tokens the step in flight samples: gathered from its sampled ids on the device.
+            prev = order[step.patch_seq][0].inflight
+            assert prev is not None and prev.sampled is not None
+            where = self.upload([step.patch_moves])[0]
+            patch = (where[0], prev.sampled.sampled.index_select(0, where[1]).to(torch.int64))
+        sampling = [order[i][0] for i in step.sample_seqs]
+        for row, st in enumerate(sampling):
+            st.inflight, st.inflight_row = launched, row
+        launched.sampling = sampling
+        k_max = self.spec.num_speculative_tokens if self.spec else 0  # drafts to propose once sampled
+        launched.propose = [min(st.max_draft_tokens, k_max) for st in sampling]
+        num_verified = step.num_verified
+        if num_verified:
+            launched.verified = step.verified
+        if self.ranks is not None:  # the other ranks run the same forward on their shards
+            self.ranks.send(step.forward, patch)
+        hidden, sample_index = ex.forward(step.forward, patch, loading)
         for st, num_new in order:
             st.num_computed_tokens += num_new
         if not sampling:
             return launched
-        picked = hidden if sample_index is None else hidden[sample_index]
-        logits = self.model.compute_logits(picked)
+        logits = ex.logits(hidden, sample_index)
         bitmask = self.structured.bitmask([st.grammar for st in sampling])
         if num_verified:
             rows = [
                 r
-                for st, d, n_out in zip(sampling, verified, outputs_before, strict=True)
+                for st, d, n_out in zip(sampling, step.verified, step.outputs_before, strict=True)
                 for r in self._verify_rows(st, d, n_out)
             ]
             if bitmask is not None:  # one row per position; drafting sequences are unconstrained
-                bitmask = bitmask.repeat_interleave(torch.tensor([len(d) + 1 for d in verified]), dim=0)
-            launched.sampled = self.sampler.verify_async(logits, rows, verified, bitmask)
+                bitmask = bitmask.repeat_interleave(torch.tensor([len(d) + 1 for d in step.verified]), dim=0)
+            launched.sampled = self.sampler.verify_async(logits, rows, step.verified, bitmask)
         else:
             sampling_rows = [self._sampling_row(st) for st in sampling]
             launched.sampled = self.sampler.sample_async(logits, sampling_rows, bitmask)

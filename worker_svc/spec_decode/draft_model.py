@@ -3,7 +3,7 @@
 Its paged KV cache has the target's block count and block size, so the target's block ids
 and slots address it too: no second block table, nothing for the scheduler to track. It is
 kept in step with the target by running on exactly the target's inputs in every forward (the
-runner and the decode CUDA graphs call `forward_alongside`), so before proposing for a
+executor's eager forward and the decode CUDA graphs call `forward_alongside`), so before proposing for a
 sequence it holds the KV of every token but the newest.
 
 Proposals are greedy (the draft's argmax): a deterministic draft is a one-hot q, which the
@@ -30,28 +30,30 @@ from worker_svc.loader import load_model
 from worker_svc.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
+    from worker_svc.executor import ModelExecutor
     from worker_svc.runner import ModelRunner, SequenceState
 
 
 class DraftModel:
-    def __init__(self, spec: SpeculativeConfig, runner: ModelRunner) -> None:
-        cfg = runner.config
+    def __init__(self, spec: SpeculativeConfig, target: ModelExecutor) -> None:
+        """Load the draft beside `target` (rank 0's executor, its model loaded) on its device."""
+        cfg = target.config
         self.model, self.model_config = load_model(
-            spec.model or runner.model_path,
-            dtype=runner.dtype,
-            device=runner.device,
-            backend=runner.backend,
+            spec.model or target.model_path,
+            dtype=target.dtype,
+            device=target.device,
+            backend=target.backend,
             load_format=cfg.load_format,
             cache_dir=cfg.cache_dir,
             num_layers=spec.num_layers,
         )
-        target_vocab = runner.model_config.vocab_size
+        target_vocab = target.model_config.vocab_size
         if self.model_config.vocab_size != target_vocab:
             raise ValueError(
                 f"the draft model's vocabulary ({self.model_config.vocab_size}) is not the target's "
                 f"({target_vocab}): they must share a tokenizer"
             )
-        self.kv_spec = KVCacheSpec.of(self.model_config, cfg.block_size, runner.dtype)
+        self.kv_spec = KVCacheSpec.of(self.model_config, cfg.block_size, target.dtype)
         self.kv_caches: list[torch.Tensor] = []
         self.vocab_size = target_vocab
 

@@ -13,7 +13,7 @@ from worker_svc.loader import load_model
 from worker_svc.models.config import ModelConfig
 from worker_svc.p2p_all_reduce import P2PAllReduce
 from worker_svc.parallel import TensorParallel, check_shardable, open_group
-from worker_svc.rank_channel import STEP, STOP, ForwardInputs, encode, read_message
+from worker_svc.rank_channel import DECODE_GRAPH, EAGER, STEP, STOP, ForwardInputs, encode, read_message
 from worker_svc.rank_group import start_rank_group
 
 
@@ -65,7 +65,7 @@ def test_a_refused_size_starts_no_process(tiny_model_dirs):
 
 def test_channel_round_trip_keeps_arrays_and_makes_them_writable():
     inputs = ForwardInputs(
-        graph=False,
+        mode=EAGER,
         ids=np.array([5, 6, 7], dtype=np.int64),
         positions=np.array([0, 1, 2], dtype=np.int64),
         slots=np.array([32, 33, 34], dtype=np.int64),
@@ -86,11 +86,11 @@ def test_channel_round_trip_keeps_arrays_and_makes_them_writable():
     for name in ("ids", "positions", "slots", "seq_lens", "tables", "sample_index", "query_start_loc"):
         a, b = getattr(inputs, name), getattr(got, name)
         assert a.dtype == b.dtype and np.array_equal(a, b), name
-    assert (got.graph, got.num_sampled, got.max_query_len, got.max_seq_len) == (False, 1, 3, 3)
+    assert (got.mode, got.num_sampled, got.max_query_len, got.max_seq_len) == (EAGER, 1, 3, 3)
     assert got.ids.flags.writeable  # the forward patches in-flight ids into it
     assert read_message(f) == (STOP, [])
     assert read_message(f) is None  # EOF: rank 0 is gone
-    none_index = ForwardInputs(True, got.ids, got.positions, got.slots, got.seq_lens, got.tables, 0)
+    none_index = ForwardInputs(DECODE_GRAPH, got.ids, got.positions, got.slots, got.seq_lens, got.tables, 0)
     assert ForwardInputs.decode(read_message(io.BytesIO(none_index.encode()))[1]).sample_index is None
 
 

@@ -59,9 +59,9 @@ def _count_rows(graphs: DecodeGraphs) -> list[int]:
 def test_padded_static_decode_equals_reference(tiny: str, reference_tokens: list[list[int]]) -> None:
     llm = LLM(tiny, attention_backend="triton", **ENGINE)
     runner = llm.engine.runner
-    graphs = DecodeGraphs(runner, [1, 2, 4], capture=False)
+    graphs = DecodeGraphs(runner.executor, [1, 2, 4], capture=False)
     sizes = _count_rows(graphs)
-    runner._graphs = graphs
+    runner.executor.graphs = graphs
     assert _generate(llm) == reference_tokens
     assert 3 in sizes and 1 in sizes  # padded (3 -> 4) and unpadded decode batches both ran
 
@@ -69,7 +69,7 @@ def test_padded_static_decode_equals_reference(tiny: str, reference_tokens: list
 def test_pack_to_device_round_trips_aligned() -> None:
     import numpy as np
 
-    from worker_svc.runner import pack_to_device
+    from worker_svc.executor import pack_to_device
 
     arrays = [
         np.arange(5, dtype=np.int64),
@@ -97,9 +97,9 @@ def test_padded_static_verification_equals_reference(tiny: str) -> None:
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
     llm = LLM(tiny, attention_backend="triton", speculative_config=spec, **ENGINE)
     runner = llm.engine.runner
-    graphs = DecodeGraphs(runner, [1, 2, 4], capture=False, query_len=4)
+    graphs = DecodeGraphs(runner.executor, [1, 2, 4], capture=False, query_len=4)
     rows = _count_rows(graphs)
-    runner._verify_graphs = graphs
+    runner.executor.verify_graphs = graphs
     assert generate(llm) == want
     assert rows and all(r % 4 == 0 for r in rows)  # verifications ran as q = 4 rows per sequence
     assert llm.engine.mesh.workers["local"].planner.spec.stats.num_accepted_tokens > 0
