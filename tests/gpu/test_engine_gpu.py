@@ -97,7 +97,7 @@ def _free() -> None:
 @pytest.fixture(scope="module")
 def graph_outputs(model_dir: str) -> list:
     llm = LLM(model_dir, attention_backend="triton", **ENGINE)
-    graphs = llm.engine.runner._graphs
+    graphs = llm.engine.runner.executor.graphs
     assert graphs is not None and graphs.sizes == [1, 2, 4, 8, 16] and set(graphs.graphs) == set(graphs.sizes)
     out = _generate(llm)
     del llm, graphs
@@ -107,7 +107,7 @@ def graph_outputs(model_dir: str) -> list:
 
 def test_triton_with_graphs_matches_reference_backend(model_dir: str, graph_outputs: list) -> None:
     llm = LLM(model_dir, attention_backend="torch", **ENGINE)
-    assert llm.engine.runner._graphs is None and llm.engine.runner.dtype == torch.bfloat16
+    assert llm.engine.runner.executor.graphs is None and llm.engine.runner.dtype == torch.bfloat16
     ref = _generate(llm)
     del llm
     _free()
@@ -116,7 +116,7 @@ def test_triton_with_graphs_matches_reference_backend(model_dir: str, graph_outp
 
 def test_cuda_graphs_match_eager(model_dir: str, graph_outputs: list) -> None:
     llm = LLM(model_dir, attention_backend="triton", enforce_eager=True, **ENGINE)
-    assert llm.engine.runner._graphs is None
+    assert llm.engine.runner.executor.graphs is None
     eager = _generate(llm)
     del llm
     _free()
@@ -136,7 +136,7 @@ def test_decode_step_syncs_only_for_sampled_ids(model_dir: str) -> None:
         engine.add_request(str(i), p, sp)
     engine.step()  # the three prefills (578 tokens) fit one step's budget
     engine.step()  # a first graph decode step
-    assert engine.runner._graphs is not None
+    assert engine.runner.executor.graphs is not None
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
     try:

@@ -73,7 +73,7 @@ def _greedy(path: str, size: int, **kw) -> list[list[int]]:
             for i, n in enumerate((5, 37, 200, 9))
         ]
         sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-        assert llm.engine.runner._graphs is not None  # decodes replay graphs with all-reduces inside
+        assert llm.engine.runner.executor.graphs is not None  # decodes replay graphs with all-reduces inside
         return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     finally:
         llm.engine.close()
