@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import enum
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,7 +10,18 @@ from typing import Literal
 
 import pytest
 
-from services.config import ByteSize, build_parser, env_names, load_config, option
+from services.config import (
+    ByteSize,
+    add_flag_group,
+    build_parser,
+    check_bounds,
+    env_names,
+    forward,
+    from_flat,
+    load_config,
+    option,
+    select,
+)
 from services.grpc_server import ServerConfig
 
 
@@ -173,3 +185,60 @@ def test_byte_size_fields_take_units_from_flags_and_env():
     assert load_config(Sized, [], {}).budget == 1 << 30
     assert load_config(Sized, ["--budget", "3MiB"], {}).budget == 3 << 20
     assert load_config(Sized, [], {"LLMESH_BUDGET": "2k"}).budget == 2000
+
+
+# -- composition: nested configs, bounds, a service's flags in a launcher -----------------
+
+
+@dataclass
+class Core:
+    max_num_seqs: int = option(0, ge=0, help="the core's batch")
+
+
+@dataclass
+class Service:
+    core: Core = field(default_factory=Core)
+    interval: int = option(1, ge=1, help="an interval")
+    api_key: str = ""
+
+
+def test_a_nested_dataclass_is_flattened_into_flags_and_env():
+    config = load_config(Service, ["--max-num-seqs", "8"], {"LLMESH_SVC_INTERVAL": "3"}, service="svc")
+    assert config == Service(core=Core(max_num_seqs=8), interval=3)
+    assert load_config(Service, [], {}).core == Core()
+
+
+def test_from_flat_routes_each_name_to_its_config():
+    assert from_flat(Service, {"max_num_seqs": 4, "interval": 2}) == Service(Core(4), 2)
+    with pytest.raises(TypeError, match="unknown settings: nope"):
+        from_flat(Service, {"nope": 1})
+
+
+def test_bounds_are_checked_where_flags_and_env_are_parsed_and_by_check_bounds():
+    for argv, env in ((["--interval", "0"], {}), ([], {"LLMESH_INTERVAL": "0"})):
+        with pytest.raises(SystemExit):
+            load_config(Service, argv, env)
+    with pytest.raises(ValueError, match="interval must be >= 1, got 0"):
+        check_bounds(Service(interval=0))
+
+
+def test_a_name_declared_twice_is_refused_as_a_flag():
+    @dataclass
+    class Twice:
+        core: Core = field(default_factory=Core)
+        max_num_seqs: int = 1
+
+    with pytest.raises(TypeError, match="declared twice"):
+        build_parser(Twice)
+    assert from_flat(Twice, {"max_num_seqs": 5}) == Twice(Core(5), 5)  # from_flat: both get it
+
+
+def test_a_group_of_prefixed_flags_forwards_values_and_secrets():
+    parser = argparse.ArgumentParser()
+    found = select(Service, exclude={"max_num_seqs"})
+    add_flag_group(parser, found, "svc", title="svc", service="svc", aliases={"interval": "--interval"})
+    args = parser.parse_args(["--interval", "5", "--svc.api-key", "k"])
+    assert forward(args, found, "svc", "svc") == (["--interval", "5"], {"LLMESH_SVC_API_KEY": "k"})
+    assert forward(parser.parse_args([]), found, "svc", "svc") == ([], {})
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--svc.max-num-seqs", "1"])
