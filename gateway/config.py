@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from services.config import option
+from services.config import check_bounds, option
 from services.grpc_server import DEFAULT_KEEPALIVE_S
 from services.limits import RequestLimits
 from services.tls import TLSConfig
@@ -24,6 +24,7 @@ class GatewayConfig(RequestLimits, TLSConfig):
     port: int = option(8000, help="HTTP port; 0 = any free port")
     api_server_count: int = option(
         1,
+        ge=1,
         help="gateway processes serving the port (SO_REUSEPORT), each with its own channel to the "
         "scheduler; a parent process supervises them, forwards SIGTERM and exits 0 once they drained",
     )
@@ -34,13 +35,14 @@ class GatewayConfig(RequestLimits, TLSConfig):
     )
     http_keep_alive_s: float = option(
         75.0,
+        gt=0,
         help="seconds an idle HTTP keep-alive connection stays open; longer than clients' pools keep "
         "them (httpx 5 s) so that a client never sends on a connection the gateway is closing",
     )
-    http_backlog: int = option(4096, help="connections the listening socket queues before accept()")
+    http_backlog: int = option(4096, ge=1, help="connections the listening socket queues before accept()")
     scheduler: str = option("127.0.0.1:50051", help="scheduler host:port (llmesh.v1.Scheduler)")
     keepalive_s: float = option(
-        DEFAULT_KEEPALIVE_S, help="idle seconds between HTTP/2 pings to the scheduler (>= 1)"
+        DEFAULT_KEEPALIVE_S, ge=1, help="idle seconds between HTTP/2 pings to the scheduler (>= 1)"
     )
     api_key: str | None = option(
         None,
@@ -75,40 +77,24 @@ class GatewayConfig(RequestLimits, TLSConfig):
         None, help="model folder/.gguf for the tokenizer (default: what the scheduler serves)"
     )
     cache_dir: str | None = option(None, help="converted-model cache (default $LLMESH_CACHE)")
-    max_prompts: int = option(64, help="most prompts in one batched /v1/completions request")
-    max_seqs_per_request: int = option(256, help="most sequences (prompts x n) in one request")
+    max_prompts: int = option(64, ge=1, help="most prompts in one batched /v1/completions request")
+    max_seqs_per_request: int = option(256, ge=1, help="most sequences (prompts x n) in one request")
     max_concurrent_prompts: int = option(
-        8, help="prompts of one batched request in flight to the scheduler at once (the rest wait)"
+        8, ge=1, help="prompts of one batched request in flight to the scheduler at once (the rest wait)"
     )
-    tokenizer_threads: int = option(2, help="threads that tokenize large prompts off the event loop")
-    max_body_bytes: int = option(8 << 20, help="largest request body, in bytes (413 beyond)")
-    request_timeout_s: float = option(600.0, help="deadline of one generation on the scheduler")
-    health_timeout_s: float = option(2.0, help="how long /health waits for the scheduler")
+    tokenizer_threads: int = option(2, ge=1, help="threads that tokenize large prompts off the event loop")
+    max_body_bytes: int = option(8 << 20, ge=1, help="largest request body, in bytes (413 beyond)")
+    request_timeout_s: float = option(600.0, gt=0, help="deadline of one generation on the scheduler")
+    health_timeout_s: float = option(2.0, gt=0, help="how long /health waits for the scheduler")
     log_level: str = option("info", help="debug | info | warning | error")
     log_format: str = option("json", help="json | text")
 
     def __post_init__(self) -> None:
         RequestLimits.__post_init__(self)
         TLSConfig.__post_init__(self)  # --tls-*: how the gateway dials the scheduler (it serves plain HTTP)
-        if self.keepalive_s < 1:
-            raise ValueError(f"keepalive_s must be >= 1, got {self.keepalive_s}")
+        check_bounds(self)  # the `option(ge=, gt=)` of each field
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in (
-            "api_server_count",
-            "http_backlog",
-            "max_prompts",
-            "max_seqs_per_request",
-            "max_concurrent_prompts",
-            "tokenizer_threads",
-            "max_body_bytes",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.http_keep_alive_s <= 0:
-            raise ValueError(f"http_keep_alive_s must be > 0, got {self.http_keep_alive_s}")
-        if self.request_timeout_s <= 0 or self.health_timeout_s <= 0:
-            raise ValueError("request_timeout_s and health_timeout_s must be > 0")
         if self.log_format not in ("json", "text"):
             raise ValueError(f"log_format must be json or text, got {self.log_format!r}")
         if self.api_key == "":

@@ -48,6 +48,7 @@ class KVStoreConfig(ServerConfig):
     disk_bytes: ByteSize = option(ByteSize("10GiB"), help="disk tier budget")
     redis_url: str = option(
         "",
+        secret=True,  # it may hold the password: `llmesh up` hands it over in the environment
         help="redis[s]://[USER[:PASSWORD]@]host:port/db of the shared tier (or env REDIS_URL; keep a "
         "password out of argv: the environment or --redis-password-file)",
     )

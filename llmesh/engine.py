@@ -29,6 +29,7 @@ from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.mesh import Mesh, MeshConfig
 from scheduler_svc.planner import Planner, PlannerConfig
 from scheduler_svc.request import Request, RequestDelta
+from services.config import from_flat
 from services.sampling_params import SamplingParams
 from worker_svc.config import WorkerConfig, default_batch_limits
 from worker_svc.pipeline import StepPipeline
@@ -57,27 +58,10 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
-        """Split flat keyword settings (as `LLM(...)` takes them) between the two configs."""
-        worker_fields = {f.name for f in dataclasses.fields(WorkerConfig)}
-        planner_fields = {f.name for f in dataclasses.fields(PlannerConfig)}
-        enable = kwargs.pop("enable_prefix_caching", True)
-        async_scheduling = kwargs.pop("async_scheduling", True)
-        stream_interval = kwargs.pop("stream_interval", OFFLINE_STREAM_INTERVAL)
-        kv_store = kwargs.pop("kv_store", None)
-        unknown = set(kwargs) - worker_fields - planner_fields
-        if unknown:
-            raise TypeError(f"unknown engine settings: {', '.join(sorted(unknown))}")
-        worker = WorkerConfig(**{k: v for k, v in kwargs.items() if k in worker_fields})
-        planner_kw = {k: v for k, v in kwargs.items() if k in planner_fields}
-        planner_kw.setdefault("max_model_len", 0)
-        return cls(
-            worker=worker,
-            planner=PlannerConfig(**planner_kw),
-            enable_prefix_caching=enable,
-            async_scheduling=bool(async_scheduling),
-            kv_store=kv_store,
-            stream_interval=int(stream_interval),
-        )
+        """From flat keyword settings (as `LLM(...)` takes them): each goes to the config that
+        declares it (services.config.from_flat walks `worker` and `planner` by their fields, no
+        list of names here); a name both declare (max_num_seqs, max_model_len) reaches both."""
+        return from_flat(cls, kwargs, what="engine settings")
 
 
 class LLMEngine:

@@ -36,6 +36,7 @@ from scheduler_svc.prefix_hash import extend_block_keys
 from scheduler_svc.request import Request, RequestDelta
 from scheduler_svc.router import route
 from scheduler_svc.spec_decode import SpecDecodePolicy
+from services.config import check_bounds, option
 from services.sampling_params import SamplingParams
 from services.step import StepPlan, StepResult, WorkerInfo, store_fingerprint
 
@@ -97,28 +98,40 @@ class KVStoreLookup(Protocol):
 
 @dataclass
 class MeshConfig:
+    """The scheduler core's knobs, declared once: the scheduler service's config inherits them
+    (and `planner`'s, flattened into flags: services/config.py), the offline engine sets them."""
+
     planner: PlannerConfig = field(default_factory=PlannerConfig)
-    enable_prefix_caching: bool = True
-    # A worker with this many more queued requests than the least-loaded one loses its prefix advantage.
-    overload_margin: int = 8
-    # A worker whose link broke is re-dialled this long before it is declared dead.
-    worker_dead_after_s: float = 30.0
-    # Its requests move to the other live workers (if any) once it has been unreachable this long.
-    failover_after_s: float = 1.0
-    # Plan step N+1 while the worker runs step N (2 plans in flight), so that planning and the
-    # wire overlap the GPU instead of sitting between two steps. False: one plan at a time.
-    async_scheduling: bool = True
-    # A KV store lookup that takes longer counts as a miss (the request is admitted without it).
-    kv_lookup_timeout_s: float = 0.2
-    # vLLM's stream_interval: after a request's first token, its stream is handed tokens once
-    # this many are pending (or it finished), not after every step. 1: every step. Larger values
-    # cut the per-token messages (one gRPC write, one SSE event each) that cost the host more
-    # than the GPU at high concurrency, at the price of burstier streams.
-    stream_interval: int = 1
+    enable_prefix_caching: bool = option(True, help="reuse KV blocks of shared prefixes")
+    overload_margin: int = option(
+        8,
+        help="queued requests a prefix hit may cost before load wins (a worker this many more "
+        "requests behind the least-loaded one loses its prefix advantage)",
+    )
+    worker_dead_after_s: float = option(
+        30.0, gt=0, help="a worker whose link broke is re-dialled this long before it counts as dead"
+    )
+    failover_after_s: float = option(
+        1.0, ge=0, help="an unreachable worker's requests move to the other workers after this long"
+    )
+    # Planning and the wire overlap the GPU instead of sitting between two steps.
+    async_scheduling: bool = option(
+        True, help="plan step N+1 while a worker runs step N (--no-async-scheduling: one plan at a time)"
+    )
+    kv_lookup_timeout_s: float = option(
+        0.2, help="a KV store lookup slower than this counts as a miss (the prefix is computed)"
+    )
+    # Larger values cut the per-token messages (one gRPC write, one SSE event each) that cost the
+    # host more than the GPU at high concurrency, at the price of burstier streams.
+    stream_interval: int = option(
+        1,
+        ge=1,
+        help="after a request's first token, stream its tokens once this many are pending (vLLM's "
+        "--stream-interval): fewer messages per token at high concurrency, burstier streams",
+    )
 
     def __post_init__(self) -> None:
-        if self.stream_interval < 1:
-            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
+        check_bounds(self)
 
 
 @dataclass

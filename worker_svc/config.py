@@ -1,13 +1,18 @@
-"""Worker configuration: one dataclass, built from CLI flags/env by the service, passed down."""
+"""Worker configuration: one dataclass, built from CLI flags/env by the service, passed down.
+
+torch is imported where a method needs it, not by this module: `llmesh up` builds its
+`--worker.*` flags from `WorkerConfig` without loading torch into the launcher.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
-
-import torch
+from typing import TYPE_CHECKING, Literal
 
 from services.config import ByteSize, option
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -61,7 +66,9 @@ class WorkerConfig:
     seed: int = 0
     # Tensor parallelism: processes cuda:i, cuda:i+1, ... (gloo processes on CPU) that split the
     # model's heads, MLP and vocabulary.
-    tensor_parallel_size: int = 1  # ranks splitting the model; must divide its query and KV heads
+    tensor_parallel_size: int = option(
+        1, ge=1, help="ranks splitting the model; must divide its query and KV heads"
+    )
     tp_timeout_s: float = 600.0  # longest wait on a tensor-parallel collective before a step fails
     tp_all_reduce: Literal["auto", "nccl"] = option(
         "auto",
@@ -81,11 +88,15 @@ class WorkerConfig:
         return self.max_num_seqs or default_batch_limits(self.torch_device())[0]
 
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
         names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -103,6 +114,8 @@ def default_batch_limits(device: torch.device, offline: bool = False) -> tuple[i
     """
     if device.type != "cuda":
         return 64, 2048
+    import torch
+
     props = torch.cuda.get_device_properties(device)
     if props.total_memory >= 70 * 2**30 and "a100" not in props.name.lower():
         return 1024, 16384 if offline else 8192
