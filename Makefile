@@ -32,10 +32,10 @@ $(STUBS): $(PROTOS)
 	$(PY) -m services.gen_protos
 
 model: $(STAMP)
-	$(PY) -m services.cli convert
+	$(PY) -m llmesh.cli convert
 
 run: setup
-	$(PY) -m services.cli up $(ARGS)
+	$(PY) -m llmesh.cli up $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)

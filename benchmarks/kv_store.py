@@ -128,7 +128,7 @@ def install_trace() -> None:
 
 def start_kvstore(stack: ExitStack, memory_bytes: int, redis_url: str = "", *extra: str) -> str:
     port = free_port()
-    cmd = [sys.executable, "-m", "services.cli", "kvstore", "--port", str(port)]
+    cmd = [sys.executable, "-m", "llmesh.cli", "kvstore", "--port", str(port)]
     cmd += ["--memory-bytes", str(memory_bytes), *extra]
     if redis_url:
         cmd += ["--redis-url", redis_url]

@@ -35,6 +35,15 @@ from services.tls import TLSConfig
 
 log = logging.getLogger(__name__)
 
+# The flags `start_mesh` gives each child itself (where it listens, its peers, the model): a
+# launcher's user may not set them per service (`llmesh up` offers every other knob of each).
+LAUNCHER_SETS = {
+    "scheduler": ("host", "port", "model", "kvstore_address"),
+    "worker": ("host", "port", "scheduler", "kvstore_address", "worker_id", "model"),
+    "gateway": ("host", "port", "scheduler", "model"),
+    "kvstore": ("host", "port"),
+}
+
 
 @dataclass
 class Child:

@@ -18,7 +18,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from services.cli import SERVICE_CONFIGS, parse_command
+from llmesh.cli import SERVICE_CONFIGS, parse_command
 from tests.helpers.kustomize import build
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"

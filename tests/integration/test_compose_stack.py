@@ -188,7 +188,7 @@ def test_the_compose_services_serve_a_request_with_their_own_flags(tmp_path) -> 
                     _wait(dependency, lambda t=target: check(t, timeout_s=1.0), procs[dependency])
             log = open(tmp_path / f"{name}.log", "wb")  # noqa: SIM115 - the child holds it
             procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "services.cli", *command],
+                [sys.executable, "-m", "llmesh.cli", *command],
                 env={**_without_session_key(os.environ), **env},  # the key comes from the secrets file
                 stdout=log,
                 stderr=subprocess.STDOUT,

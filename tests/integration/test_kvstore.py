@@ -475,7 +475,7 @@ def test_llmesh_kvstore_subcommand_serves(tmp_path):
     log = tmp_path / "cli.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "kvstore", "--port", str(port), "--memory-bytes", "1MiB"],
+            [sys.executable, "-m", "llmesh.cli", "kvstore", "--port", str(port), "--memory-bytes", "1MiB"],
             stdout=out,
             stderr=subprocess.STDOUT,
             env={**os.environ, "REDIS_URL": ""},

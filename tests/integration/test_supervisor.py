@@ -94,7 +94,7 @@ def _read_until(proc: subprocess.Popen, needle: str, timeout: float, lines: list
 def _start_up(argv: list[str]) -> tuple[subprocess.Popen, list[str]]:
     """`llmesh up ARGV` as a process; a thread collects its output (and its children's) line by line."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "services.cli", "up", *argv]
+    cmd = [sys.executable, "-m", "llmesh.cli", "up", *argv]
     up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
 

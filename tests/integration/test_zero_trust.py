@@ -26,8 +26,8 @@ from google.protobuf import message_factory
 from google.protobuf.descriptor import MethodDescriptor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from llmesh.cli import build_parser, up_kwargs
 from llmesh.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.cli import build_parser, up_kwargs
 from services.grpc_server import PLAINTEXT, ChannelSecurity, open_sync_channel
 from services.launcher import LocalMesh, gateway_available, start_mesh
 from services.mesh_secret import ENV_KEY, ENV_KEY_FILE

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import subprocess
+import sys
+
 import pytest
 
-from services import cli
+from llmesh import cli
 
 
 def up(*argv: str) -> dict:
@@ -182,3 +186,108 @@ def test_speculative_config_reaches_every_worker_and_parses_there():
     config = load_config(WorkerServiceConfig, args, service="worker")
     parsed = SpeculativeConfig.parse(config.speculative_config)
     assert parsed is not None and parsed.num_speculative_tokens == 4
+
+
+# -- the services' own flags, generated under --SERVICE. ------------------------------
+
+
+def test_dotted_flags_reach_their_service_as_its_own_flags():
+    kw = up(
+        "--worker.kv-cache-memory",
+        "64MiB",
+        "--worker.enforce-eager",
+        "--scheduler.max-num-seqs",
+        "8",
+        "--scheduler.no-async-scheduling",
+        "--scheduler.no-tokenizer",
+        "--gateway.log-format",
+        "text",
+        "--kvstore.memory-bytes",
+        "1GiB",
+        "--kvstore.no-memory-arena",
+    )
+    assert kw["worker_args"] == ["--kv-cache-memory", str(64 << 20), "--enforce-eager"]
+    assert kw["scheduler_args"] == ["--max-num-seqs", "8", "--no-async-scheduling", "--no-tokenizer"]
+    assert kw["gateway_args"] == ["--log-format", "text"]
+    assert kw["kvstore_args"] == ["--memory-bytes", str(1 << 30), "--no-memory-arena"]
+    assert kw["env"] == {}
+    assert up("--scheduler.tokenizer")["scheduler_args"] == ["--tokenizer"]
+
+
+def test_the_short_flags_are_the_same_knobs():
+    assert up("--stream-interval", "4") == up("--scheduler.stream-interval", "4")
+    assert up("--tensor-parallel-size", "2") == up("--worker.tensor-parallel-size", "2")
+    assert up("--max-body-bytes", "9") == up("--gateway.max-body-bytes", "9")
+
+
+def test_secret_knobs_travel_in_their_services_environment():
+    kw = up(
+        "--gateway.api-key",
+        "g",
+        "--scheduler.worker-step-token",
+        "t",
+        "--kvstore.redis-url",
+        "redis://:p@r/0",
+    )
+    assert kw["env"] == {
+        "LLMESH_GATEWAY_API_KEY": "g",
+        "LLMESH_SCHEDULER_WORKER_STEP_TOKEN": "t",
+        "LLMESH_KVSTORE_REDIS_URL": "redis://:p@r/0",
+    }
+    words = " ".join(kw["gateway_args"] + kw["scheduler_args"] + kw["kvstore_args"])
+    assert "g" not in words.split() and "t" not in words.split() and "redis" not in words
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--worker.port", "1"],  # the launcher sets where each child listens, and its peers
+        ["--scheduler.host", "0.0.0.0"],
+        ["--gateway.scheduler", "x:1"],
+        ["--worker.cache-dir", "/c"],  # mesh-wide: --cache-dir
+        ["--gateway.internal-key", "k"],  # mesh-wide: --internal-key
+        ["--scheduler.stream-interval", "0"],  # the field's own bound (option(ge=1))
+        ["--worker.kv-cache-memory", "lots"],
+        ["--worker.kv-store-shared-memory", "maybe"],
+    ],
+)
+def test_dotted_flags_are_checked_before_anything_starts(argv):
+    with pytest.raises(SystemExit) as e:
+        cli.build_parser().parse_args(["up", *argv])
+    assert e.value.code == 2
+
+
+def test_every_offered_knob_is_one_its_service_accepts():
+    """Each group is generated from its service's config: given its default, each knob comes out as
+    words the service's own parser takes (the worker's through WorkerServiceConfig)."""
+    from services.config import is_secret, value_text
+
+    for service, found in cli._up_groups().items():
+        argv = []
+        for leaf in found:
+            flag = f"--{service}.{leaf.name.replace('_', '-')}"
+            default = leaf.field.default
+            if default is dataclasses.MISSING:
+                default = leaf.field.default_factory()
+            argv += [flag] if leaf.type is bool else [flag, value_text(default)]
+        kw = up(*argv)
+        words = kw[f"{service}_args"]
+        assert len(words) >= len([leaf for leaf in found if not is_secret(leaf.field)])
+        cli.parse_command([service, *words])  # exits 2 on a flag or value it does not take
+
+
+def test_up_builds_its_flags_without_torch():
+    code = (
+        "import sys\n"
+        "from llmesh import cli\n"
+        "cli.up_kwargs(cli.build_parser().parse_args(['up', '--worker.seed', '3']))\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_a_secret_typed_on_the_command_line_warns(capsys):
+    cli._warn_secrets_in_argv(["up", "--gateway.api-key=k", "--redis-url", "redis://x"])
+    err = capsys.readouterr().err
+    assert "--gateway.api-key on the command line" in err and "$LLMESH_GATEWAY_API_KEY" in err
+    assert "--redis-url on the command line" in err

@@ -1,13 +1,32 @@
-"""The `llmesh` command: one sub-command per service, plus the local launcher and offline tools."""
+"""The `llmesh` command: one sub-command per service, plus the local launcher and offline tools.
+
+It sits on the top floor, beside the offline `LLM` it builds for `generate` and `chat`; a
+service's own flags come from its config dataclass (services/config.py), so the command
+declares only what is its own.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import os
 import shlex
 import sys
 from pathlib import Path
 from typing import Any
+
+from services.config import (
+    Leaf,
+    add_flag_group,
+    env_names,
+    flag_name,
+    forward,
+    given_values,
+    is_secret,
+    select,
+    value_text,
+)
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
@@ -84,7 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
         "up",
         help="start the whole local mesh (scheduler, workers, gateway, KV store) on loopback, supervised",
         description="Start the local mesh and supervise it: a service that dies is restarted "
-        "(same flags, same port) with backoff; Ctrl-C / SIGTERM stops everything.",
+        "(same flags, same port) with backoff; Ctrl-C / SIGTERM stops everything. Each service's own "
+        "flags are offered as --SERVICE.FLAG (--worker.kv-cache-memory 64MiB) and handed to it.",
+        usage="llmesh up [-h] [--model MODEL] [--workers N] [...] [--SERVICE.FLAG VALUE ...] "
+        '[--SERVICE-args "FLAGS" ...]',
     )
     _add_up_flags(p)
     p.set_defaults(func=_cmd_up)
@@ -169,117 +191,141 @@ def _shell_words(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
 
 
-def _positive(kind: type[int] | type[float]):
-    def parse(text: str) -> int | float:
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
+# -- llmesh up ------------------------------------------------------------------------
+#
+# `llmesh up` declares only what belongs to the launcher (how many workers, which ports, the
+# model, fan-outs to several services). Every other knob is a service's own, offered under the
+# service's name (`--worker.kv-cache-memory 64MiB`, `--scheduler.stream-interval 4`,
+# `--gateway.max-body-bytes 1MiB`, `--kvstore.memory-bytes 4GiB`): flags, help and checks are
+# generated from that service's config dataclass (services.config.add_flag_group) and what is
+# given is handed to that child as its own flag, or, for a secret, in its environment. Dotted
+# rather than `--worker-...`: a prefix with a dash would collide with the launcher's own flags
+# (--scheduler-port, --worker-args) and read as one word. The flags users already had
+# (--tensor-parallel-size, --stream-interval, ...) are the same knobs' second spelling.
 
-    parse.__name__ = kind.__name__  # argparse names the type in its error message
-    return parse
+# The short spellings: service -> field -> flag.
+UP_ALIASES = {
+    "scheduler": {"stream_interval": "--stream-interval"},
+    "worker": {
+        "tensor_parallel_size": "--tensor-parallel-size",
+        "speculative_config": "--speculative-config",
+        "kv_store_shared_memory": "--kv-store-shared-memory",
+    },
+    "gateway": {
+        "max_body_bytes": "--max-body-bytes",
+        "request_timeout_s": "--request-timeout-s",
+        "api_server_count": "--api-server-count",
+    },
+    "kvstore": {"redis_url": "--redis-url"},
+}
+# Knobs of the whole mesh: one flag for every service, handed to each in the unscoped
+# environment variable (LLMESH_TLS_CERT) that every service reads (a key never goes on argv).
+MESH_SECURITY = (
+    "internal_key",
+    "internal_key_file",
+    "tls_cert",
+    "tls_key",
+    "tls_ca",
+    "tls_client_auth",
+    "tls_server_name",
+)
+_PATHS = {"internal_key_file", "tls_cert", "tls_key", "tls_ca"}  # made absolute for the children
+_GROUP_HELP = {
+    "scheduler": "the scheduler's own flags (`llmesh scheduler --help`)",
+    "worker": "every worker's own flags (`llmesh worker --help`; its service-only flags, such as "
+    "--rejoin-after-s, through --worker-args)",
+    "gateway": "the gateway's own flags (`llmesh gateway --help`)",
+    "kvstore": "the KV store's own flags (`llmesh kvstore --help`; memory tier by default)",
+}
+
+
+@functools.cache
+def _up_configs() -> dict[str, type]:
+    """The config each `--SERVICE.*` group is generated from: modules that load no torch.
+
+    The worker's is `WorkerConfig` (worker_svc/config.py) with the gRPC server's settings, not
+    `WorkerServiceConfig`, whose module loads the model runner and torch.
+    """
+    from gateway.config import GatewayConfig
+    from kvstore_svc.config import KVStoreConfig
+    from scheduler_svc.service import SchedulerServiceConfig
+    from services.grpc_server import ServerConfig
+    from worker_svc.config import WorkerConfig
+
+    worker = dataclasses.make_dataclass("WorkerFlags", [], bases=(ServerConfig, WorkerConfig))
+    return {
+        "scheduler": SchedulerServiceConfig,
+        "worker": worker,
+        "gateway": GatewayConfig,
+        "kvstore": KVStoreConfig,
+    }
+
+
+@functools.cache
+def _up_groups() -> dict[str, list[Leaf]]:
+    """The knobs `llmesh up` offers per service: all but what the launcher sets for it (address,
+    peers, model: services.launcher.LAUNCHER_SETS) and the mesh-wide ones (--cache-dir, security)."""
+    from services.launcher import LAUNCHER_SETS
+
+    mesh_wide = {*MESH_SECURITY, "cache_dir"}
+    return {
+        name: select(cls, exclude={*LAUNCHER_SETS[name], *mesh_wide}) for name, cls in _up_configs().items()
+    }
+
+
+@functools.cache
+def _security_knobs() -> list[Leaf]:
+    from services.grpc_server import ServerConfig
+
+    return select(ServerConfig, only=MESH_SECURITY)
 
 
 def _add_up_flags(p: argparse.ArgumentParser) -> None:
     _add_model_flags(p)
     p.add_argument("--workers", type=int, default=1, help="number of worker processes")
-    p.add_argument(
-        "--tensor-parallel-size",
-        type=_positive(int),
-        default=None,
-        help="ranks (GPUs) each worker splits the model over (`llmesh worker --tensor-parallel-size`)",
-    )
     p.add_argument("--host", default="127.0.0.1", help="address every service binds (loopback by default)")
     p.add_argument("--port", type=int, default=int(os.environ.get("LLMESH_PORT", 8000)), help="gateway port")
     p.add_argument("--scheduler-port", type=int, default=50051, help="scheduler gRPC port")
+    p.add_argument("--no-kvstore", action="store_true", help="do not start the KV store")
+    p.add_argument("--kvstore-port", type=int, default=0, help="KV store gRPC port (default: any free port)")
     p.add_argument(
-        "--speculative-config",
+        "--served-model-name",
         default=None,
-        metavar="JSON",
-        help="speculative decoding on every worker, as vLLM's JSON: "
-        '\'{"method": "ngram", "num_speculative_tokens": 4}\'',
+        metavar="NAMES",
+        help="model ids clients use, comma-separated (the gateway's); the first also names the model "
+        "on the scheduler's gRPC API",
     )
     p.add_argument(
-        "--stream-interval",
-        type=_positive(int),
-        default=None,
-        help="stream tokens once this many are pending after the first (vLLM's --stream-interval; "
-        "`llmesh scheduler --stream-interval`)",
-    )
-
-    g = p.add_argument_group("gateway", "the flags of `llmesh gateway` that matter most (default: its own)")
-    g.add_argument(
         "--api-key",
         default=None,
-        help="clients must send `Authorization: Bearer KEY` (default $LLMESH_API_KEY); "
-        "handed to the gateway in its environment, not on its command line",
+        help="clients must send `Authorization: Bearer KEY` (default $LLMESH_API_KEY): the gateway's key "
+        "and the scheduler's public gRPC API's, handed to both in their environment, not on argv",
     )
-    g.add_argument(
+    p.add_argument(
         "--api-key-file",
         default=None,
         help="file of client keys, one a line (the gateway's --api-key-file); the first also opens "
         "the scheduler's public gRPC API",
     )
-    g.add_argument(
-        "--served-model-name",
-        default=None,
-        metavar="NAMES",
-        help="model ids clients use, comma-separated; the first also names the model on the gRPC API",
+    add_flag_group(
+        p,
+        _security_knobs(),
+        "",
+        title="security",
+        description="keys and TLS for every service (`docs/deploy.md`), handed to each in its environment "
+        "(LLMESH_INTERNAL_KEY, LLMESH_TLS_*; paths made absolute), never on a command line. No key: a "
+        "fresh random one per mesh",
     )
-    g.add_argument(
-        "--max-body-bytes", type=_positive(int), default=None, help="largest request body (413 beyond)"
-    )
-    g.add_argument(
-        "--request-timeout-s", type=_positive(float), default=None, help="deadline of one generation, seconds"
-    )
-    g.add_argument(
-        "--api-server-count",
-        type=_positive(int),
-        default=None,
-        help="gateway processes sharing the HTTP port (SO_REUSEPORT), each with its own scheduler channel",
-    )
-
-    s = p.add_argument_group(
-        "security",
-        "keys and TLS for every service (`docs/deploy.md`); certificate paths reach each service in its "
-        "environment (LLMESH_TLS_*), keys too (never on a command line)",
-    )
-    s.add_argument(
-        "--internal-key",
-        default=None,
-        help="mesh secret every internal RPC must carry (default $LLMESH_INTERNAL_KEY, else a fresh "
-        "random one per mesh); prefer the environment or --internal-key-file: argv shows in `ps`",
-    )
-    s.add_argument("--internal-key-file", default=None, help="file holding the mesh secret")
-    s.add_argument("--tls-cert", default=None, help="PEM certificate every service presents")
-    s.add_argument("--tls-key", default=None, help="its PEM private key")
-    s.add_argument("--tls-ca", default=None, help="PEM CA bundle that signs the services' certificates")
-    s.add_argument(
-        "--tls-client-auth", action="store_true", help="mutual TLS between the services (needs all three)"
-    )
-    s.add_argument("--tls-server-name", default=None, help="name checked in certificates (default: the host)")
-
-    k = p.add_argument_group("kvstore", "the KV store (memory tier by default; `llmesh kvstore --help`)")
-    k.add_argument("--no-kvstore", action="store_true", help="do not start the KV store")
-    k.add_argument("--kvstore-port", type=int, default=0, help="KV store gRPC port (default: any free port)")
-    k.add_argument(
-        "--kv-store-shared-memory",
-        choices=("auto", "on", "off"),
-        default=None,
-        help="workers move KV payloads to and from the store through shared memory (/dev/shm) instead of "
-        "gRPC (default auto: the store is on this host, so on)",
-    )
-    k.add_argument(
-        "--redis-url",
-        default=None,
-        help="redis://[:password@]host:port/db: Redis as the KV store's shared tier (default $REDIS_URL); "
-        "handed to the KV store in its environment, not on its command line",
-    )
+    for name, found in _up_groups().items():
+        help_text = f"{_GROUP_HELP[name]}; secrets reach it in its environment, never on its argv"
+        add_flag_group(
+            p, found, name, title=name, description=help_text, service=name, aliases=UP_ALIASES[name]
+        )
 
     pt = p.add_argument_group(
         "passthrough",
-        "any other flag of a service (`llmesh scheduler|worker|gateway|kvstore --help`), as one shell-quoted "
-        'string, repeatable, applied last: --worker-args "--kv-cache-memory 268435456". '
+        "any flag of a service (`llmesh scheduler|worker|gateway|kvstore --help`), as one shell-quoted "
+        'string, repeatable, applied last: --worker-args "--rejoin-after-s 5". '
         "A lone flag needs `=`: --scheduler-args=--no-tokenizer",
     )
     for name, whom in (
@@ -308,26 +354,17 @@ def _add_up_flags(p: argparse.ArgumentParser) -> None:
 def up_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """`run_up`'s arguments from parsed `llmesh up` flags (no process is started)."""
     common = ["--cache-dir", args.cache_dir] if args.cache_dir else []
-    scheduler, gateway = list(common), list(common)
+    own: dict[str, list[str]] = {"scheduler": list(common), "worker": list(common), "gateway": list(common)}
+    own["kvstore"] = []
     if args.served_model_name:
         names = [n.strip() for n in args.served_model_name.split(",") if n.strip()]
-        scheduler += ["--served-model-name", names[0]]  # the scheduler takes one name
-        gateway += ["--served-model-name", ",".join(names)]
-    if args.max_body_bytes is not None:
-        gateway += ["--max-body-bytes", str(args.max_body_bytes)]
-    if args.request_timeout_s is not None:
-        gateway += ["--request-timeout-s", str(args.request_timeout_s)]
-    if args.api_server_count is not None:
-        gateway += ["--api-server-count", str(args.api_server_count)]
-    if args.stream_interval is not None:
-        scheduler += ["--stream-interval", str(args.stream_interval)]
-    worker = list(common)
-    if args.tensor_parallel_size is not None:
-        worker += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
-    if args.kv_store_shared_memory is not None:
-        worker += ["--kv-store-shared-memory", args.kv_store_shared_memory]
-    spec = ["--speculative-config", args.speculative_config] if args.speculative_config else []
-    env = {}
+        own["scheduler"] += ["--served-model-name", names[0]]  # the scheduler takes one name
+        own["gateway"] += ["--served-model-name", ",".join(names)]
+    env: dict[str, str] = {}
+    for name, found in _up_groups().items():
+        words, secrets = forward(args, found, name, name)
+        own[name] += words
+        env |= secrets  # service-scoped: each reaches one service only, and stays out of `ps` output
     if args.api_key:  # the gateway's clients and the scheduler's public API take the same key
         env |= {"LLMESH_GATEWAY_API_KEY": args.api_key, "LLMESH_SCHEDULER_API_KEY": args.api_key}
     if args.api_key_file:
@@ -338,21 +375,18 @@ def up_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         env["LLMESH_GATEWAY_API_KEY_FILE"] = os.path.abspath(args.api_key_file)
         env.setdefault("LLMESH_SCHEDULER_API_KEY", keys[0])
     env |= security_env(args)
-    if args.redis_url:  # service-scoped and in the environment: a password stays out of `ps` output
-        env["LLMESH_KVSTORE_REDIS_URL"] = args.redis_url
     return {
         "num_workers": args.workers,
         "model": args.model,
         "host": args.host,
         "port": args.port,
         "scheduler_port": args.scheduler_port,
-        "worker_args": [*worker, *spec, *args.worker_arg, *_flatten(args.worker_args)],
-        "scheduler_args": [*scheduler, *_flatten(args.scheduler_args)],
-        "gateway_args": [*gateway, *_flatten(args.gateway_args)],
+        "worker_args": [*own["worker"], *args.worker_arg, *_flatten(args.worker_args)],
+        "scheduler_args": [*own["scheduler"], *_flatten(args.scheduler_args)],
+        "gateway_args": [*own["gateway"], *_flatten(args.gateway_args)],
         "kvstore": not args.no_kvstore,
         "kvstore_port": args.kvstore_port,
-        "kvstore_args": _flatten(args.kvstore_args),
-        # Service-scoped variables reach one service only, and keep secrets out of `ps` output.
+        "kvstore_args": [*own["kvstore"], *_flatten(args.kvstore_args)],
         "env": env,
     }
 
@@ -361,16 +395,11 @@ def security_env(args: argparse.Namespace) -> dict[str, str]:
     """The environment that gives every service of `llmesh up` the same internal key and TLS files.
 
     No key given: `start_mesh` makes a fresh one for this mesh (services/mesh_secret.py)."""
-    env = {"LLMESH_INTERNAL_KEY": args.internal_key} if args.internal_key else {}
-    if getattr(args, "internal_key_file", None):
-        env["LLMESH_INTERNAL_KEY_FILE"] = os.path.abspath(args.internal_key_file)
-    for name in ("tls_cert", "tls_key", "tls_ca", "tls_server_name"):
-        if getattr(args, name):
-            # Absolute: a service resolves them from its own working directory.
-            value = getattr(args, name)
-            env[f"LLMESH_{name.upper()}"] = value if name == "tls_server_name" else os.path.abspath(value)
-    if args.tls_client_auth:
-        env["LLMESH_TLS_CLIENT_AUTH"] = "1"
+    env = {}
+    for leaf, value in given_values(args, _security_knobs()):
+        text = value_text(value)
+        # Absolute: a service resolves them from its own working directory.
+        env[env_names(leaf.name)[-1]] = os.path.abspath(text) if leaf.name in _PATHS and text else text
     return env
 
 
@@ -378,14 +407,21 @@ def _flatten(groups: list[list[str]]) -> list[str]:
     return [word for group in groups for word in group]
 
 
-def _warn_secrets_in_argv(args: argparse.Namespace, argv: list[str]) -> None:
+def _warn_secrets_in_argv(argv: list[str]) -> None:
     """A key typed on the command line is readable by every user of the host (`ps`)."""
-    for flag in ("--api-key", "--internal-key"):
+    secrets = {"--api-key": "LLMESH_API_KEY", "--internal-key": "LLMESH_INTERNAL_KEY"}
+    for name, found in _up_groups().items():
+        for leaf in found:
+            if is_secret(leaf.field):
+                env = env_names(leaf.name, name)[0]
+                secrets[f"--{name}.{flag_name(leaf.name)[2:]}"] = env
+                if alias := UP_ALIASES[name].get(leaf.name):
+                    secrets[alias] = env
+    for flag, env in secrets.items():
         if any(a == flag or a.startswith(flag + "=") for a in argv):
-            env = "LLMESH_API_KEY" if flag == "--api-key" else "LLMESH_INTERNAL_KEY"
             print(
                 f"warning: {flag} on the command line is visible to every user of this host (ps); "
-                f"set ${env} or use {flag}-file instead",
+                f"set ${env} instead (or a key file)",
                 file=sys.stderr,
             )
 
@@ -393,7 +429,7 @@ def _warn_secrets_in_argv(args: argparse.Namespace, argv: list[str]) -> None:
 def _cmd_up(args: argparse.Namespace) -> int:
     from services.launcher import run_up
 
-    _warn_secrets_in_argv(args, sys.argv[1:])
+    _warn_secrets_in_argv(sys.argv[1:])
     return run_up(**up_kwargs(args))
 
 
