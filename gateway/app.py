@@ -1,4 +1,5 @@
-"""The gateway's FastAPI app: OpenAI routes, vLLM's tokenizer routes, health, version, metrics."""
+"""The gateway's FastAPI app: OpenAI routes (chat, completions, Responses), Anthropic's Messages,
+vLLM's tokenizer routes, health, version, metrics."""
 
 from __future__ import annotations
 
@@ -16,8 +17,13 @@ from gateway.errors import APIError, install_error_handlers
 from gateway.metrics import CONTENT_TYPE
 from gateway.middleware import GuardMiddleware, MetricsMiddleware
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from gateway.protocol_anthropic import CountTokensRequest, MessagesRequest
+from gateway.protocol_responses import ResponsesRequest
+from gateway.response_store import open_store
 from gateway.serving_chat import create_chat_completion
 from gateway.serving_completion import create_completion
+from gateway.serving_messages import count_tokens, create_message
+from gateway.serving_responses import Responses
 from gateway.serving_tokenization import detokenize, tokenize
 from gateway.state import GatewayState
 from gateway.streaming import RAW_SEND
@@ -40,6 +46,9 @@ class _App(FastAPI):
 
 def create_app(config: GatewayConfig, state: GatewayState | None = None) -> FastAPI:
     state = state or GatewayState(config)
+    responses = Responses(
+        state, open_store(config.responses_redis_url, config.responses_store_size, config.responses_ttl_s)
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -63,6 +72,8 @@ def create_app(config: GatewayConfig, state: GatewayState | None = None) -> Fast
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await connecting
             await state.client.close()
+            with contextlib.suppress(Exception):
+                await responses.store.close()
             state.close()
 
     app = _App(
@@ -134,6 +145,26 @@ def create_app(config: GatewayConfig, state: GatewayState | None = None) -> Fast
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(state, body, request)
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        return await responses.create(body, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, request: Request) -> dict[str, Any]:
+        return await responses.retrieve(response_id, request)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+        return await responses.delete(response_id, request)
+
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request) -> Response:
+        return await create_message(state, body, request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(body: CountTokensRequest) -> dict[str, Any]:
+        return await count_tokens(state, body)
 
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:

@@ -88,6 +88,18 @@ class GatewayConfig(RequestLimits, TLSConfig):
     health_timeout_s: float = option(2.0, gt=0, help="how long /health waits for the scheduler")
     log_level: str = option("info", help="debug | info | warning | error")
     log_format: str = option("json", help="json | text")
+    responses_store_size: int = option(
+        4096, ge=1, help="most stored responses (Responses API, store=true) kept in memory; oldest go first"
+    )
+    responses_ttl_s: float = option(
+        86400.0, gt=0, help="seconds a stored response (Responses API) is kept, in memory or in Redis"
+    )
+    responses_redis_url: str | None = option(
+        None,
+        secret=True,
+        help="keep stored responses (Responses API) in this Redis (redis:// or rediss://, the mesh's "
+        "KV-store Redis will do), shared by every gateway process and replica; default: in memory",
+    )
 
     def __post_init__(self) -> None:
         RequestLimits.__post_init__(self)
