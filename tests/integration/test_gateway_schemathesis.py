@@ -47,13 +47,15 @@ def _bound(case, mode) -> None:
     if not case.path.startswith("/v1/"):
         return
     limited = False
-    for key in ("max_tokens", "max_completion_tokens"):
+    # The Responses API names its cap max_output_tokens (and ignores max_tokens).
+    keys = ("max_output_tokens",) if case.path == "/v1/responses" else ("max_tokens", "max_completion_tokens")
+    for key in keys:
         value = body.get(key)
         if type(value) is int and value > MAX_GEN_TOKENS:
             body[key] = MAX_GEN_TOKENS
         limited |= key in body
     if not limited:
-        body["max_tokens"] = MAX_GEN_TOKENS  # chat's default is "the rest of the context"
+        body[keys[0]] = MAX_GEN_TOKENS  # chat's default is "the rest of the context"
     if type(body.get("n")) is int and body["n"] > 2:
         body["n"] = 2
 
