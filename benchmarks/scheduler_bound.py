@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/scheduler_bound.py [--concurrency 16 64 256] [--num-requests 512]
         [--prompt-len 128] [--output-len 128] [--client-procs 2] [--gateway] [--stream-interval 1]
+        [--api-server-count N] [--workers M]
 
 A real scheduler service and a real worker service whose runner samples instantly, driven by
 streaming gRPC clients (and, with --gateway, the OpenAI gateway): every second of a run is the
@@ -47,6 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--gateway", action="store_true", help="also through the OpenAI gateway")
     ap.add_argument("--stream-interval", type=int, default=1, help="the scheduler's --stream-interval")
+    ap.add_argument(
+        "--api-server-count",
+        type=int,
+        default=0,
+        help="the scheduler's API processes in front of its core (0: the core serves callers itself)",
+    )
+    ap.add_argument("--workers", type=int, default=1, help="null workers behind the scheduler")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--smoke", action="store_true", help="a few tiny requests at one concurrency (make test)")
     args = ap.parse_args(argv)
@@ -56,7 +64,6 @@ def main(argv: list[str] | None = None) -> int:
 
     host = "127.0.0.1"
     sched = f"{host}:{free_port(host)}"
-    worker_port = free_port(host)
     here = os.path.dirname(os.path.abspath(__file__))
     procs: list[subprocess.Popen] = []
     rows = []
@@ -65,21 +72,25 @@ def main(argv: list[str] | None = None) -> int:
         try:
             limits = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", "16384"]
             limits += ["--stream-interval", str(args.stream_interval)]
+            limits += ["--api-server-count", str(args.api_server_count)]
             with open(os.path.join(logs, "scheduler.log"), "wb") as out:
                 procs.append(subprocess.Popen(
                     [sys.executable, "-m", "scheduler_svc.service", "--host", host,
                      "--port", sched.rsplit(":", 1)[1], "--no-tokenizer", *limits],
                     stdout=out, stderr=subprocess.STDOUT,
                 ))  # fmt: skip
-            with open(os.path.join(logs, "worker.log"), "wb") as out:
-                procs.append(subprocess.Popen(
-                    [sys.executable, os.path.join(here, "null_worker.py"), "--host", host,
-                     "--port", str(worker_port), "--scheduler", sched, "--worker-id", "null-0",
-                     "--max-num-seqs", str(args.max_num_seqs)],
-                    stdout=out, stderr=subprocess.STDOUT,
-                ))  # fmt: skip
+            for w in range(args.workers):
+                with open(os.path.join(logs, f"worker{w}.log"), "wb") as out:
+                    procs.append(subprocess.Popen(
+                        [sys.executable, os.path.join(here, "null_worker.py"), "--host", host,
+                         "--port", str(free_port(host)), "--scheduler", sched, "--worker-id", f"null-{w}",
+                         "--max-num-seqs", str(args.max_num_seqs)],
+                        stdout=out, stderr=subprocess.STDOUT,
+                    ))  # fmt: skip
             wait_until(lambda: grpc_serving(sched), "scheduler", procs, 120)
-            wait_until(lambda: len(scheduler_stats(sched).workers) > 0, "the null worker", procs, 120)
+            wait_until(
+                lambda: len(scheduler_stats(sched).workers) >= args.workers, "the null workers", procs, 120
+            )
             targets = [("grpc", sched)]
             if args.gateway:
                 gw = f"{host}:{free_port(host)}"
@@ -94,15 +105,16 @@ def main(argv: list[str] | None = None) -> int:
             prompts = make_prompts(args.num_requests, args.prompt_len, VOCAB, seed=0)
             for concurrency in args.concurrency:
                 for kind, target in targets:
-                    before = scheduler_stats(sched).workers[0]
+                    before = scheduler_stats(sched).workers
                     results, wall = clients.run(
                         kind, target, prompts, args.output_len, concurrency, args.timeout
                     )
-                    after = scheduler_stats(sched).workers[0]
+                    after = scheduler_stats(sched).workers
                     row = report(kind, concurrency, results, wall)
-                    steps = after.steps - before.steps
+                    steps = sum(a.steps for a in after) - sum(b.steps for b in before)
+                    seconds = sum(a.step_seconds for a in after) - sum(b.step_seconds for b in before)
                     row["steps_s"] = steps / wall
-                    row["plan_ms"] = 1000 * (after.step_seconds - before.step_seconds) / max(steps, 1)
+                    row["plan_ms"] = 1000 * seconds / max(steps, 1)
                     rows.append(row)
                     print(
                         f"{kind} x{concurrency}: {row['tok_s']:,.0f} out tok/s, "

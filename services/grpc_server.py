@@ -152,15 +152,18 @@ def _keepalive_ms(keepalive_s: float) -> tuple[int, int]:
 
 
 def server_options(
-    max_message_bytes: int = MAX_MESSAGE_BYTES, keepalive_s: float = DEFAULT_KEEPALIVE_S
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
+    keepalive_s: float = DEFAULT_KEEPALIVE_S,
+    reuse_port: bool = False,
 ) -> list[tuple[str, int]]:
+    """`reuse_port`: share the port with sibling processes (the scheduler's API processes)."""
     interval, timeout = _keepalive_ms(keepalive_s)
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         # gRPC sets SO_REUSEPORT by default on Linux: a second server on a taken
         # port would then bind "successfully" and steal half the connections.
-        ("grpc.so_reuseport", 0),
+        ("grpc.so_reuseport", int(reuse_port)),
         # The server pings its clients too (a vanished gateway or scheduler frees its streams).
         ("grpc.keepalive_time_ms", interval),
         ("grpc.keepalive_timeout_ms", timeout),
@@ -391,9 +394,11 @@ class GrpcServer:
         *,
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
         public_keys: Mapping[str, str | None] | None = None,
+        reuse_port: bool = False,
     ) -> None:
         """`public_keys`: services of this server that also take a public API key (besides
-        `config.internal_key`); a key that is None or empty leaves its service open."""
+        `config.internal_key`); a key that is None or empty leaves its service open.
+        `reuse_port`: processes of one service share the port (SO_REUSEPORT)."""
         self.config = config if config is not None else ServerConfig()
         self.services = list(services)
         self.draining = asyncio.Event()  # set when a drain starts; servicers may wait on it
@@ -406,7 +411,7 @@ class GrpcServer:
         # Authentication first: a refused call reaches no other interceptor and no handler.
         self._server = grpc.aio.server(
             interceptors=[*([auth] if auth else []), *interceptors],
-            options=server_options(self.config.max_message_bytes, self.config.keepalive_s),
+            options=server_options(self.config.max_message_bytes, self.config.keepalive_s, reuse_port),
             maximum_concurrent_rpcs=self.config.max_concurrent_rpcs or None,
         )
         self.health = HealthServicer()
@@ -550,13 +555,16 @@ async def serve(
     set_serving: bool = True,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     public_keys: Mapping[str, str | None] | None = None,
+    reuse_port: bool = False,
 ) -> None:
     """Start a server, run `on_started` (load the model...), go SERVING, run until signalled, drain.
 
     Returns once drained, so that `main()` can return 0. With set_serving=False
     the service flips health itself (e.g. the scheduler once a worker registers).
     """
-    server = GrpcServer(services, config, interceptors=interceptors, public_keys=public_keys)
+    server = GrpcServer(
+        services, config, interceptors=interceptors, public_keys=public_keys, reuse_port=reuse_port
+    )
     await server.start()
     try:
         if on_started is not None:

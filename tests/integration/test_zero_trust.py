@@ -95,6 +95,7 @@ def hosts(mesh: LocalMesh) -> dict[str, str]:
     return {
         "llmesh.v1.Scheduler": mesh.scheduler.address,
         "llmesh.v1.Registry": mesh.scheduler.address,
+        "llmesh.v1.SchedulerCore": mesh.scheduler.address,
         "llmesh.v1.Worker": mesh.workers[0].address,
         "llmesh.v1.KVStore": mesh.kvstore.address,
     }
@@ -138,6 +139,7 @@ def test_the_enumeration_covers_every_rpc_of_the_protos(mesh: LocalMesh) -> None
     assert set(found) == {
         "llmesh.v1.Scheduler",
         "llmesh.v1.Registry",
+        "llmesh.v1.SchedulerCore",
         "llmesh.v1.Worker",
         "llmesh.v1.KVStore",
     }
