@@ -34,6 +34,7 @@ from worker_svc.kv_shards import KVShardExchange
 from worker_svc.kv_tiers import KVStoreLink, WorkerKVTiers
 from worker_svc.loader import model_fingerprint
 from worker_svc.parallel import TensorParallel
+from worker_svc.rank_channel import EAGER
 from worker_svc.rank_group import RankGroup, start_rank_group
 from worker_svc.sampler import SampledIds, Sampler, SamplingRow
 from worker_svc.spec_decode.config import SpeculativeConfig
@@ -377,6 +378,10 @@ class ModelRunner:
         if num_verified:
             launched.verified = step.verified
         if self.ranks is not None:  # the other ranks run the same forward on their shards
+            if step.forward.mode != EAGER:
+                # A replay waits for the whole load, and so does the broadcast of the tokens in
+                # flight before it: collectives on two streams must not race the load's.
+                self.kv_tiers.wait_for_loads(loading)
             self.ranks.send(step.forward, patch)
         hidden, sample_index = ex.forward(step.forward, patch, loading)
         for st, num_new in order:
