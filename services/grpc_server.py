@@ -81,6 +81,9 @@ DEFAULT_KEEPALIVE_S = 20.0
 KEEPALIVE_TIMEOUT_S = 10.0
 MIN_CLIENT_PING_INTERVAL_MS = 1_000
 DEFAULT_GRACE_S = 30.0
+# Received calls that may wait for the server to take them, and for how long (see server_options).
+MAX_PENDING_CALLS = 1 << 20
+UNREQUESTED_CALL_WAIT_S = 24 * 3600
 
 
 @dataclass
@@ -172,6 +175,17 @@ def server_options(
         # The ping policy (see the comment on the constants): clients may ping this often, idle or not.
         ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
         ("grpc.http2.max_ping_strikes", 2),
+        # Calls the transport has received wait until the asyncio server takes them, and grpc.aio
+        # takes one per event-loop turn. gRPC cancels waiting calls past a backlog (randomly above
+        # `max_pending_requests`, default 1,000, all above the hard limit, default 3,000) and past
+        # an age (default 30 s): the client sees CANCELLED, and the handler never ran. That was the
+        # quarter of requests cancelled at 2,048 streams (issue 30): 2,048 calls opened at once,
+        # then a new one as each stream finished, outran a busy scheduler's long loop turns. They
+        # wait instead: the caller's deadline bounds the wait, and overload is answered by the
+        # service itself (the scheduler's admission control: RESOURCE_EXHAUSTED before it starts).
+        ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+        ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
+        ("grpc.server_max_unrequested_time_in_server", UNREQUESTED_CALL_WAIT_S),
     ]
 
 
