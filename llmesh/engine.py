@@ -92,6 +92,7 @@ class LLMEngine:
                 enable_prefix_caching=config.enable_prefix_caching,
                 async_scheduling=config.async_scheduling,
                 stream_interval=config.stream_interval,
+                max_waiting_requests=0,  # the offline API queues every prompt it is given
             ),
             kv_store=ThreadedLookup(self.kv_store) if self.kv_store is not None else None,
         )

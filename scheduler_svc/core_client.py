@@ -6,7 +6,9 @@ public API runs unchanged in an API process. Submits and aborts go out on the
 stream; the core's per-step messages come back and are handed out to each
 request's queue. If the stream breaks, every request in flight ends with
 UNAVAILABLE (the core aborted them: they cannot resume here) and the client
-dials again with backoff.
+dials again with backoff. A full core refuses a submit with an error event
+(RESOURCE_EXHAUSTED and its retry-after): the request's queue gets `Overloaded`,
+as `Mesh.submit` would have raised, and the caller the same answer.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from llmesh.v1 import core_pb2, core_pb2_grpc, generation_pb2
-from scheduler_svc.mesh import NoWorkerAvailable
+from scheduler_svc.mesh import NoWorkerAvailable, Overloaded
 from scheduler_svc.planner import RequestRejected
 from scheduler_svc.request import FinishReason, RequestDelta
 from services.convert import logprobs_from_proto, sampling_params_to_proto, worker_info_from_proto
@@ -129,8 +131,7 @@ class CoreClient:
                 continue  # aborted here already
             if d.error_code:
                 del self._queues[d.request_id]
-                invalid = d.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-                queue.put_nowait(RequestRejected(d.error) if invalid else NoWorkerAvailable(d.error))
+                queue.put_nowait(_error_from_proto(d))
                 continue
             token_ids = list(d.token_ids)
             finish = FINISH_FROM_PROTO.get(d.finish_reason)
@@ -158,3 +159,12 @@ class CoreClient:
         if was_attached:
             for callback in self.on_workers_changed:
                 callback(0)
+
+
+def _error_from_proto(d: core_pb2.CoreDelta) -> Exception:
+    """The core's error event as the exception `Mesh` would have raised (SchedulerServicer maps it)."""
+    if d.error_code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]:
+        return Overloaded(d.error, d.retry_after_s)
+    if d.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]:
+        return RequestRejected(d.error)
+    return NoWorkerAvailable(d.error)

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from llmesh.v1 import core_pb2, core_pb2_grpc, generation_pb2
-from scheduler_svc.mesh import Mesh, NoWorkerAvailable
+from scheduler_svc.mesh import Mesh, NoWorkerAvailable, Overloaded
 from scheduler_svc.planner import RequestRejected
 from scheduler_svc.request import FinishReason, RequestDelta
 from services.convert import logprobs_to_proto, sampling_params_from_proto, worker_info_to_proto
@@ -118,7 +118,7 @@ class SchedulerCoreServicer(core_pb2_grpc.SchedulerCoreServicer):
             live.add(rid)
         except (RequestRejected, SamplingParamsError, ValueError) as e:
             sink.put_nowait((rid, RequestRejected(str(e))))
-        except NoWorkerAvailable as e:
+        except (NoWorkerAvailable, Overloaded) as e:
             sink.put_nowait((rid, e))
 
     def _events(self, items: list, live: set[str]) -> core_pb2.CoreEvents:
@@ -135,13 +135,21 @@ class SchedulerCoreServicer(core_pb2_grpc.SchedulerCoreServicer):
             else:
                 request_id, error = item
                 live.discard(request_id)
-                code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(error, RequestRejected) else (
-                    grpc.StatusCode.UNAVAILABLE
-                )
-                events.deltas.append(
-                    core_pb2.CoreDelta(request_id=request_id, error_code=code.value[0], error=str(error))
-                )
+                events.deltas.append(_error_to_proto(request_id, error))
         return events
+
+
+def _error_to_proto(request_id: str, error: Exception) -> core_pb2.CoreDelta:
+    """The error that ended a request (CoreClient turns it back into the same exception)."""
+    msg = core_pb2.CoreDelta(request_id=request_id, error=str(error))
+    if isinstance(error, Overloaded):
+        msg.error_code = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        msg.retry_after_s = error.retry_after_s
+    elif isinstance(error, RequestRejected):
+        msg.error_code = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    else:
+        msg.error_code = grpc.StatusCode.UNAVAILABLE.value[0]
+    return msg
 
 
 def _delta_to_proto(delta: RequestDelta) -> core_pb2.CoreDelta:

@@ -15,6 +15,14 @@ stays unreachable for `worker_dead_after_s` is removed. A moved request is
 re-routed with prompt + the tokens generated so far, so it is recomputed
 there and continues; callers see no error and no duplicated or lost tokens,
 because deltas are only ever produced from the planner's own appended tokens.
+
+Overload is answered before a request starts, never in the middle of it
+(admission control, `Mesh.submit`): requests beyond what the workers' batches
+hold wait, up to `max_waiting_requests` of them; past that a new request is
+refused with `Overloaded` (RESOURCE_EXHAUSTED on the wire, HTTP 429 at the
+gateway), which carries a retry-after: the time the waiting requests take to
+drain at the recent finish rate. A request of better (lower) priority still
+gets in: the worst waiting request that has not started is refused instead.
 """
 
 from __future__ import annotations
@@ -55,6 +63,21 @@ class LinkBroken(Exception):
 
 class NoWorkerAvailable(Exception):
     """No live worker can take the request."""
+
+
+class Overloaded(Exception):
+    """The mesh is full: the request is refused before it started (RESOURCE_EXHAUSTED, HTTP 429).
+
+    `retry_after_s`: when trying again is worth it (whole seconds, as HTTP's Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+# Retry-after bounds (s), and the window over which the finish rate that estimates it is measured.
+RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S, RETRY_AFTER_UNKNOWN_S = 1, 60, 5
+DRAIN_WINDOW_S = 30.0
 
 
 @dataclass
@@ -129,6 +152,17 @@ class MeshConfig:
         help="after a request's first token, stream its tokens once this many are pending (vLLM's "
         "--stream-interval): fewer messages per token at high concurrency, burstier streams",
     )
+    # Admission control: a bounded queue answers overload up front (SGLang's --max-queued-requests,
+    # TGI's 429s) instead of letting waits grow without end. The offline engine passes 0: it queues
+    # whatever it is given.
+    max_waiting_requests: int = option(
+        1024,
+        ge=0,
+        help="requests that may wait beyond the workers' batch slots (their max_num_seqs) before new "
+        "ones are refused (gRPC RESOURCE_EXHAUSTED, HTTP 429, with a retry-after); a request of "
+        "better (lower) priority still gets in, refusing the worst waiting one that has not started; "
+        "0 = no bound",
+    )
 
     def __post_init__(self) -> None:
         check_bounds(self)
@@ -181,6 +215,9 @@ class Mesh:
         self.streams: dict[str, _Stream] = {}
         self.ready = asyncio.Event()
         self.num_failovers = 0
+        self.num_refused = 0  # requests refused because the mesh was full (Overloaded)
+        # When the latest requests finished (the drain rate that retry_after_s estimates from).
+        self._finished_at: deque[float] = deque(maxlen=4096)
         # Called with the number of live workers whenever one joins or leaves (health, metrics).
         self.on_workers_changed: list = []
 
@@ -291,8 +328,77 @@ class Mesh:
             cache_salt=cache_salt,
         )
         queue = queue if queue is not None else asyncio.Queue()
+        refuse = self._admit(req)
         self._place(req, queue)
+        if refuse is not None:
+            self._refuse(*refuse)
         return queue
+
+    # ----- admission control -----
+    @property
+    def num_backlog(self) -> int:
+        """Requests beyond what the workers' batches hold (they wait for a slot, not just a step)."""
+        planners = [s.planner for s in self.workers.values()]
+        unfinished = sum(p.num_waiting + p.num_running for p in planners)
+        return max(0, unfinished - sum(p.config.max_num_seqs for p in planners))
+
+    def retry_after_s(self) -> int:
+        """When a refused request is worth trying again: the time the backlog takes to drain at the
+        finish rate of the last DRAIN_WINDOW_S, in whole seconds within the RETRY_AFTER_* bounds."""
+        now = time.monotonic()
+        done = self._finished_at
+        while done and now - done[0] > DRAIN_WINDOW_S:
+            done.popleft()
+        if len(done) < 2:
+            return RETRY_AFTER_UNKNOWN_S
+        rate = len(done) / max(now - done[0], 1e-3)
+        return int(min(max(round(self.num_backlog / rate), RETRY_AFTER_MIN_S), RETRY_AFTER_MAX_S))
+
+    def _admit(self, req: Request) -> tuple[WorkerSlot, Request, Overloaded] | None:
+        """Refuse a request now, before it is queued, if the mesh is full (raises Overloaded).
+
+        Full: `max_waiting_requests` wait beyond the batches. A request still gets in when another
+        choice of its caller's request is in (a request's n choices are admitted together, so that
+        none is refused after another has streamed), or when its priority is better than that of a
+        waiting request that has not started: that one is to be refused instead (returned, refused
+        once this one is placed), with the answer it would have got arriving now. A request that
+        has streamed a token is never refused.
+        """
+        bound = self.config.max_waiting_requests
+        if not bound or self.num_backlog < bound:
+            return None
+        if any(s.planner.has_group(req.group) for s in self.workers.values()):
+            return None
+        retry = self.retry_after_s()
+        victims = []
+        for slot in self.workers.values():
+            victim = slot.planner.refusable(req.priority)
+            if victim is not None and not self._spans_workers(victim.group, slot):
+                victims.append((victim.priority, victim.arrival_time, slot, victim))
+        if victims:
+            _, _, slot, victim = max(victims, key=lambda v: v[:2])
+            why = f"a request of a better priority than {victim.priority} took its place"
+            return slot, victim, Overloaded(self._full_message(bound, why, retry), retry)
+        self.num_refused += 1
+        why = f"none of them of a worse priority than {req.priority}"
+        raise Overloaded(self._full_message(bound, why, retry), retry)
+
+    @staticmethod
+    def _full_message(bound: int, why: str, retry: int) -> str:
+        waiting = f"{bound} requests wait beyond its workers' batches"
+        return f"the scheduler is full ({waiting}; {why}): retry in {retry} s"
+
+    def _spans_workers(self, group: str, slot: WorkerSlot) -> bool:
+        return any(s is not slot and s.planner.has_group(group) for s in self.workers.values())
+
+    def _refuse(self, slot: WorkerSlot, req: Request, error: Overloaded) -> None:
+        """Drop a waiting request that never started; its caller gets `error` instead of tokens."""
+        log.info("refusing a waiting request for a better priority", extra={"request_id": req.request_id})
+        self.num_refused += 1
+        slot.planner.abort(req.request_id)
+        stream = self.streams.pop(req.request_id, None)
+        if stream is not None:
+            stream.queue.put_nowait(error)
 
     async def generate(
         self,
@@ -356,7 +462,13 @@ class Mesh:
                 "spec_num_accepted_tokens": s.planner.spec.stats.num_accepted_tokens,
                 "spec_accepted_per_pos": list(s.planner.spec.stats.accepted_per_pos),
             }
-        return {"workers": workers, "failovers": self.num_failovers, "streams": len(self.streams)}
+        return {
+            "workers": workers,
+            "failovers": self.num_failovers,
+            "streams": len(self.streams),
+            "refused": self.num_refused,
+            "backlog": self.num_backlog,
+        }
 
     # ----- internals -----
     def _notify(self) -> None:
@@ -556,6 +668,7 @@ class Mesh:
             return
         if delta.finished:
             del self.streams[delta.request_id]
+            self._finished_at.append(time.monotonic())  # the drain rate (retry_after_s)
         owned = stream.held is not None
         if owned:
             stream.held.merge(delta)  # type: ignore[union-attr]

@@ -171,6 +171,27 @@ class Planner:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    def has_group(self, group: str) -> bool:
+        """Whether a sequence of this group (a caller's request: its n choices) is unfinished here."""
+        return group in self._groups
+
+    def refusable(self, priority: int) -> Request | None:
+        """The waiting request admission control may refuse to let one of `priority` in (Mesh._admit).
+
+        The worst by (priority, arrival) of those with a worse (higher) priority that never ran (no
+        token, no step: its caller has seen nothing yet) and are their group's only sequence here
+        (refusing one of n choices ends them all); None if there is none.
+        """
+        worst = None
+        for req in self.waiting:
+            if req.priority <= priority or req.status is not RequestStatus.WAITING:
+                continue
+            if req.output_token_ids or req.num_cached_tokens >= 0 or self._groups[req.group] > 1:
+                continue
+            if worst is None or (req.priority, req.arrival_time) > (worst.priority, worst.arrival_time):
+                worst = req
+        return worst
+
     @property
     def num_running(self) -> int:
         return len(self.running)

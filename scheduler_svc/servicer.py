@@ -1,8 +1,10 @@
 """The scheduler's gRPC edge: the public `Scheduler` API and the internal `Registry`.
 
 Thin adapters over `Mesh`: protobuf in and out, validation answered with
-INVALID_ARGUMENT, no worker with UNAVAILABLE. A caller that cancels (or whose
-deadline passes) aborts its request, which frees its KV blocks.
+INVALID_ARGUMENT, no worker with UNAVAILABLE, a full scheduler with
+RESOURCE_EXHAUSTED and a `retry-after` (whole seconds) in the trailing metadata,
+before the request sent anything. A caller that cancels (or whose deadline
+passes) aborts its request, which frees its KV blocks.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 import grpc
 
 from llmesh.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
-from scheduler_svc.mesh import Connected, LinkBroken, Mesh, NoWorkerAvailable
+from scheduler_svc.mesh import Connected, LinkBroken, Mesh, NoWorkerAvailable, Overloaded
 from scheduler_svc.planner import RequestRejected
 from scheduler_svc.prefix_hash import check_salt
 from scheduler_svc.request import RequestDelta, coalesce
@@ -35,6 +37,19 @@ _FINISH = {  # services/choices.py's finish reasons (FinishReason's values) on t
     LENGTH: generation_pb2.FINISH_REASON_LENGTH,
     ABORT: generation_pb2.FINISH_REASON_ABORT,
 }
+RETRY_AFTER_KEY = "retry-after"  # trailing metadata of RESOURCE_EXHAUSTED (generation.proto)
+
+
+async def abort_with(context: grpc.aio.ServicerContext, error: Exception) -> None:
+    """End a call with the status a refusal or failure of the mesh maps to (raises, as abort does)."""
+    if isinstance(error, Overloaded):
+        await context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            str(error),
+            trailing_metadata=((RETRY_AFTER_KEY, str(error.retry_after_s)),),
+        )
+    code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(error, RequestRejected) else None
+    await context.abort(code or grpc.StatusCode.UNAVAILABLE, str(error))
 
 
 @dataclass
@@ -123,10 +138,8 @@ class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
 
         try:
             fanout.submit(submit, self.mesh.abort)
-        except RequestRejected as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except NoWorkerAvailable as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except (RequestRejected, NoWorkerAvailable, Overloaded) as e:
+            await abort_with(context, e)
         except Exception as e:  # a bug: every choice is aborted already; answer, do not leak
             log.exception("submitting a request failed", extra={"request_id": rid})
             await context.abort(grpc.StatusCode.INTERNAL, f"submitting the request failed: {e!r}")
@@ -139,11 +152,8 @@ class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
                 while not queue.empty():  # behind the steps: send what is pending as one message
                     items.append(queue.get_nowait())
                 for item in coalesce(items):
-                    if isinstance(item, Exception):  # refused by a scheduler core, or no worker left
-                        code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(item, RequestRejected) else (
-                            grpc.StatusCode.UNAVAILABLE
-                        )
-                        await context.abort(code, str(item))
+                    if isinstance(item, Exception):  # refused (by a scheduler core), or no worker left
+                        await abort_with(context, item)
                     choice = choices.get(item.request_id)
                     if choice is None or choice.state.finished:
                         continue
