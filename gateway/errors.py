@@ -55,7 +55,13 @@ class APIError(Exception):
     """A failure to answer in OpenAI's error shape."""
 
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None, type: str = ""
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "",
+        retry_after_s: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -63,6 +69,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.retry_after_s = retry_after_s  # a 429's Retry-After header (whole seconds)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -77,7 +84,9 @@ class APIError(Exception):
         return self.anthropic_body() if anthropic_route(path) else self.body()
 
     def response(self, path: str = "") -> Response:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(self.retry_after_s)
         # ASCII JSON: a message quoting client input stays encodable whatever that input was.
         return Response(
             json.dumps(self.body_for(path)),
@@ -94,7 +103,9 @@ class APIError(Exception):
         message = self.message
         if message.startswith(self.param + ":"):
             message = param + message[len(self.param) :]
-        return APIError(self.status, message, param=param, code=self.code, type=self.type)
+        err = APIError(self.status, message, param=param, code=self.code, type=self.type)
+        err.retry_after_s = self.retry_after_s
+        return err
 
 
 def renamer(*rules: tuple[str, str]) -> Callable[[str], str]:
@@ -133,12 +144,14 @@ _GRPC_STATUS = {
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_value"),
     grpc.StatusCode.NOT_FOUND: (404, "model_not_found"),
     grpc.StatusCode.ALREADY_EXISTS: (409, "conflict"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "overloaded"),
+    # The scheduler is full and refused the request before it started (OpenAI's code for its 429s).
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_exceeded"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
     grpc.StatusCode.UNIMPLEMENTED: (501, "not_implemented"),
 }
 _PARAM_PREFIX = re.compile(r"^([a-z_][a-z0-9_.\[\]]*): ")
+RETRY_AFTER_KEY = "retry-after"  # the scheduler's trailing metadata with RESOURCE_EXHAUSTED
 
 
 def from_grpc(err: grpc.RpcError, scheduler: str) -> APIError:
@@ -153,11 +166,28 @@ def from_grpc(err: grpc.RpcError, scheduler: str) -> APIError:
     if status == 500:
         log.error("scheduler call failed", extra={"grpc_code": code.name, "details": details})
         return APIError(500, f"The scheduler failed: {details}", code=err_code)
+    if status == 429:
+        return APIError(429, details, code=err_code, retry_after_s=retry_after_of(err))
     m = _PARAM_PREFIX.match(details)
     param = m.group(1) if m else None
     if param in ("prompt_token_ids", "prompt"):
         param = "prompt"  # the gateway's callers name the prompt, whatever its form
     return APIError(status, details, param=param, code=err_code)
+
+
+def retry_after_of(err: grpc.RpcError) -> int | None:
+    """The whole seconds of a RESOURCE_EXHAUSTED's `retry-after` trailing metadata (None: absent)."""
+    try:
+        trailers = err.trailing_metadata() or ()  # type: ignore[attr-defined]
+    except Exception:  # not a call's error (a test double, a channel failure)
+        return None
+    for key, value in trailers:
+        if key == RETRY_AFTER_KEY:
+            try:
+                return max(0, int(value))
+            except ValueError:
+                return None
+    return None
 
 
 # -- handlers -------------------------------------------------------------------------

@@ -160,6 +160,7 @@ class Generation:
         self.cache_salt = cache_salt  # already combined with the tenant's (gateway/cache_salt.py)
         self.request_id = uuid.uuid4().hex
         self.timings = Timings()
+        self.refused = False  # the scheduler was full and refused it before it started (HTTP 429)
         try:
             # Stop strings stay here: the gateway matches them on its own detokenized text.
             self.fanout = FanOut.plan(self.request_id, params, keep_stop=False)
@@ -238,6 +239,7 @@ class Generation:
                     if state.finished:
                         continue  # e.g. the CANCELLED error of a call a stop string ended
                     if isinstance(item, grpc.RpcError):
+                        self.refused = item.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                         raise from_grpc(item, self.client.address)
                     if item is _END:
                         raise APIError(502, "The scheduler ended a stream before its choice finished.")

@@ -142,6 +142,13 @@ class GatewayMetrics:
             ["model_name", "finished_reason"],
             registry=r,
         )
+        # Admission control (issue 30): refused before they started, answered 429 + Retry-After.
+        self.requests_refused = Counter(
+            "llmesh:num_requests_refused",
+            "Generations the scheduler refused because it was full (HTTP 429 with Retry-After)",
+            ["model_name"],
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "llmesh:prompt_tokens", "Prompt tokens processed", ["model_name"], registry=r
         )
@@ -187,7 +194,10 @@ class GatewayMetrics:
         r.register(self.scheduler)
 
     def observe(self, model: str, gen: Generation) -> None:
-        """Record a generation once it has ended (finished, failed, or cancelled)."""
+        """Record a generation once it has ended (finished, failed, refused or cancelled)."""
+        if gen.refused:  # it never ran: no tokens, no latencies, no finish reason
+            self.requests_refused.labels(model).inc()
+            return
         t = gen.timings
         self.prompt_tokens.labels(model).inc(len(gen.prompt_ids))
         self.generation_tokens.labels(model).inc(gen.completion_tokens)
