@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/scheduler_bound.py [--concurrency 16 64 256] [--num-requests 512]
         [--prompt-len 128] [--output-len 128] [--client-procs 2] [--gateway] [--stream-interval 1]
-        [--api-server-count N] [--workers M]
+        [--api-server-count N] [--workers M] [--max-waiting-requests N]
 
 A real scheduler service and a real worker service whose runner samples instantly, driven by
 streaming gRPC clients (and, with --gateway, the OpenAI gateway): every second of a run is the
@@ -55,6 +55,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the scheduler's API processes in front of its core (0: the core serves callers itself)",
     )
     ap.add_argument("--workers", type=int, default=1, help="null workers behind the scheduler")
+    ap.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="the scheduler's admission bound (default: its own); requests it refuses are counted "
+        "as refused, not failed",
+    )
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--smoke", action="store_true", help="a few tiny requests at one concurrency (make test)")
     args = ap.parse_args(argv)
@@ -73,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             limits = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", "16384"]
             limits += ["--stream-interval", str(args.stream_interval)]
             limits += ["--api-server-count", str(args.api_server_count)]
+            if args.max_waiting_requests is not None:
+                limits += ["--max-waiting-requests", str(args.max_waiting_requests)]
             with open(os.path.join(logs, "scheduler.log"), "wb") as out:
                 procs.append(subprocess.Popen(
                     [sys.executable, "-m", "scheduler_svc.service", "--host", host,
@@ -119,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(
                         f"{kind} x{concurrency}: {row['tok_s']:,.0f} out tok/s, "
                         f"{row['steps_s']:,.0f} steps/s, "
-                        f"{row['plan_ms']:.2f} ms send->result per plan, {row['failed']} failed",
+                        f"{row['plan_ms']:.2f} ms send->result per plan, {row['failed']} failed, "
+                        f"{row['refused']} refused",
                         flush=True,
                     )
         except BaseException:

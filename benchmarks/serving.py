@@ -70,6 +70,9 @@ class RequestStats:
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0
     error: str = ""
+    # The server was full and refused it before it started (HTTP 429, gRPC RESOURCE_EXHAUSTED):
+    # admission control answering overload, reported apart from failures.
+    refused: bool = False
 
 
 def make_prompts(n: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -98,6 +101,7 @@ async def gateway_request(client, prompt: list[int], output_len: int, timeout: f
         async with client.stream("POST", "/v1/completions", json=body, timeout=timeout) as r:
             if r.status_code != 200:
                 st.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                st.refused = r.status_code == 429
                 return st
             done = False
             async for chunk in r.aiter_bytes():
@@ -161,6 +165,7 @@ async def grpc_request(stub, prompt: list[int], output_len: int, timeout: float)
                 st.output_tokens += len(resp.token_ids)
     except grpc.RpcError as e:
         st.error = f"{e.code().name}: {e.details()}"
+        st.refused = e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         return st
     st.e2e = time.perf_counter() - t0
     st.ok = True
@@ -283,7 +288,8 @@ def report(path: str, concurrency: int, results: list[RequestStats], wall: float
         "path": path,
         "concurrency": concurrency,
         "requests": len(results),
-        "failed": len(results) - len(ok),
+        "failed": sum(not r.ok and not r.refused for r in results),
+        "refused": sum(r.refused for r in results),
         "seconds": wall,
         "req_s": len(ok) / wall,
         "tok_s": tokens / wall,
@@ -293,21 +299,22 @@ def report(path: str, concurrency: int, results: list[RequestStats], wall: float
         "itl_p99_ms": 1000 * pct(itl, 99),
         "e2e_p50_s": pct(e2e, 50),
         "e2e_mean_s": statistics.fmean(e2e) if e2e else float("nan"),
-        "errors": sorted({r.error for r in results if not r.ok})[:3],
+        "errors": sorted({r.error for r in results if not r.ok and not r.refused})[:3],
     }
 
 
 def table(rows: list[dict[str, Any]], engine: dict[str, Any] | None) -> str:
     grpc_tok = {r["concurrency"]: r["tok_s"] for r in rows if r["path"] == "grpc"}
     lines = [
-        f"{'path':<12}{'clients':>8}{'reqs':>6}{'failed':>7}{'out tok/s':>11}{'vs grpc':>8}"
+        f"{'path':<12}{'clients':>8}{'reqs':>6}{'failed':>7}{'refused':>8}{'out tok/s':>11}{'vs grpc':>8}"
         f"{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}{'E2E p50':>9}"
     ]
     for r in rows:
         base = grpc_tok.get(r["concurrency"])
         vs = f"{r['tok_s'] / base:.0%}" if base and r["path"] != "grpc" else ""
         lines.append(
-            f"{r['path']:<12}{r['concurrency']:>8}{r['requests']:>6}{r['failed']:>7}{r['tok_s']:>11,.1f}"
+            f"{r['path']:<12}{r['concurrency']:>8}{r['requests']:>6}{r['failed']:>7}{r['refused']:>8}"
+            f"{r['tok_s']:>11,.1f}"
             f"{vs:>8}{r['ttft_p50_ms']:>8.0f}ms{r['ttft_p99_ms']:>8.0f}ms{r['itl_p50_ms']:>7.1f}ms"
             f"{r['itl_p99_ms']:>7.1f}ms{r['e2e_p50_s']:>8.2f}s"
         )
