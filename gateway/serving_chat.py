@@ -17,7 +17,15 @@ from gateway.protocol import LOGPROB_FLOOR, ChatCompletionRequest
 from gateway.serving_base import ChoiceResult, Run, cache_salt_of, usage
 from gateway.state import GatewayState
 from gateway.streaming import dumps, sse
-from gateway.structured import AUTO, NAMED, REQUIRED, ToolPlan, structured_outputs, tool_plan
+from gateway.structured import (
+    AUTO,
+    NAMED,
+    REQUIRED,
+    ToolPlan,
+    shows_tool_call_tags,
+    structured_outputs,
+    tool_plan,
+)
 from gateway.tokenizer import Tokenizer, chat_chars
 from gateway.tool_parsers import AutoToolStream, ParsedToolCall, parse_required, parse_tool_calls
 from services.structured_outputs import StructuredOutputs
@@ -67,7 +75,7 @@ async def prepare_chat(state: GatewayState, req: ChatCompletionRequest, request:
     _check_unsupported(req)
     check_batch(1, req.n, limits)
     salt = cache_salt_of(state, req, request)
-    tools = tool_plan(req)
+    tools = tool_plan(req, shows_tool_call_tags(getattr(model.tokenizer.hf, "chat_template", None)))
     structured = _constraint(req, tools)
     if req.max_completion_tokens is not None:
         requested, param = req.max_completion_tokens, "max_completion_tokens"
@@ -158,13 +166,14 @@ def _constraint(req: ChatCompletionRequest, tools: ToolPlan) -> StructuredOutput
 def split_tool_calls(
     tools: ToolPlan, text: str, finish: str | None
 ) -> tuple[str | None, list[ParsedToolCall]]:
-    """(content, tool calls) of a whole choice. Forced calls are read only from output that
-    finished (a choice cut by max_tokens keeps its text as content)."""
+    """(content, tool calls) of a whole choice. A named call is read only from output that
+    finished (cut by max_tokens, its text stays content); required calls are every whole call
+    written, also before max_tokens cut the list (then the text is not content)."""
     calls: list[ParsedToolCall] = []
     if tools.mode == NAMED and finish == "stop":
         assert tools.named is not None
         calls, text = [ParsedToolCall(tools.named, text)], ""
-    elif tools.mode == REQUIRED and finish == "stop":
+    elif tools.mode == REQUIRED:
         calls = parse_required(text)
         if calls:
             text = ""
@@ -179,7 +188,8 @@ class ToolCallStream:
     def __init__(self, tools: ToolPlan) -> None:
         self.tools = tools
         self.auto = AutoToolStream({t.function.name for t in tools.tools}) if tools.mode == AUTO else None
-        self.held = ""  # REQUIRED: the JSON list, parsed at the end
+        self.held = ""  # REQUIRED: the output so far (the list of calls)
+        self.sent = 0  # REQUIRED: calls sent
         self.named_id: str | None = None
 
     def delta(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
@@ -197,12 +207,14 @@ class ToolCallStream:
                 out["tool_calls"] = [call]
             called = self.named_id is not None
         elif mode == REQUIRED:
+            # Each call goes out once whole: a call can only have ended where a "}" came.
             self.held += text
-            if finish is not None:
-                calls = parse_required(self.held) if finish == "stop" else []
-                if not calls and self.held:
-                    out["content"] = self.held
-            called = bool(calls)
+            if "}" in text:
+                calls = parse_required(self.held)[self.sent :]
+                self.sent += len(calls)
+            if finish is not None and not self.sent and self.held:
+                out["content"] = self.held
+            called = self.sent > 0
         else:
             assert self.auto is not None
             content = self.auto.feed(text)
@@ -213,7 +225,8 @@ class ToolCallStream:
                 out["content"] = content
             called = bool(calls)
         if calls:
-            out["tool_calls"] = [{"index": i, **c.to_openai()} for i, c in enumerate(calls)]
+            first = self.sent - len(calls) if mode == REQUIRED else 0
+            out["tool_calls"] = [{"index": first + i, **c.to_openai()} for i, c in enumerate(calls)]
         if finish == "stop" and called:
             finish = "tool_calls"
         return out, finish

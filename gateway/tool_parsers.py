@@ -5,7 +5,8 @@ Formats read:
   `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`;
 - SmolLM2 (its function-calling prompt): one block holding a JSON list of such objects,
   `<tool_call>[{"name": ..., "arguments": {...}}, ...]</tool_call>`;
-- tool_choice "required": the whole output is such a JSON list (held to it by a schema);
+- tool_choice "required": the whole output is such a JSON list (held to it by a grammar), in
+  `<tool_call>` tags when the model was shown them;
 - a named tool_choice: the whole output is the arguments object.
 
 A block whose JSON does not parse, or names no function, stays in the content as text: the
@@ -86,12 +87,37 @@ def parse_tool_calls(text: str, names: set[str] | None = None) -> tuple[str, lis
 
 
 def parse_required(text: str) -> list[ParsedToolCall]:
-    """tool_choice "required": the output is a JSON list of calls (empty if it is not, e.g. cut
-    by max_tokens)."""
-    try:
-        return _calls_of(json.loads(text), None) or []
-    except ValueError:
+    """tool_choice "required": the output is a JSON list of calls, in `<tool_call>` tags or bare
+    (gateway/structured.py). Every whole call is read, also from output cut by max_tokens
+    (vLLM returns none of these); text that does not start a list has none."""
+    body = text.strip()
+    if body.startswith(TOOL_CALL_START):
+        body = body[len(TOOL_CALL_START) :].lstrip()
+    if not body.startswith("["):
         return []
+    decoder = json.JSONDecoder()
+    calls: list[ParsedToolCall] = []
+    pos = 1
+    while True:
+        pos = _skip_space(body, pos)
+        try:
+            item, pos = decoder.raw_decode(body, pos)
+        except ValueError:  # the end of the list, or a call cut short
+            return calls
+        parsed = _calls_of(item, None) if isinstance(item, dict) else None
+        if parsed is None:
+            return calls
+        calls.extend(parsed)
+        pos = _skip_space(body, pos)
+        if body[pos : pos + 1] != ",":
+            return calls
+        pos += 1
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
 
 
 class AutoToolStream:
