@@ -48,7 +48,9 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_required_with_default_parallel_calls_ends(openai_client, stream):
-    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=64, temperature=0)
+    kw = dict(
+        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=64, temperature=0
+    )
     if not stream:
         c = openai_client.chat.completions.create(**kw).choices[0]
         finish, content, calls = c.finish_reason, c.message.content, c.message.tool_calls or []
