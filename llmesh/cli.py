@@ -112,6 +112,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_up)
 
     p = sub.add_parser(
+        "serve",
+        help="serve one model on this machine, vLLM's `vllm serve MODEL`: `llmesh up` with the model "
+        "as its argument",
+        description="Serve MODEL (an HF folder or a .gguf file; default: the embedded SmolLM2-135M) "
+        "on this machine with the OpenAI-compatible API: `llmesh up --model MODEL`, the same flags "
+        "(--port, --host, --api-key, --served-model-name, --tensor-parallel-size, --max-model-len, "
+        "--SERVICE.FLAG ...), the same supervised mesh.",
+        usage="llmesh serve [MODEL] [-h] [--port PORT] [--host HOST] [--api-key KEY] [...] "
+        "[--SERVICE.FLAG VALUE ...]",
+    )
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="HF folder or .gguf file")
+    _add_up_flags(p)
+    p.set_defaults(func=_cmd_up)
+
+    p = sub.add_parser(
         "health",
         help="exit 0 if a service is serving (grpc.health.v1 or the gateway's /health), 1 if not",
         add_help=False,
@@ -209,6 +224,10 @@ UP_ALIASES = {
     "worker": {
         "tensor_parallel_size": "--tensor-parallel-size",
         "speculative_config": "--speculative-config",
+        "max_model_len": "--max-model-len",  # the worker's: the scheduler's is at most its workers'
+        "dtype": "--dtype",
+        "gpu_memory_utilization": "--gpu-memory-utilization",
+        "enforce_eager": "--enforce-eager",
         "kv_store_shared_memory": "--kv-store-shared-memory",
     },
     "gateway": {
@@ -351,8 +370,16 @@ def _add_up_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _model_of(args: argparse.Namespace) -> str | None:
+    """`llmesh serve MODEL`'s MODEL, or --model (as vLLM, not both)."""
+    tag = getattr(args, "model_tag", None)
+    if tag is not None and args.model is not None:
+        raise SystemExit("llmesh serve: give the model as MODEL or as --model, not both")
+    return tag if tag is not None else args.model
+
+
 def up_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """`run_up`'s arguments from parsed `llmesh up` flags (no process is started)."""
+    """`run_up`'s arguments from parsed `llmesh up` (or `llmesh serve`) flags (no process is started)."""
     common = ["--cache-dir", args.cache_dir] if args.cache_dir else []
     own: dict[str, list[str]] = {"scheduler": list(common), "worker": list(common), "gateway": list(common)}
     own["kvstore"] = []
@@ -377,7 +404,7 @@ def up_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     env |= security_env(args)
     return {
         "num_workers": args.workers,
-        "model": args.model,
+        "model": _model_of(args),
         "host": args.host,
         "port": args.port,
         "scheduler_port": args.scheduler_port,

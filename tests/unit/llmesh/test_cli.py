@@ -291,3 +291,19 @@ def test_a_secret_typed_on_the_command_line_warns(capsys):
     err = capsys.readouterr().err
     assert "--gateway.api-key on the command line" in err and "$LLMESH_GATEWAY_API_KEY" in err
     assert "--redis-url on the command line" in err
+
+
+def test_serve_is_up_with_the_model_as_its_argument():
+    """`llmesh serve MODEL` (vLLM's `vllm serve MODEL`): up's flags, the model positional."""
+
+    def serve(*argv: str) -> dict:
+        return cli.up_kwargs(cli.build_parser().parse_args(["serve", *argv]))
+
+    flags = ["--port", "9000", "--api-key", "k", "--served-model-name", "smol", "--tensor-parallel-size", "2"]
+    assert serve("models/smol", *flags) == up("--model", "models/smol", *flags)
+    assert serve(*flags, "models/smol")["model"] == "models/smol"
+    assert serve() == up()  # the embedded model
+    kw = serve("m.gguf", "--max-model-len", "2048", "--dtype", "bfloat16", "--host", "0.0.0.0")
+    assert kw["worker_args"] == ["--dtype", "bfloat16", "--max-model-len", "2048"] and kw["host"] == "0.0.0.0"
+    with pytest.raises(SystemExit, match="not both"):
+        serve("a", "--model", "b")
