@@ -14,6 +14,15 @@ kvstore_svc/shared_client.py); whatever the store or host refuses, the client st
 for and streams (Get / Put) instead. `get_each` hands each payload over as a view (of the
 arena or segment, no copy) valid while the callback runs; `get` returns copies.
 
+From a store on another host (`bulk="auto"` and an address that is not loopback) gets go
+over the store's bulk path (kvstore_svc/bulk.py): the store advertises its port in Stats,
+and entries arrive over several plain TCP connections at link speed instead of the Get
+stream's protobuf pieces. `bulk="on"` takes it first on any address, even where shared
+memory would serve (for comparisons: a store on loopback standing in for another host),
+"off" never; on this host "auto" keeps the shared memory paths and the stream. A store
+without one, or a bulk path that cannot be reached, leaves gRPC streaming (the port is
+asked for again after `BULK_RETRY_S`).
+
 A store that is down, slow or shutting down raises `KVStoreUnavailable`:
 treat it as a miss and recompute. Other failures (the store refused the call
 as malformed) raise `KVStoreError`, its base class, so `except KVStoreError`
@@ -25,14 +34,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 from collections.abc import Callable, Sequence
 
 import grpc
 
 from kvstore_svc import shm
+from kvstore_svc.bulk import DEFAULT_CONNECTIONS, BulkClient, BulkError
 from kvstore_svc.config import PIECE_BYTES
 from kvstore_svc.inplace_client import ArenaMap, InPlacePath
-from kvstore_svc.shared_client import Consume, Fence, SharedPath, SharedRefused, wants_shared
+from kvstore_svc.shared_client import Consume, Fence, SharedPath, SharedRefused, is_loopback, wants_shared
 from kvstore_svc.shm import Segment
 from kvstore_svc.wire import Assembled, EntryAssembler, EntryIn, check_entry_keys, entries_of, put_requests
 from llmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
@@ -44,6 +56,7 @@ from services.grpc_server import (
     open_sync_channel,
 )
 from services.kv_entry import CorruptEntry, EntryHeader, check_payload
+from services.mesh_secret import client_key
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +72,8 @@ _TRANSIENT = frozenset(
         grpc.StatusCode.ABORTED,
     }
 )
+# After the bulk path failed or the store had none, ask the store for its port again after this long.
+BULK_RETRY_S = 30.0
 # Payloads above this are checksummed off the event loop by the async client.
 _INLINE_CHECK_BYTES = 1 << 20
 
@@ -107,13 +122,34 @@ class _Collector:
         return entry.key, entry.header, payload
 
 
+def _bulk_key(security: ChannelSecurity | None) -> str | None:
+    """The mesh key the bulk path authenticates with; None (no bulk path) under TLS or mTLS only."""
+    if security is None:
+        try:
+            return client_key()
+        except ValueError:
+            return None
+    return None if security.credentials is not None else security.key
+
+
+def _host_of(address: str) -> str | None:
+    """The host of a `host:port` / `[v6]:port` address; None for other targets (dns:///, unix:)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "/" in address or not host:
+        return None
+    return host.strip("[]")
+
+
 class KVStoreClient:
     """Blocking client; thread-safe (one gRPC channel, any number of threads).
 
     shared_memory: "auto" (segments when the address is this host's), "on" (whenever
     /dev/shm exists; still streams if the store refuses them) or "off";
     segment_bytes: the size of each of its (two) segments, made when first used;
-    in_place: read from the store's arena when it offers one (off: GetShared, for comparisons).
+    in_place: read from the store's arena when it offers one (off: GetShared, for comparisons);
+    bulk: "auto" (the store's bulk path when its address is not this host's), "on" (first, on
+    any address, even where shared memory would serve) or "off"; bulk_connections: its TCP
+    connections.
     """
 
     def __init__(
@@ -129,10 +165,20 @@ class KVStoreClient:
         segment_bytes: int = shm.DEFAULT_SEGMENT_BYTES,
         shm_root: str = shm.SHM_DIR,
         in_place: bool = True,
+        bulk: str = "auto",
+        bulk_connections: int = DEFAULT_CONNECTIONS,
     ) -> None:
+        if bulk not in ("auto", "on", "off"):
+            raise ValueError(f"bulk must be auto, on or off, got {bulk!r}")
         self.address = address
         self.timeout_s = timeout_s
         self.piece_bytes = piece_bytes
+        self.bulk_mode = "off" if bulk == "auto" and is_loopback(address) else bulk
+        self.bulk_connections = bulk_connections
+        self._bulk_key = _bulk_key(security) if self.bulk_mode != "off" else None
+        self._bulk: BulkClient | None = None
+        self._bulk_asked_at: float | None = None  # when the store was last asked for its bulk port
+        self._bulk_lock = threading.Lock()
         self._channel = open_sync_channel(address, security, max_message_bytes, keepalive_s)
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
         self.shared: SharedPath | None = (
@@ -259,6 +305,10 @@ class KVStoreClient:
         if not keys:
             return 0
         timeout = timeout_s or self.timeout_s
+        if self.bulk_mode != "off":
+            got = self._bulk_each(fingerprint, keys, consume, timeout, fence)
+            if got is not None:
+                return got
         done = 0
         in_place = self.in_place
         if in_place is not None:
@@ -283,6 +333,63 @@ class KVStoreClient:
             except grpc.RpcError as e:
                 raise _error(e, "get") from None
         return done + self._stream_each(fingerprint, keys[done:], consume, timeout, fence)
+
+    def _bulk_client(self, timeout: float) -> BulkClient | None:
+        """The bulk path's client, made once the store advertised a port; None: stream over gRPC."""
+        if self._bulk is not None or self._bulk_key is None:
+            return self._bulk
+        with self._bulk_lock:
+            asked = self._bulk_asked_at
+            if self._bulk is not None or (asked is not None and time.monotonic() - asked < BULK_RETRY_S):
+                return self._bulk
+            self._bulk_asked_at = time.monotonic()
+            host = _host_of(self.address)
+            try:
+                port = self.stats(timeout_s=timeout).bulk_port if host is not None else 0
+            except KVStoreError as e:
+                log.info("kvstore bulk port unknown: streaming", extra={"error": str(e)})
+                return None
+            if port:
+                self._bulk = BulkClient(
+                    (host, port),
+                    self._bulk_key,
+                    self.bulk_connections,
+                    timeout_s=self.timeout_s,  # type: ignore[arg-type]
+                )
+            return self._bulk
+
+    def _drop_bulk(self, client: BulkClient, why: object) -> None:
+        with self._bulk_lock:
+            if self._bulk is client:
+                self._bulk = None
+                self._bulk_asked_at = time.monotonic()
+        log.warning("kvstore bulk path unreachable: streaming for now", extra={"error": str(why)})
+        client.close()
+
+    def _bulk_each(
+        self, fingerprint: bytes, keys: Sequence[bytes], consume: Consume, timeout: float, fence: Fence | None
+    ) -> int | None:
+        """get_each over the bulk path; None when there is none (the caller streams instead)."""
+        client = self._bulk_client(timeout)
+        if client is None or not keys:
+            return None
+        try:
+            got = client.get_many(fingerprint, keys, verify=True)
+        except BulkError as e:
+            self._drop_bulk(client, e)
+            return None
+        n = 0
+        try:
+            for key, item in zip(keys, got, strict=True):
+                if item is None:  # a miss, a bad entry or a broken connection: the chain ends
+                    break
+                n += 1
+                if consume(key, *item) is False:
+                    break
+        finally:
+            if fence is not None and n:
+                fence()()  # the payloads are this call's buffers: done with before they go
+        return n
 
     def _stream_each(
         self, fingerprint: bytes, keys: Sequence[bytes], consume: Consume, timeout: float, fence: Fence | None
@@ -326,6 +433,9 @@ class KVStoreClient:
             raise _error(e, "stats") from None
 
     def close(self) -> None:
+        bulk, self._bulk = self._bulk, None
+        if bulk is not None:
+            bulk.close()
         in_place, self.in_place = self.in_place, None
         if in_place is not None:
             in_place.close()

@@ -91,6 +91,12 @@ class KVStoreConfig(ServerConfig):
     lease_timeout_s: float = option(
         10.0, help="an in-place read's lease not released within this long expires (its worker died)"
     )
+    bulk_port: int = option(
+        0,
+        help="port of the bulk path on --host (kvstore_svc/bulk.py): clients on other hosts get entries "
+        "over plain TCP at link speed, authenticated by the mesh key (advertised in Stats); 0 = any "
+        "free port, -1 = off (clients stream over gRPC). Off under --tls-cert: it has no TLS",
+    )
     io_threads: int = option(8, help="threads for tier I/O (disk, Redis), off the event loop")
     log_level: str = option("info", help="debug | info | warning | error")
 
@@ -113,6 +119,8 @@ class KVStoreConfig(ServerConfig):
             raise ValueError(f"max_entry_bytes must be > 0, got {self.max_entry_bytes}")
         if self.lease_timeout_s <= 0:
             raise ValueError(f"lease_timeout_s must be > 0, got {self.lease_timeout_s}")
+        if not -1 <= self.bulk_port <= 65535:
+            raise ValueError(f"bulk_port must be -1 (off) or in [0, 65535], got {self.bulk_port}")
         if self.io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {self.io_threads}")
         if not (self.memory_bytes or self.disk_dir or self.redis_url):

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from kvstore_svc.bulk import BulkServer
 from kvstore_svc.shared_transfer import SharedEntry, copy_out, ingest
 from kvstore_svc.shm import Region, SegmentMaps, SegmentUnavailable
 from kvstore_svc.store import MAX_KEYS_PER_REQUEST, StoreStats, TieredKVStore, check_key, check_keys
@@ -87,6 +88,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self._executor = executor
         self.shared_bytes_in = 0
         self.shared_bytes_out = 0
+        self.bulk: BulkServer | None = None  # the bulk path (kvstore_svc/bulk.py), advertised by Stats
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -282,4 +284,10 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         out = stats_to_proto(await self._run(store.stats))
         out.shared_bytes_in, out.shared_bytes_out = self.shared_bytes_in, self.shared_bytes_out
         out.shared_segments = len(self.segments) if self.segments is not None else 0
+        if self.bulk is not None:
+            out.bulk_port, out.bulk_bytes_out, out.bulk_refused = (
+                self.bulk.port,
+                self.bulk.bytes_out,
+                self.bulk.refused,
+            )
         return out
