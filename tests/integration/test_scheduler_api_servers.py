@@ -92,3 +92,12 @@ def test_a_killed_api_process_is_restarted_and_the_other_keeps_serving(mesh, ref
         "the killed API process restarted",
     )
     wait_blocks_free(mesh.scheduler.address)
+
+
+def test_the_core_and_its_api_processes_serve_without_torch(mesh):
+    from tests.integration.test_light_services import torch_mappings
+
+    assert generate(mesh.scheduler.address, PROMPTS[1], max_tokens=2)
+    for pid in [mesh.scheduler.proc.pid, *api_processes(mesh)]:
+        assert torch_mappings(pid) == [], pid
+    assert torch_mappings(mesh.workers[0].proc.pid), "the check would not see torch"
