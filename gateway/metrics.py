@@ -112,6 +112,16 @@ class SchedulerStatsCollector(Collector):
         failovers = CounterMetricFamily("llmesh:scheduler_failovers", "Requests moved off a dead worker")
         failovers.add_metric([], float(stats.failovers))
         yield failovers
+        refused = CounterMetricFamily(
+            "llmesh:scheduler_refused_requests", "Requests the scheduler refused because it was full"
+        )
+        refused.add_metric([], float(stats.refused))
+        yield refused
+        backlog = GaugeMetricFamily(
+            "llmesh:scheduler_backlog", "Requests waiting beyond the workers' batch slots (bounded)"
+        )
+        backlog.add_metric([], float(stats.backlog))
+        yield backlog
 
 
 def multiprocess_dir() -> str | None:

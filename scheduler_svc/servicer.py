@@ -399,7 +399,12 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
 
     async def GetStats(self, request, context):
         stats = self.mesh.stats()
-        msg = worker_pb2.SchedulerStats(failovers=stats["failovers"], active_requests=stats["streams"])
+        msg = worker_pb2.SchedulerStats(
+            failovers=stats["failovers"],
+            active_requests=stats["streams"],
+            refused=stats["refused"],
+            backlog=stats["backlog"],
+        )
         for wid, w in stats["workers"].items():
             msg.workers.add(worker_id=wid, address=self.addresses.get(wid, ""), **w)
         return msg

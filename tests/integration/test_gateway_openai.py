@@ -308,6 +308,8 @@ def test_metrics_count_requests_and_tokens(gateway_http, openai_client):
         "llmesh:kv_offload_hit_tokens_total",
         "llmesh:external_prefix_cache_hits_total",
         "llmesh:kv_store_failed_loads_total",
+        "llmesh:scheduler_refused_requests_total",
+        "llmesh:scheduler_backlog",
     ):
         metric(after, m)
 
