@@ -41,27 +41,41 @@ LOCAL_WORKER = "local"
 OFFLINE_STREAM_INTERVAL = 16
 
 
-@dataclass
-class EngineConfig:
-    worker: WorkerConfig = field(default_factory=WorkerConfig)
-    planner: PlannerConfig = field(default_factory=PlannerConfig)
-    enable_prefix_caching: bool = True
-    # Plan step N+1 while step N runs (see MeshConfig.async_scheduling).
-    async_scheduling: bool = True
-    # The KV store prefixes are put to and loaded from (llmesh.kv_store.open_kv_store); None = none.
-    kv_store: Any = None
-    # Tokens a request's output takes in at a time after its first (MeshConfig.stream_interval).
+# Where the offline engine's scheduler core differs from a served one's (MeshConfig's defaults).
+OFFLINE_MESH_DEFAULTS: dict[str, Any] = {
     # Nothing streams offline: fewer, larger deltas keep the per-token Python of 500 requests
     # off the GIL the runner needs between steps (vLLM's offline API hands out final outputs
     # only). A stop string may then be seen up to this many tokens late; the text is the same.
-    stream_interval: int = OFFLINE_STREAM_INTERVAL
+    "stream_interval": OFFLINE_STREAM_INTERVAL,
+    # The offline API queues every prompt it is given: no admission control.
+    "max_waiting_requests": 0,
+}
+
+
+def offline_mesh_config() -> MeshConfig:
+    return MeshConfig(**OFFLINE_MESH_DEFAULTS)
+
+
+@dataclass
+class EngineConfig:
+    """The worker's config and the scheduler core's (`MeshConfig`, its planner's within), composed
+    as the services compose them: one declaration per knob, the offline defaults above."""
+
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    mesh: MeshConfig = field(default_factory=offline_mesh_config)
+    # The KV store prefixes are put to and loaded from (llmesh.kv_store.open_kv_store); None = none.
+    kv_store: Any = None
+
+    @property
+    def planner(self) -> PlannerConfig:
+        return self.mesh.planner
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
         """From flat keyword settings (as `LLM(...)` takes them): each goes to the config that
-        declares it (services.config.from_flat walks `worker` and `planner` by their fields, no
+        declares it (services.config.from_flat walks `worker` and `mesh` by their fields, no
         list of names here); a name both declare (max_num_seqs, max_model_len) reaches both."""
-        return from_flat(cls, kwargs, what="engine settings")
+        return from_flat(cls, {**OFFLINE_MESH_DEFAULTS, **kwargs}, what="engine settings")
 
 
 class LLMEngine:
@@ -87,13 +101,7 @@ class LLMEngine:
             max_model_len=min(config.planner.max_model_len or info.max_model_len, info.max_model_len),
         )
         self.mesh = Mesh(
-            MeshConfig(
-                planner=planner_cfg,
-                enable_prefix_caching=config.enable_prefix_caching,
-                async_scheduling=config.async_scheduling,
-                stream_interval=config.stream_interval,
-                max_waiting_requests=0,  # the offline API queues every prompt it is given
-            ),
+            dataclasses.replace(config.mesh, planner=planner_cfg),
             kv_store=ThreadedLookup(self.kv_store) if self.kv_store is not None else None,
         )
         self._loop = asyncio.new_event_loop()
