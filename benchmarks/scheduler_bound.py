@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/scheduler_bound.py [--concurrency 16 64 256] [--num-requests 512]
         [--prompt-len 128] [--output-len 128] [--client-procs 2] [--gateway] [--stream-interval 1]
-        [--api-server-count N] [--workers M] [--max-waiting-requests N]
+        [--api-server-count N] [--workers M] [--max-waiting-requests N] [--cost-model none|h100-8b]
 
 A real scheduler service and a real worker service whose runner samples instantly, driven by
 streaming gRPC clients (and, with --gateway, the OpenAI gateway): every second of a run is the
@@ -10,6 +10,10 @@ scheduler's planning and per-token work, the Step stream, the response streams a
 Its out tok/s bound what the mesh can deliver for any model, and show where the host, not the
 GPU, limits a small model (issue 17's 0.5B shape) or a large batch. The scheduler's own steps
 are reported too (GetStats: steps and the mean send -> result time of a plan).
+
+`--cost-model h100-8b` gives the null workers the step times of an H100 running Llama-3.1-8B
+(`benchmarks/step_cost.py`): out tok/s are then bounded by the simulated GPUs, and routing and
+scale-out over many workers can be measured on one host.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from null_worker import VOCAB  # noqa: E402
 from serving import Clients, _wait_http, make_prompts, report, table  # noqa: E402
+from step_cost import COST_MODELS  # noqa: E402
 
 from services.grpc_server import open_sync_channel
 from services.launcher import free_port, grpc_serving, wait_until  # noqa: E402
@@ -62,6 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the scheduler's admission bound (default: its own); requests it refuses are counted "
         "as refused, not failed",
     )
+    ap.add_argument(
+        "--cost-model",
+        choices=list(COST_MODELS),
+        default="none",
+        help="the null workers' step times (benchmarks/step_cost.py); none: they answer at once",
+    )
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--smoke", action="store_true", help="a few tiny requests at one concurrency (make test)")
     args = ap.parse_args(argv)
@@ -93,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                     procs.append(subprocess.Popen(
                         [sys.executable, os.path.join(here, "null_worker.py"), "--host", host,
                          "--port", str(free_port(host)), "--scheduler", sched, "--worker-id", f"null-{w}",
-                         "--max-num-seqs", str(args.max_num_seqs)],
+                         "--max-num-seqs", str(args.max_num_seqs), "--cost-model", args.cost_model],
                         stdout=out, stderr=subprocess.STDOUT,
                     ))  # fmt: skip
             wait_until(lambda: grpc_serving(sched), "scheduler", procs, 120)
