@@ -13,10 +13,12 @@ ARGS ?=
 
 setup: system-deps $(STAMP) stubs model
 
-# redis-server: the KV store's shared tier, and what its tests run against (a real server on loopback).
-# We run as root (no sudo); a machine that has it already skips apt entirely.
+# redis-server: the KV store's shared tier, and what its tests run against (a real server on loopback);
+# curl: the docs' examples are run by the tests as written. We run as root (no sudo); a machine that
+# has both already skips apt entirely.
 system-deps:
-	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
+	(command -v redis-server && command -v curl) >/dev/null || \
+		(apt-get update -qq && apt-get install -y -qq redis-server curl)
 
 # torch is pinned to the CPU build on this machine's disk; `pip install torch` alone would fetch CUDA.
 $(STAMP): pyproject.toml
