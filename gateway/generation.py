@@ -26,15 +26,10 @@ from gateway.errors import APIError, bad_request, from_grpc
 from gateway.scheduler_client import SchedulerClient
 from gateway.tokenizer import Tokenizer
 from llmesh.v1 import generation_pb2
-from services.choices import ABORT, LENGTH, STOP, ChoiceState, FanOut
-from services.convert import logprobs_from_proto, sampling_params_to_proto
+from services.choices import ABORT, ChoiceState, FanOut
+from services.convert import FINISH_REASON_FROM_PROTO, logprobs_from_proto, sampling_params_to_proto
 from services.sampling_params import SamplingParams, SamplingParamsError
 
-_FINISH = {
-    generation_pb2.FINISH_REASON_STOP: STOP,
-    generation_pb2.FINISH_REASON_LENGTH: LENGTH,
-    generation_pb2.FINISH_REASON_ABORT: ABORT,
-}
 _UNSPECIFIED = generation_pb2.FINISH_REASON_UNSPECIFIED
 _END = object()  # a call's stream ended
 
@@ -105,7 +100,7 @@ class ChoiceStream:
         ids = list(resp.token_ids)
         finish = None
         if resp.finish_reason != _UNSPECIFIED:
-            finish = _FINISH.get(resp.finish_reason, ABORT)
+            finish = FINISH_REASON_FROM_PROTO.get(resp.finish_reason, ABORT)
         stop_id = resp.stop_token_id if resp.WhichOneof("stop_reason") == "stop_token_id" else None
         up = self.state.absorb(ids, finish, stop_id)
         delta = ChoiceDelta(self.index, up.text, ids if up.num_tokens == len(ids) else ids[: up.num_tokens])

@@ -20,22 +20,22 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from llmesh.v1 import core_pb2, core_pb2_grpc, generation_pb2
+from llmesh.v1 import core_pb2, core_pb2_grpc
 from scheduler_svc.mesh import NoWorkerAvailable, Overloaded
 from scheduler_svc.planner import RequestRejected
 from scheduler_svc.request import FinishReason, RequestDelta
-from services.convert import logprobs_from_proto, sampling_params_to_proto, worker_info_from_proto
+from services.convert import (
+    FINISH_REASON_FROM_PROTO,
+    logprobs_from_proto,
+    sampling_params_to_proto,
+    worker_info_from_proto,
+)
 from services.grpc_server import ChannelSecurity, open_channel
 from services.sampling_params import SamplingParams
 from services.step import WorkerInfo
 
 log = logging.getLogger(__name__)
 
-FINISH_FROM_PROTO = {
-    generation_pb2.FINISH_REASON_STOP: FinishReason.STOP,
-    generation_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
-    generation_pb2.FINISH_REASON_ABORT: FinishReason.ABORT,
-}
 RECONNECT_MAX_S = 2.0
 
 
@@ -134,7 +134,8 @@ class CoreClient:
                 queue.put_nowait(_error_from_proto(d))
                 continue
             token_ids = list(d.token_ids)
-            finish = FINISH_FROM_PROTO.get(d.finish_reason)
+            wire = FINISH_REASON_FROM_PROTO.get(d.finish_reason)
+            finish = FinishReason(wire) if wire is not None else None
             logprobs = logprobs_from_proto(d.logprobs, token_ids) if d.HasField("logprobs") else []
             if finish is not None:
                 del self._queues[d.request_id]

@@ -15,20 +15,20 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from llmesh.v1 import core_pb2, core_pb2_grpc, generation_pb2
+from llmesh.v1 import core_pb2, core_pb2_grpc
 from scheduler_svc.mesh import Mesh, NoWorkerAvailable, Overloaded
 from scheduler_svc.planner import RequestRejected
-from scheduler_svc.request import FinishReason, RequestDelta
-from services.convert import logprobs_to_proto, sampling_params_from_proto, worker_info_to_proto
+from scheduler_svc.request import RequestDelta
+from services.convert import (
+    FINISH_REASON_TO_PROTO,
+    logprobs_to_proto,
+    sampling_params_from_proto,
+    worker_info_to_proto,
+)
 from services.sampling_params import SamplingParamsError
 
 log = logging.getLogger(__name__)
 
-FINISH_TO_PROTO = {
-    FinishReason.STOP: generation_pb2.FINISH_REASON_STOP,
-    FinishReason.LENGTH: generation_pb2.FINISH_REASON_LENGTH,
-    FinishReason.ABORT: generation_pb2.FINISH_REASON_ABORT,
-}
 _CHANGED = object()  # on a sink: the workers changed (send the model state)
 _CLOSED = object()  # on a sink: the API process sends no more (the stream ends once its requests do)
 
@@ -163,5 +163,5 @@ def _delta_to_proto(delta: RequestDelta) -> core_pb2.CoreDelta:
     if any(lp is not None for lp in delta.new_logprobs):
         msg.logprobs.CopyFrom(logprobs_to_proto(delta.new_logprobs, delta.new_token_ids))
     if delta.finish_reason is not None:
-        msg.finish_reason = FINISH_TO_PROTO[delta.finish_reason]  # type: ignore[assignment]
+        msg.finish_reason = FINISH_REASON_TO_PROTO[delta.finish_reason]  # type: ignore[assignment]
     return msg

@@ -24,19 +24,14 @@ from scheduler_svc.planner import RequestRejected
 from scheduler_svc.prefix_hash import check_salt
 from scheduler_svc.request import RequestDelta, coalesce
 from scheduler_svc.worker_link import GrpcWorkerLink
-from services.choices import ABORT, LENGTH, STOP, ChoiceState, FanOut, fit_max_tokens
-from services.convert import logprobs_to_proto, sampling_params_from_proto
+from services.choices import ChoiceState, FanOut, fit_max_tokens
+from services.convert import FINISH_REASON_TO_PROTO, logprobs_to_proto, sampling_params_from_proto
 from services.grpc_server import DEFAULT_KEEPALIVE_S, ChannelSecurity
 from services.limits import INLINE_TOKENIZE_CHARS, RequestLimits, prompt_char_limit
 from services.sampling_params import SamplingParams, SamplingParamsError
 
 log = logging.getLogger(__name__)
 
-_FINISH = {  # services/choices.py's finish reasons (FinishReason's values) on the wire
-    STOP: generation_pb2.FINISH_REASON_STOP,
-    LENGTH: generation_pb2.FINISH_REASON_LENGTH,
-    ABORT: generation_pb2.FINISH_REASON_ABORT,
-}
 RETRY_AFTER_KEY = "retry-after"  # trailing metadata of RESOURCE_EXHAUSTED (generation.proto)
 
 
@@ -187,7 +182,7 @@ class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
         if return_text and up.text:
             resp.text = up.text
         if state.finished:
-            resp.finish_reason = _FINISH[state.finish_reason]
+            resp.finish_reason = FINISH_REASON_TO_PROTO[state.finish_reason]
             if isinstance(state.stop_reason, str):
                 resp.stop_string = state.stop_reason
             elif state.stop_reason is not None:

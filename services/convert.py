@@ -22,6 +22,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from llmesh.v1 import generation_pb2, worker_pb2
+from services.choices import ABORT, LENGTH, STOP
 from services.sampling_params import SamplingParams
 from services.step import (
     KVTransfers,
@@ -41,6 +42,14 @@ from services.structured_outputs import StructuredOutputs
 _SP_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
 
 # -- sampling parameters -----------------------------------------------------------
+
+# services/choices.py's finish reasons (the scheduler's FinishReason values) on the wire, and back.
+FINISH_REASON_TO_PROTO = {
+    STOP: generation_pb2.FINISH_REASON_STOP,
+    LENGTH: generation_pb2.FINISH_REASON_LENGTH,
+    ABORT: generation_pb2.FINISH_REASON_ABORT,
+}
+FINISH_REASON_FROM_PROTO = {wire: reason for reason, wire in FINISH_REASON_TO_PROTO.items()}
 
 
 def sampling_params_to_proto(sp: SamplingParams) -> generation_pb2.SamplingParams:
