@@ -130,17 +130,24 @@ class ApiServers:
     async def _supervise(self) -> None:
         started = [time.monotonic()] * self.count
         quick = [0] * self.count
+        # Each dead process waits out its own backoff: one that keeps failing delays no other's restart.
+        restart_at: list[float | None] = [None] * self.count
         while True:
             await asyncio.sleep(0.5)
+            now = time.monotonic()
             for i, proc in enumerate(self._procs):
-                rc = proc.poll()
-                if rc is None:
-                    continue
-                quick[i] = quick[i] + 1 if time.monotonic() - started[i] < QUICK_EXIT_S else 0
-                delay = min(2.0 ** quick[i] - 1, RESTART_MAX_S)
-                log.warning("scheduler api process exited; restarting", extra={"code": rc, "delay_s": delay})
-                await asyncio.sleep(delay)
-                self._procs[i], started[i] = self._spawn(), time.monotonic()
+                if restart_at[i] is None:
+                    rc = proc.poll()
+                    if rc is None:
+                        continue
+                    quick[i] = quick[i] + 1 if now - started[i] < QUICK_EXIT_S else 0
+                    delay = min(2.0 ** quick[i] - 1, RESTART_MAX_S)
+                    log.warning(
+                        "scheduler api process exited; restarting", extra={"code": rc, "delay_s": delay}
+                    )
+                    restart_at[i] = now + delay
+                if now >= restart_at[i]:  # type: ignore[operator]
+                    self._procs[i], started[i], restart_at[i] = self._spawn(), now, None
 
     async def stop(self, grace_s: float = 10.0) -> None:
         if self._task is not None:
