@@ -24,6 +24,7 @@ from services.model_files import default_cache_dir
 from worker_svc.config import WorkerConfig
 from worker_svc.decode_gemms import choose_decode_gemms
 from worker_svc.kv_cache import KVCacheSpec, allocate_kv_cache, kv_budget_bytes, num_blocks_for_budget
+from worker_svc.kv_tiers import wait_for_loads
 from worker_svc.loader import load_model
 from worker_svc.parallel import TensorParallel
 from worker_svc.rank_channel import DECODE_GRAPH, EAGER, ForwardInputs
@@ -173,7 +174,7 @@ class ModelExecutor:
         if inp.mode != EAGER:
             graphs = self.graphs if inp.mode == DECODE_GRAPH else self.verify_graphs
             assert graphs is not None, f"forward mode {inp.mode} replays graphs this rank did not capture"
-            self._wait_for_load(layer_ready)
+            wait_for_loads(layer_ready, self.device)
             hidden = graphs.run(inp.ids, inp.positions, inp.slots, inp.seq_lens, inp.tables, patch)
             index = None if inp.sample_index is None else self.upload([inp.sample_index])[0]
             return hidden, index
@@ -195,7 +196,7 @@ class ModelExecutor:
             layer_ready=layer_ready,
         )
         hidden = self.model(d[0], d[1], self.kv_caches, meta)
-        self._wait_for_load(layer_ready)
+        wait_for_loads(layer_ready, self.device)
         if self.draft is not None:  # a draft model's KV follows the target's
             self.draft.forward_alongside(d[0], d[1], meta)
         return hidden, (d[6] if inp.sample_index is not None else None)
@@ -203,8 +204,3 @@ class ModelExecutor:
     def logits(self, hidden: torch.Tensor, sample_index: torch.Tensor | None) -> torch.Tensor | None:
         """Logits of the sampled rows: whole on rank 0, None on the others (they join the gather)."""
         return self.model.compute_logits(hidden if sample_index is None else hidden[sample_index])
-
-    def _wait_for_load(self, events: list | None) -> None:
-        """Order the current stream after a layer-by-layer load (all of its layers)."""
-        if events:
-            torch.cuda.current_stream(self.device).wait_event(events[-1])

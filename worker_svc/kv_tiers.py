@@ -63,6 +63,12 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 DEFAULT_PUT_BYTES = 512 << 20
 
 
+def wait_for_loads(events: list[torch.cuda.Event] | None, device: torch.device) -> None:
+    """Order `device`'s current stream after a layer-by-layer load (all of its layers)."""
+    if events:
+        torch.cuda.current_stream(device).wait_event(events[-1])
+
+
 class KVStoreLink(Protocol):
     """What the worker needs of a KV store client (kvstore_svc.client.KVStoreClient)."""
 
@@ -218,8 +224,7 @@ class WorkerKVTiers:
 
     def wait_for_loads(self, events: list[torch.cuda.Event] | None) -> None:
         """Order the current stream after a layer-by-layer load (all of its layers)."""
-        if events:
-            torch.cuda.current_stream(self.device).wait_event(events[-1])
+        wait_for_loads(events, self.device)
 
     @contextlib.contextmanager
     def _timed(self, host: bool) -> Iterator[None]:
