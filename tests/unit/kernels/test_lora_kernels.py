@@ -1,0 +1,56 @@
+"""The batched LoRA kernels against their PyTorch twins (`kernels.lora_reference`), under the
+interpreter: a batch mixing three adapter slots and base rows, merged segments (q|k|v-like)
+of uneven widths, ranks below a tile, and slots without rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import lora_reference as ref
+from kernels.triton import lora as kt
+
+
+def _batch(slots: list[int], num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    slot_t = torch.tensor(slots)
+    rows = [i for s in range(num_slots) for i in range(len(slots)) if slots[i] == s]
+    counts = torch.bincount(slot_t[slot_t >= 0], minlength=num_slots)
+    starts = torch.zeros(num_slots + 1, dtype=torch.int32)
+    starts[1:] = torch.cumsum(counts, 0)
+    return torch.tensor(rows, dtype=torch.int32), starts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shrink_and_expand_match_twin(dtype: torch.dtype) -> None:
+    slots = [0, -1, 2, 2, 0, -1, 2, 0, 0, 2, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0]  # slot 1 unused; 14 rows of 0
+    num_slots, k, r = 3, 48, 8
+    segs = [40, 24, 24]  # q | k | v, not multiples of the tile
+    perm, starts = _batch(slots, num_slots)
+    x = torch.randn(len(slots), k, dtype=dtype)
+    a = (torch.randn(num_slots, len(segs) * r, k) / 4).to(dtype)
+    b = (torch.randn(num_slots, sum(segs), r) / 4).to(dtype)
+    seg_starts = torch.tensor([0, 40, 64, 88], dtype=torch.int32)
+    y = kt.lora_shrink(x, a, perm, starts)
+    y_ref = ref.lora_shrink(x, a, perm, starts)
+    lora = perm.long()
+    torch.testing.assert_close(y[lora], y_ref[lora], atol=1e-4, rtol=1e-4)
+    base = torch.randn(len(slots), sum(segs), dtype=dtype)
+    out = kt.lora_expand(y_ref, b, base.clone(), perm, starts, seg_starts, max_seg_n=40)
+    out_ref = ref.lora_expand(y_ref, b, base.clone(), perm, starts, seg_starts)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, out_ref, atol=tol, rtol=tol)
+    base_rows = torch.tensor([i for i, s in enumerate(slots) if s < 0])
+    assert torch.equal(out[base_rows], base[base_rows])  # base rows untouched
+
+
+def test_expand_adds_into_fp32_output_of_a_row_parallel_layer() -> None:
+    slots = [1, 1, -1, 0]
+    perm, starts = _batch(slots, 2)
+    y = torch.randn(4, 16)
+    b = torch.randn(2, 20, 16, dtype=torch.bfloat16)
+    out = torch.zeros(4, 20)
+    seg_starts = torch.tensor([0, 20], dtype=torch.int32)
+    got = kt.lora_expand(y, b, out.clone(), perm, starts, seg_starts)
+    want = ref.lora_expand(y, b, out.clone(), perm, starts, seg_starts)
+    # bf16 B: the interpreter rounds y to 16 bits its own way (see test_triton_kernels.py).
+    torch.testing.assert_close(got, want, atol=5e-2, rtol=2e-2)
