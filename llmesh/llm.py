@@ -11,6 +11,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from llmesh.engine import EngineConfig, LLMEngine
+from llmesh.logprobs import PositionLogprobs, as_position_dicts
 from scheduler_svc.prefix_hash import check_salt
 from scheduler_svc.request import RequestDelta
 from services.choices import ChoiceState, FanOut, fit_max_tokens
@@ -45,6 +46,10 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
     finished: bool = False
+    # vLLM's: with SamplingParams.prompt_logprobs, None for the first prompt token, then per
+    # position {token id: Logprob} holding the prompt token and its top-k alternatives.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    _prompt_entries: list | None = field(default=None, repr=False)  # as the engine gave them
 
 
 @dataclass
@@ -121,6 +126,11 @@ class LLM:
             raise
         for child in children.values():  # here, not on the engine's loop: the run is over
             child.output.text = child.state.text
+        for out, sp in zip(outputs, params, strict=True):
+            if out._prompt_entries is not None:
+                tokenizer = self.tokenizer if sp.detokenize else None
+                out.prompt_logprobs = as_position_dicts(out._prompt_entries, tokenizer)
+                out._prompt_entries = None
         return outputs
 
     def chat(
@@ -195,6 +205,8 @@ class LLM:
         out = child.output
         state = child.state
         child.parent.num_cached_tokens = max(child.parent.num_cached_tokens, delta.num_cached_tokens)
+        if delta.prompt_logprobs is not None:
+            child.parent._prompt_entries = delta.prompt_logprobs
         up = state.absorb(delta.new_token_ids, delta.finish_reason)
         if out.logprobs is not None:
             out.logprobs.extend(delta.new_logprobs[: up.num_tokens])

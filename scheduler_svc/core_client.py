@@ -27,6 +27,7 @@ from scheduler_svc.request import FinishReason, RequestDelta
 from services.convert import (
     FINISH_REASON_FROM_PROTO,
     logprobs_from_proto,
+    prompt_logprobs_from_proto,
     sampling_params_to_proto,
     worker_info_from_proto,
 )
@@ -49,6 +50,7 @@ class CoreClient:
         self.on_workers_changed: list[Callable[[int], None]] = []
         self.attached = asyncio.Event()  # set while the stream is up and the model state known
         self._queues: dict[str, asyncio.Queue] = {}  # live requests: where their deltas go
+        self._prompts: dict[str, list[int]] = {}  # prompts of live requests with prompt logprobs
         self._outbox: asyncio.Queue[core_pb2.CoreRequest] = asyncio.Queue()
 
     # ----- Mesh's face -----
@@ -74,6 +76,8 @@ class CoreClient:
             raise RequestRejected(f"prompt token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         queue = queue if queue is not None else asyncio.Queue()
         self._queues[request_id] = queue
+        if params.prompt_logprobs is not None:  # their wire form names positions, not tokens
+            self._prompts[request_id] = list(prompt_token_ids)
         submit = core_pb2.CoreSubmit(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -88,6 +92,7 @@ class CoreClient:
     def abort(self, request_id: str) -> bool:
         """Stop a request; its queue gets a last delta (ABORT) at once, as `Mesh.abort` does."""
         queue = self._queues.pop(request_id, None)
+        self._prompts.pop(request_id, None)
         if queue is None:
             return False
         self._outbox.put_nowait(core_pb2.CoreRequest(abort=core_pb2.CoreAbort(request_ids=[request_id])))
@@ -131,18 +136,24 @@ class CoreClient:
                 continue  # aborted here already
             if d.error_code:
                 del self._queues[d.request_id]
+                self._prompts.pop(d.request_id, None)
                 queue.put_nowait(_error_from_proto(d))
                 continue
             token_ids = list(d.token_ids)
             wire = FINISH_REASON_FROM_PROTO.get(d.finish_reason)
             finish = FinishReason(wire) if wire is not None else None
             logprobs = logprobs_from_proto(d.logprobs, token_ids) if d.HasField("logprobs") else []
+            prompt_logprobs = None
+            if d.HasField("prompt_logprobs"):
+                prompt = self._prompts.pop(d.request_id, [])
+                prompt_logprobs = prompt_logprobs_from_proto(d.prompt_logprobs, prompt)
             if finish is not None:
                 del self._queues[d.request_id]
+                self._prompts.pop(d.request_id, None)
             queue.put_nowait(
                 RequestDelta(
                     d.request_id, token_ids, logprobs, finish,
-                    d.num_prompt_tokens, d.num_output_tokens, d.num_cached_tokens,
+                    d.num_prompt_tokens, d.num_output_tokens, d.num_cached_tokens, prompt_logprobs,
                 )  # fmt: skip
             )
 
@@ -152,6 +163,7 @@ class CoreClient:
         self.attached.clear()
         self.num_connected = 0
         queues, self._queues = self._queues, {}
+        self._prompts.clear()
         for queue in queues.values():
             queue.put_nowait(NoWorkerAvailable(reason))
         with contextlib.suppress(asyncio.QueueEmpty):

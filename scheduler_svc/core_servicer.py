@@ -22,6 +22,7 @@ from scheduler_svc.request import RequestDelta
 from services.convert import (
     FINISH_REASON_TO_PROTO,
     logprobs_to_proto,
+    prompt_logprobs_to_proto,
     sampling_params_from_proto,
     worker_info_to_proto,
 )
@@ -162,6 +163,8 @@ def _delta_to_proto(delta: RequestDelta) -> core_pb2.CoreDelta:
     )
     if any(lp is not None for lp in delta.new_logprobs):
         msg.logprobs.CopyFrom(logprobs_to_proto(delta.new_logprobs, delta.new_token_ids))
+    if delta.prompt_logprobs is not None:
+        msg.prompt_logprobs.CopyFrom(prompt_logprobs_to_proto(delta.prompt_logprobs))
     if delta.finish_reason is not None:
         msg.finish_reason = FINISH_REASON_TO_PROTO[delta.finish_reason]  # type: ignore[assignment]
     return msg

@@ -41,7 +41,7 @@ from scheduler_svc.prefix_hash import ROOT_KEY, extend_block_keys
 from scheduler_svc.request import FinishReason, Request, RequestDelta, RequestStatus
 from scheduler_svc.spec_decode import SpecDecodePolicy
 from services.config import option
-from services.step import NewSequence, ScheduledSequence, StepPlan, StepResult
+from services.step import NewSequence, PromptLogprobs, ScheduledSequence, StepPlan, StepResult
 
 
 @dataclass
@@ -316,8 +316,9 @@ class Planner:
             root = req.cache_root
             keys = None if tiers is None else extend_block_keys([], tokens, bs, self.blocks.fingerprint, root)
             hits = self.blocks.longest_cached_prefix(tokens, keys, root)
-            # Always compute at least the last token: its logits give the next token.
-            max_blocks = (len(tokens) - 1) // bs
+            # Always compute at least the last token: its logits give the next token. A request
+            # that wants prompt logprobs computes its whole prompt (vLLM too): no hit at all.
+            max_blocks = 0 if req.needs_prompt_logprobs else (len(tokens) - 1) // bs
             num_gpu = min(len(hits), max_blocks)
             # Past the GPU hit, the worker's host tier and then the KV store may hold more blocks:
             # they are loaded into fresh blocks by this plan instead of being computed.
@@ -367,6 +368,8 @@ class Planner:
             req = self.requests.get(seq_id)
             if req is not None and req.incarnation == incarnation:
                 req.num_pending -= 1
+        for chunk in result.prompt_logprobs:  # first: a request its first token finishes is gone after
+            self._absorb_prompt_logprobs(chunk)
         touched: dict[str, Request] = {}
         new_tokens: dict[str, list[int]] = {}
         for seq_id, token_id, logprobs in zip(result.seq_ids, result.token_ids, result.logprobs, strict=True):
@@ -422,7 +425,20 @@ class Planner:
                     e = later[first]
                     self._spec_by_step[first][seq_id] = e._replace(proposed=min(e.drafts, num_proposed))
 
+    def _absorb_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
+        """File a chunk of prompt logprobs; a recomputed position keeps its first answer."""
+        req = self.requests.get(chunk.seq_id)
+        if req is None or req.prompt_logprobs is None or req.prompt_logprobs_sent:
+            return
+        held = req.prompt_logprobs
+        for pos, entry in enumerate(chunk.entries, start=chunk.first):
+            if 0 < pos < len(held) and held[pos] is None:
+                held[pos] = entry
+
     def delta(self, req: Request, num_new: int) -> RequestDelta:
+        prompt_logprobs = None
+        if req.needs_prompt_logprobs and num_new:  # with the first token: the prompt is done
+            prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
         return RequestDelta(
             request_id=req.request_id,
             new_token_ids=req.output_token_ids[len(req.output_token_ids) - num_new :],
@@ -431,6 +447,7 @@ class Planner:
             num_prompt_tokens=len(req.prompt_token_ids),
             num_output_tokens=len(req.output_token_ids),
             num_cached_tokens=max(req.num_cached_tokens, 0),
+            prompt_logprobs=prompt_logprobs,
         )
 
     # ----- the worker's link broke -----

@@ -64,11 +64,22 @@ class Request:
     # request's block-key chain, computed once here (scheduler_svc/prefix_hash.py).
     cache_salt: str = ""
     cache_root: bytes = field(init=False, repr=False)
+    # sampling_params.prompt_logprobs: one entry per prompt position (None at 0) as the worker's
+    # chunks arrive, sent with the first token; until then the prompt takes no prefix hit.
+    prompt_logprobs: list[TokenLogprobs | None] | None = field(default=None, init=False, repr=False)
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         if not self.group:
             self.group = self.request_id
         self.cache_root = root_key(self.cache_salt)
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Its prompt must be computed, not found in a cache: its logprobs are still wanted."""
+        return self.prompt_logprobs is not None and not self.prompt_logprobs_sent
 
     def restart(self) -> None:
         """Forget the worker-side progress: recomputed from prompt + output tokens so far."""
@@ -102,6 +113,8 @@ class RequestDelta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    # The prompt's logprobs (entry per position, None at 0), on the first delta with tokens.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -117,6 +130,7 @@ class RequestDelta:
             self.num_prompt_tokens,
             self.num_output_tokens,
             self.num_cached_tokens,
+            self.prompt_logprobs,
         )
 
     def merge(self, later: RequestDelta) -> None:
@@ -126,6 +140,8 @@ class RequestDelta:
         self.finish_reason = later.finish_reason
         self.num_output_tokens = later.num_output_tokens
         self.num_cached_tokens = later.num_cached_tokens
+        if later.prompt_logprobs is not None:
+            self.prompt_logprobs = later.prompt_logprobs
 
 
 def coalesce(items: list) -> list:

@@ -25,7 +25,12 @@ from scheduler_svc.prefix_hash import check_salt
 from scheduler_svc.request import RequestDelta, coalesce
 from scheduler_svc.worker_link import GrpcWorkerLink
 from services.choices import ChoiceState, FanOut, fit_max_tokens
-from services.convert import FINISH_REASON_TO_PROTO, logprobs_to_proto, sampling_params_from_proto
+from services.convert import (
+    FINISH_REASON_TO_PROTO,
+    logprobs_to_proto,
+    prompt_logprobs_to_proto,
+    sampling_params_from_proto,
+)
 from services.grpc_server import DEFAULT_KEEPALIVE_S, ChannelSecurity
 from services.limits import INLINE_TOKENIZE_CHARS, RequestLimits, prompt_char_limit
 from services.sampling_params import SamplingParams, SamplingParamsError
@@ -179,6 +184,8 @@ class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
         choice.cached_tokens = delta.num_cached_tokens
         if choice.logprobs and delta.new_logprobs:
             resp.logprobs.CopyFrom(logprobs_to_proto(delta.new_logprobs[: len(ids)], ids))
+        if delta.prompt_logprobs is not None:
+            resp.prompt_logprobs.CopyFrom(prompt_logprobs_to_proto(delta.prompt_logprobs))
         if return_text and up.text:
             resp.text = up.text
         if state.finished:

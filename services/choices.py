@@ -64,7 +64,14 @@ class FanOut:
         stop = params.stop if keep_stop else []
         children = [
             # replace() validates each child again: an invalid one fails here, before submission.
-            dataclasses.replace(params, n=1, seed=child_seed(params.seed, i), stop=list(stop))
+            # Prompt logprobs are the same for every choice: only the first computes them.
+            dataclasses.replace(
+                params,
+                n=1,
+                seed=child_seed(params.seed, i),
+                stop=list(stop),
+                prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+            )
             for i in range(params.n)
         ]
         return cls([child_id(parent, i) for i in range(params.n)], children)

@@ -27,6 +27,7 @@ from services.sampling_params import SamplingParams
 from services.step import (
     KVTransfers,
     NewSequence,
+    PromptLogprobs,
     ScheduledSequence,
     StepPlan,
     StepResult,
@@ -77,6 +78,8 @@ def sampling_params_to_proto(sp: SamplingParams) -> generation_pb2.SamplingParam
         msg.max_tokens = sp.max_tokens
     if sp.logprobs is not None:
         msg.logprobs = sp.logprobs
+    if sp.prompt_logprobs is not None:
+        msg.prompt_logprobs = sp.prompt_logprobs
     if sp.structured_outputs is not None:
         msg.structured_outputs.CopyFrom(structured_outputs_to_proto(sp.structured_outputs))
     return msg
@@ -131,6 +134,7 @@ def sampling_params_from_proto(msg: generation_pb2.SamplingParams) -> SamplingPa
         stop=list(msg.stop),
         ignore_eos=msg.ignore_eos,
         logprobs=opt("logprobs", None),
+        prompt_logprobs=opt("prompt_logprobs", None),
         max_logprobs=opt("max_logprobs", _SP_DEFAULTS["max_logprobs"]),
         detokenize=opt("detokenize", _SP_DEFAULTS["detokenize"]),
         structured_outputs=(
@@ -218,6 +222,37 @@ def logprobs_from_proto(msg: generation_pb2.Logprobs, token_ids: Sequence[int]) 
         )
         pos += k
     return out
+
+
+def prompt_logprobs_to_proto(entries: Sequence[TokenLogprobs | None]) -> generation_pb2.Logprobs:
+    """A whole prompt's logprobs (entry i for prompt position i, None at 0), as GenerateResponse
+    and CoreDelta carry them: token_index is the prompt position."""
+    return logprobs_to_proto(entries, [e.token_id if e is not None else 0 for e in entries])
+
+
+def prompt_logprobs_from_proto(
+    msg: generation_pb2.Logprobs, prompt: Sequence[int]
+) -> list[TokenLogprobs | None]:
+    """One entry per prompt position; None where there is none (always position 0)."""
+    return logprobs_from_proto(msg, prompt)
+
+
+def prompt_chunk_to_proto(chunk: PromptLogprobs) -> worker_pb2.PromptLogprobs:
+    token_ids = [e.token_id for e in chunk.entries]
+    return worker_pb2.PromptLogprobs(
+        seq_id=chunk.seq_id,
+        first=chunk.first,
+        token_ids=token_ids,
+        logprobs=logprobs_to_proto(chunk.entries, token_ids),
+    )
+
+
+def prompt_chunk_from_proto(msg: worker_pb2.PromptLogprobs) -> PromptLogprobs:
+    token_ids = list(msg.token_ids)
+    entries = logprobs_from_proto(msg.logprobs, token_ids)
+    if any(e is None for e in entries):
+        raise ValueError(f"PromptLogprobs of {msg.seq_id!r}: every token needs an entry")
+    return PromptLogprobs(msg.seq_id, msg.first, entries)  # type: ignore[arg-type]
 
 
 # -- step plan ---------------------------------------------------------------------
@@ -349,6 +384,7 @@ def step_result_to_proto(result: StepResult) -> worker_pb2.StepResult:
         draft_seq_ids=result.draft_seq_ids,
         num_draft_tokens=result.num_draft_tokens,
         kv_verify_failures=result.kv_verify_failures,
+        prompt_logprobs=[prompt_chunk_to_proto(c) for c in result.prompt_logprobs],
     )
     if len(result.draft_seq_ids) != len(result.num_draft_tokens):
         raise ValueError("StepResult: draft_seq_ids and num_draft_tokens differ in length")
@@ -376,6 +412,7 @@ def step_result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
         draft_seq_ids=list(msg.draft_seq_ids),
         num_draft_tokens=list(msg.num_draft_tokens),
         kv_verify_failures=msg.kv_verify_failures,
+        prompt_logprobs=[prompt_chunk_from_proto(c) for c in msg.prompt_logprobs],
     )
 
 

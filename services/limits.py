@@ -45,6 +45,10 @@ class RequestLimits:
             raise SamplingParamsError("n", f"must be <= {self.max_n}, got {params.n}")
         if params.logprobs is not None and params.logprobs > self.max_logprobs:
             raise SamplingParamsError("logprobs", f"must be <= {self.max_logprobs}, got {params.logprobs}")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > self.max_logprobs:
+            raise SamplingParamsError(
+                "prompt_logprobs", f"must be <= {self.max_logprobs}, got {params.prompt_logprobs}"
+            )
         self.check_counts(len(params.stop), len(params.stop_token_ids))
         if any(len(s) > self.max_stop_chars for s in params.stop):
             raise SamplingParamsError(

@@ -63,6 +63,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None = no logprobs; k >= 0 = sampled token + top-k
     max_logprobs: int = 20
+    # vLLM's prompt_logprobs: None = none; k >= 0 = each prompt token's logprob (after the
+    # first) + its top-k alternatives. The prompt is computed in full (no prefix-cache hits).
+    prompt_logprobs: int | None = None
     # False: token ids only, no text (saves two decodes per token where nothing reads text).
     detokenize: bool = True
     # Constrain the output to a JSON schema / regex / choice / grammar (checked here, applied
@@ -109,6 +112,8 @@ class SamplingParams:
         _check_int("max_logprobs", self.max_logprobs, 0)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, self.max_logprobs)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, self.max_logprobs)
         if not isinstance(self.ignore_eos, bool):
             raise SamplingParamsError("ignore_eos", "must be a boolean")
         if not isinstance(self.detokenize, bool):

@@ -125,6 +125,19 @@ class TokenLogprobs:
 
 
 @dataclass
+class PromptLogprobs:
+    """Logprobs of prompt tokens `first`, `first + 1`, ... of one sequence, from one forward.
+
+    `entries[j]` is prompt token `first + j` (its `token_id`) under the distribution at the
+    position before it. A chunked prefill yields one of these per chunk.
+    """
+
+    seq_id: str
+    first: int
+    entries: list[TokenLogprobs]
+
+
+@dataclass
 class StepResult:
     """Sampled tokens for the sequences of a plan that reached the end of their known tokens.
 
@@ -146,6 +159,8 @@ class StepResult:
     num_draft_tokens: list[int] = field(default_factory=list)
     # Store chunks of this step's loads whose MAC failed (each a miss; services/kv_mac.py).
     kv_verify_failures: int = 0
+    # Prompt logprobs this forward computed (sequences with sampling_params.prompt_logprobs).
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
 
 @dataclass

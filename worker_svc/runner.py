@@ -34,7 +34,8 @@ from worker_svc.kv_shards import KVShardExchange
 from worker_svc.kv_tiers import KVStoreLink, WorkerKVTiers
 from worker_svc.loader import model_fingerprint
 from worker_svc.parallel import TensorParallel
-from worker_svc.rank_channel import EAGER
+from worker_svc.prompt_logprobs import PromptLogprobsPending, PromptRows, prompt_rows
+from worker_svc.rank_channel import EAGER, ForwardInputs
 from worker_svc.rank_group import RankGroup, start_rank_group
 from worker_svc.sampler import SampledIds, Sampler, SamplingRow
 from worker_svc.spec_decode.config import SpeculativeConfig
@@ -91,6 +92,7 @@ class LaunchedStep:
     # sequence verifies any) and how many tokens to propose once its id is known.
     verified: list[list[int]] | None = None
     propose: list[int] = field(default_factory=list)
+    prompt: PromptLogprobsPending | None = None  # prompt logprobs this step computes
 
 
 class _TokenSpan(Sequence[int]):
@@ -153,6 +155,8 @@ class ModelRunner:
         # The tiers hold whole blocks in size 1's layout whatever the tensor-parallel size (the
         # ranks' heads joined in order), so workers of every size share the store's chunks.
         layout = f"{config.block_size}:{self.dtype}:{mc.num_layers}:{mc.num_kv_heads}:{mc.head_dim}"
+        if config.quantization:  # other weights, other KV values: never shared with the model's dtype
+            layout += f":{config.quantization}"
         self.fingerprint = hashlib.sha256(model_fingerprint(self.model_path) + layout.encode()).digest()
         if kv_store is not None and (config.kv_chunk_tokens < bs or config.kv_chunk_tokens % bs):
             raise ValueError(f"kv_chunk_tokens {config.kv_chunk_tokens} is not a multiple of block_size {bs}")
@@ -175,6 +179,8 @@ class ModelRunner:
             lambda: load_tokenizer(self.model_path), mc.vocab_size, mc.eos_token_ids
         )
         self.seqs: dict[str, SequenceState] = {}
+        # Sequences that asked for prompt logprobs: only steps that run one look for prompt rows.
+        self._prompt_lp_ids: set[str] = set()
         self.max_num_seqs = config.resolved_max_num_seqs()
         # vLLM's token budget for this device: a suggestion to schedulers that set none (WorkerInfo).
         self.suggested_batched_tokens = default_batch_limits(self.device)[1]
@@ -250,6 +256,8 @@ class ModelRunner:
             if spec is not None:  # compiles while the prompt is prefilled
                 st.grammar = self.structured.start(spec, st.token_ids[st.num_prompt_tokens :])
             self.seqs[new.seq_id] = st
+            if st.params.prompt_logprobs is not None:
+                self._prompt_lp_ids.add(new.seq_id)
             order.append((st, new.num_new_tokens))
         for s in plan.scheduled:
             st = self.seqs.get(s.seq_id)
@@ -284,6 +292,7 @@ class ModelRunner:
 
     def _drop(self, seq_id: str) -> None:
         st = self.seqs.pop(seq_id, None)
+        self._prompt_lp_ids.discard(seq_id)
         if st is not None and st.row >= 0:
             self._tables.release(st.row)
         if self.proposer is not None:
@@ -302,6 +311,7 @@ class ModelRunner:
 
     def drop_all(self) -> None:
         self.seqs.clear()
+        self._prompt_lp_ids.clear()
         self._tables.clear()
         if self.proposer is not None:
             self.proposer.forget_all()
@@ -358,9 +368,12 @@ class ModelRunner:
         if self.draft is not None:
             self._draft_now(order)
         ex = self.executor
-        step = prepare_step(
-            order, self._tables.table, self.config.block_size, self.max_model_len, ex.graphs, ex.verify_graphs
-        )
+        prompt = prompt_rows(order) if self._prompt_lp_ids else None
+        # Prompt logprobs read rows of an eager forward; every other step keeps its graphs.
+        graphs = (ex.graphs, ex.verify_graphs) if prompt is None else (None, None)
+        step = prepare_step(order, self._tables.table, self.config.block_size, self.max_model_len, *graphs)
+        if prompt is not None:
+            self._add_prompt_rows(step.forward, prompt)
         patch = None
         if step.patch_moves is not None:
             # Tokens the step in flight samples: gathered from its sampled ids on the device.
@@ -386,9 +399,15 @@ class ModelRunner:
         hidden, sample_index = ex.forward(step.forward, patch, loading)
         for st, num_new in order:
             st.num_computed_tokens += num_new
-        if not sampling:
+        if not sampling and prompt is None:
             return launched
         logits = ex.logits(hidden, sample_index)
+        if prompt is not None:  # the prompt rows come first (`_add_prompt_rows`)
+            m = len(prompt.rows)
+            launched.prompt = PromptLogprobsPending(logits[:m], prompt)
+            logits = logits[m:]
+            if not sampling:
+                return launched
         bitmask = self.structured.bitmask([st.grammar for st in sampling])
         if num_verified:
             rows = [
@@ -407,6 +426,8 @@ class ModelRunner:
     def finish(self, launched: LaunchedStep) -> StepResult:
         """Read a launched step's sampled ids (waiting for the device) and append them."""
         result = launched.result
+        if launched.prompt is not None:
+            result.prompt_logprobs = launched.prompt.wait()
         if launched.sampled is None:
             return result
         token_ids, logprobs = launched.sampled.wait()
@@ -424,6 +445,16 @@ class ModelRunner:
         if any(launched.propose):
             self._propose(launched)
         return result
+
+    @staticmethod
+    def _add_prompt_rows(forward: ForwardInputs, prompt: PromptRows) -> None:
+        """Take logits of the prompt rows too, ahead of the sampled ones, in the same gather
+        (every tensor-parallel rank gets the same index)."""
+        sampled = forward.sample_index
+        if sampled is None:  # every row samples
+            sampled = np.arange(len(forward.ids), dtype=np.int64)
+        forward.sample_index = np.concatenate([prompt.rows, sampled.astype(np.int64)])
+        forward.num_sampled += len(prompt.rows)
 
     def _accept_drafts(
         self, launched: LaunchedStep, token_ids: list[int], logprobs: list[TokenLogprobs | None]
