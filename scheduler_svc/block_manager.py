@@ -10,8 +10,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from scheduler_svc.prefix_hash import ROOT_KEY, extend_block_keys
+
+
+class KeyListener(Protocol):
+    def stored(self, key: bytes) -> None: ...
+    def removed(self, key: bytes) -> None: ...
 
 
 @dataclass
@@ -61,6 +67,9 @@ class BlockManager:
         # with the chunk's block ids in _newly_chunked, for the plan that copies it to the store.
         self.chunk_blocks = 0
         self._newly_chunked: list[tuple[bytes, list[int]]] = []
+        # Told of every key this cache starts and stops holding (kv_events.WorkerKeys): the
+        # scheduler's KV events for the routers in front of it. None: nobody listens.
+        self.listener: KeyListener | None = None
 
     # ----- queries -----
     @property
@@ -183,13 +192,19 @@ class BlockManager:
                 block.key = None
                 if self.cached.get(key) == block_id:
                     del self.cached[key]
+                    if self.listener is not None:
+                        self.listener.removed(key)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached key (e.g. after a worker restarts with an empty cache)."""
         for block in self.blocks:
             if block.ref_count == 0:
                 block.key = None
-        self.cached = {k: b for k, b in self.cached.items() if self.blocks[b].key == k}
+        kept = {k: b for k, b in self.cached.items() if self.blocks[b].key == k}
+        if self.listener is not None:
+            for key in self.cached.keys() - kept.keys():
+                self.listener.removed(key)
+        self.cached = kept
 
     # ----- internals -----
     def _take(self, block_id: int) -> None:
@@ -204,6 +219,8 @@ class BlockManager:
         if block.key is not None:  # evict its cached content
             if self.cached.get(block.key) == block_id:
                 del self.cached[block.key]
+                if self.listener is not None:
+                    self.listener.removed(block.key)
             block.key = None
         block.ref_count = 1
         return block_id
@@ -231,6 +248,8 @@ class BlockManager:
                 block.key = key
                 self.cached[key] = block.block_id
                 self._newly_keyed.append((block.block_id, key))
+                if self.listener is not None:
+                    self.listener.stored(key)
                 if chunk and (i + 1) % chunk == 0:
                     self._newly_chunked.append((key, table.block_ids[i + 1 - chunk : i + 1]))
         table.num_cached_blocks = num_full

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.kv_events import KVEventLog
 from scheduler_svc.kv_tiers import KVTierPlanner
 from scheduler_svc.planner import Planner, PlannerConfig, RequestRejected
 from scheduler_svc.prefix_hash import extend_block_keys
@@ -220,6 +221,8 @@ class Mesh:
         self._finished_at: deque[float] = deque(maxlen=4096)
         # Called with the number of live workers whenever one joins or leaves (health, metrics).
         self.on_workers_changed: list = []
+        # The pool's KV events for the routers in front of this scheduler (kv_events.py); None: off.
+        self.kv_events: KVEventLog | None = None
 
     # ----- workers -----
     def add_worker(self, worker_id: str, info: WorkerInfo, link: WorkerLink) -> WorkerSlot:
@@ -234,6 +237,8 @@ class Mesh:
         blocks = BlockManager(
             info.num_kv_blocks, info.block_size, info.fingerprint, self.config.enable_prefix_caching
         )
+        if self.kv_events is not None:  # the routers in front hear of every key it holds
+            blocks.listener = self.kv_events.worker(worker_id, info.block_size, info.fingerprint)
         tiers = KVTierPlanner(blocks, info.num_host_blocks, info.kv_chunk_blocks)
         spec = SpecDecodePolicy(
             info.num_speculative_tokens, info.spec_disable_by_batch_size, info.spec_drafts_ahead
@@ -270,6 +275,8 @@ class Mesh:
         slot = self.workers.pop(worker_id, None)
         if slot is None:
             return None
+        if self.kv_events is not None:
+            self.kv_events.worker_gone(worker_id)
         if not self.workers:
             self.ready.clear()
         self._notify()

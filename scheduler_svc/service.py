@@ -12,11 +12,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore_svc.client import AsyncKVStoreClient
-from llmesh.v1 import core_pb2_grpc, generation_pb2_grpc, worker_pb2_grpc
+from llmesh.v1 import core_pb2_grpc, generation_pb2_grpc, router_pb2_grpc, worker_pb2_grpc
 from scheduler_svc.api_server import ApiServers, run_api_server
 from scheduler_svc.core_servicer import SchedulerCoreServicer
+from scheduler_svc.kv_events import KVEventLog
+from scheduler_svc.kv_events_servicer import KVEventsServicer, pool_load
 from scheduler_svc.mesh import LinkBroken, Mesh, MeshConfig
 from scheduler_svc.servicer import ModelCard, RegistryServicer, SchedulerServicer
+from scheduler_svc.shard_registration import ShardRegistration
 from services.config import option
 from services.grpc_server import ChannelSecurity, GrpcServer, ServerConfig, Service, serve, service_main
 from services.limits import RequestLimits, longest_token_chars
@@ -59,6 +62,15 @@ class SchedulerServiceConfig(ServerConfig, MeshConfig, RequestLimits):
     )
     core_address: str = option(
         "", help="run as an API process of the scheduler core at this host:port (set by the core itself)"
+    )
+    routers: list[str] = option(
+        default_factory=list,
+        help="router host:port addresses to register with as a shard (llmesh.v1.ShardRegistry); "
+        "they route to this scheduler from its KV events (llmesh.v1.KVEvents, always served)",
+    )
+    shard_id: str = option("", help="this shard's name at its routers (default: its address)")
+    advertise_address: str = option(
+        "", help="host:port the routers dial this shard at (default: --host:--port)"
     )
     log_level: str = option("info", help="debug | info | warning | error")
 
@@ -116,9 +128,11 @@ async def run(config: SchedulerServiceConfig) -> None:
     address = config.kvstore_address
     kv_store = AsyncKVStoreClient(address, security=security) if address else None
     mesh = Mesh(config, kv_store=kv_store)  # the config is a MeshConfig (and its planner's)
+    mesh.kv_events = KVEventLog(config.shard_id, load=lambda: pool_load(mesh))  # for routers
     scheduler = SchedulerServicer(mesh, config.card, config)
     registry = RegistryServicer(mesh, config.step_timeout_s, config.keepalive_s, security)
     core = SchedulerCoreServicer(mesh)
+    registrations: list[ShardRegistration] = []
     background: list[asyncio.Task] = []
     health_updates: set[asyncio.Task] = set()
     api_servers: list[ApiServers] = []
@@ -149,12 +163,23 @@ async def run(config: SchedulerServiceConfig) -> None:
             api_servers.append(ApiServers(public, f"127.0.0.1:{server.port}", public.port))
             api_servers[0].start()
             server.on_drain(api_servers[0].stop)  # they drain their callers' streams first
+        server.on_drain(mesh.kv_events.close)  # routers' event streams end: they stop routing here
+        if config.routers:  # a shard: announce this scheduler to its routers, leave them on drain
+            address = config.advertise_address or f"{public.host}:{public.port or server.port}"
+            mesh.kv_events.shard_id = config.shard_id or address
+            registrations.append(
+                ShardRegistration(config.routers, address, config.shard_id or address, security)
+            )
+            registrations[0].start()
+            server.on_drain(registrations[0].stop)
         print(f"llmesh scheduler listening on {public.host}:{public.port or server.port}", flush=True)
 
     services = [
         Service.of("llmesh.v1.Scheduler", generation_pb2_grpc.add_SchedulerServicer_to_server, scheduler),
         Service.of("llmesh.v1.Registry", worker_pb2_grpc.add_RegistryServicer_to_server, registry),
         Service.of("llmesh.v1.SchedulerCore", core_pb2_grpc.add_SchedulerCoreServicer_to_server, core),
+        Service.of("llmesh.v1.KVEvents", router_pb2_grpc.add_KVEventsServicer_to_server,
+                   KVEventsServicer(mesh.kv_events)),  # fmt: skip
     ]
     # Health turns SERVING only once a worker has registered. The public API takes the API key
     # (or the internal key); the Registry and the core only the internal key (config.internal_key).
