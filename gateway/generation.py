@@ -27,8 +27,14 @@ from gateway.scheduler_client import SchedulerClient
 from gateway.tokenizer import Tokenizer
 from llmesh.v1 import generation_pb2
 from services.choices import ABORT, ChoiceState, FanOut
-from services.convert import FINISH_REASON_FROM_PROTO, logprobs_from_proto, sampling_params_to_proto
+from services.convert import (
+    FINISH_REASON_FROM_PROTO,
+    logprobs_from_proto,
+    prompt_logprobs_from_proto,
+    sampling_params_to_proto,
+)
 from services.sampling_params import SamplingParams, SamplingParamsError
+from services.step import TokenLogprobs
 
 _UNSPECIFIED = generation_pb2.FINISH_REASON_UNSPECIFIED
 _END = object()  # a call's stream ended
@@ -51,9 +57,13 @@ class ChoiceDelta:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    # With prompt logprobs, on the choice's first delta: one entry per prompt position (None at 0).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def extend(self, later: ChoiceDelta) -> None:
         """Append a later delta of the same choice (coalescing)."""
+        if later.prompt_logprobs is not None:
+            self.prompt_logprobs = later.prompt_logprobs
         self.text += later.text
         self.token_ids.extend(later.token_ids)
         self.logprobs.extend(later.logprobs)
@@ -72,8 +82,10 @@ class ChoiceStream:
         skip_special: bool,
         include_stop: bool,
         stop_token_ids: list[int] | None = None,
+        prompt_ids: list[int] | None = None,
     ) -> None:
         self.index = index
+        self.prompt_ids = prompt_ids or []
         self.state = ChoiceState(
             tokenizer.hf,
             stop=stops,
@@ -82,6 +94,8 @@ class ChoiceStream:
             include_stop_str_in_output=include_stop,
         )
         self.cached_tokens = 0
+        # With prompt logprobs: one entry per prompt position (None at 0), from its first response.
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -110,6 +124,9 @@ class ChoiceStream:
                 if e is not None:
                     top = list(zip(e.top_token_ids, e.top_logprobs, strict=True))
                     delta.logprobs.append(TokenLogprob(tok, e.logprob, top))
+        if resp.HasField("prompt_logprobs"):
+            self.prompt_logprobs = prompt_logprobs_from_proto(resp.prompt_logprobs, self.prompt_ids)
+            delta.prompt_logprobs = self.prompt_logprobs
         if resp.HasField("usage"):
             self.cached_tokens = resp.usage.cached_prompt_tokens
         if self.state.finished:
@@ -158,7 +175,8 @@ class Generation:
         self.refused = False  # the scheduler was full and refused it before it started (HTTP 429)
         try:
             # Stop strings stay here: the gateway matches them on its own detokenized text.
-            self.fanout = FanOut.plan(self.request_id, params, keep_stop=False)
+            # Every choice carries its prompt logprobs (each streams its own echo with them).
+            self.fanout = FanOut.plan(self.request_id, params, keep_stop=False, prompt_logprobs_once=False)
         except SamplingParamsError as e:
             raise bad_request(e.param, str(e).split(": ", 1)[-1]) from e
         self.states = [
@@ -169,6 +187,7 @@ class Generation:
                 skip_special_tokens,
                 include_stop_str_in_output,
                 params.stop_token_ids,
+                prompt_ids,
             )
             for i in range(params.n)
         ]

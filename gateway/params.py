@@ -112,6 +112,7 @@ def sampling_params(
     logprobs: int | None,
     logprobs_param: str,
     structured: StructuredOutputs | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """The request's sampling parameters, checked against the caps (once, before any prompt is tokenized).
 
@@ -143,6 +144,7 @@ def sampling_params(
             stop=stops,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             max_logprobs=caps.max_logprobs,
             structured_outputs=structured,  # checked already (gateway/structured.py): a cache hit
         )

@@ -108,9 +108,12 @@ class CompletionRequest(SamplingRequest):
     prompt: Text | list[Text] | list[int] | list[list[int]] = Field(
         ..., description="text, texts, token ids, or lists of token ids"
     )
-    max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)
+    # 0 with echo: the prompt alone, with its logprobs (vLLM; lm-evaluation-harness scores so).
+    max_tokens: int | None = Field(16, ge=0, le=INT32_MAX)
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
+    # vLLM's extra: each choice's `prompt_logprobs` ({token id: logprob, rank, decoded_token}).
+    prompt_logprobs: int | None = Field(None, ge=0)
     suffix: Text | None = Field(None, description="not supported")
     best_of: int | None = Field(None, ge=1, description="only best_of == n is supported")
 

@@ -39,8 +39,11 @@ class ChoiceResult:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list | None = None  # TokenLogprobs | None per prompt position, when asked
 
     def add(self, d: ChoiceDelta) -> None:
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
         self.text.append(d.text)
         self.token_ids.extend(d.token_ids)
         self.logprobs.extend(d.logprobs)

@@ -53,24 +53,27 @@ class FanOut:
     params: list[SamplingParams]
 
     @classmethod
-    def plan(cls, parent: str, params: SamplingParams, *, keep_stop: bool = True) -> FanOut:
+    def plan(
+        cls, parent: str, params: SamplingParams, *, keep_stop: bool = True, prompt_logprobs_once: bool = True
+    ) -> FanOut:
         """n children of `params` (n = 1 each, seeds `seed + i`); raises SamplingParamsError.
 
         keep_stop=False leaves stop strings out of the children (the gateway matches them on its
-        own text and sends the scheduler token-level work only).
+        own text and sends the scheduler token-level work only). Prompt logprobs are the same for
+        every choice: only the first computes them, unless prompt_logprobs_once=False (a caller
+        that streams each choice's echo with them).
         """
         if params.n == 1 and keep_stop:
             return cls([child_id(parent, 0)], [params])
         stop = params.stop if keep_stop else []
         children = [
             # replace() validates each child again: an invalid one fails here, before submission.
-            # Prompt logprobs are the same for every choice: only the first computes them.
             dataclasses.replace(
                 params,
                 n=1,
                 seed=child_seed(params.seed, i),
                 stop=list(stop),
-                prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+                prompt_logprobs=params.prompt_logprobs if i == 0 or not prompt_logprobs_once else None,
             )
             for i in range(params.n)
         ]
