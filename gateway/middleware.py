@@ -16,6 +16,7 @@ from typing import Any
 from gateway.cache_salt import API_KEY_SCOPE
 from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
+from gateway.scheduler_client import SESSION_HEADER, SESSION_ID
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -77,6 +78,9 @@ class GuardMiddleware:
                 scope,
             )
             return
+        session = _header(scope, SESSION_HEADER.encode())
+        if session:  # printable and bounded: it travels on as gRPC metadata
+            SESSION_ID.set(session[:256] if session.isascii() and session.isprintable() else "")
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+from contextvars import ContextVar
+
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.errors import APIError, from_grpc
 from llmesh.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.grpc_server import DEFAULT_KEEPALIVE_S, ChannelSecurity, open_channel
+
+# The HTTP request's `x-session-id` header (set by gateway.middleware for the request's context),
+# forwarded as gRPC metadata of the same name: a router in front of scheduler shards keeps a
+# session on one shard (router_svc); a scheduler ignores it.
+SESSION_HEADER = "x-session-id"
+SESSION_ID: ContextVar[str] = ContextVar("llmesh_session_id", default="")
 
 
 class SchedulerClient:
@@ -80,4 +88,6 @@ class SchedulerClient:
     def generate(self, request: generation_pb2.GenerateRequest, timeout: float) -> grpc.aio.UnaryStreamCall:
         """Start a Generate stream; cancel() on the returned call aborts the request upstream."""
         # wait_for_ready=False: with the scheduler down, fail at once (503) instead of queueing.
-        return self.scheduler.Generate(request, timeout=timeout, wait_for_ready=False)
+        session = SESSION_ID.get()
+        metadata = ((SESSION_HEADER, session),) if session else None
+        return self.scheduler.Generate(request, timeout=timeout, wait_for_ready=False, metadata=metadata)

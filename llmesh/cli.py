@@ -139,13 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
         ("worker", "run one worker service"),
         ("gateway", "run the OpenAI-compatible gateway"),
         ("kvstore", "run the tiered KV store service (memory -> disk -> Redis)"),
+        ("router", "run the router in front of scheduler shards (KV-event prefix index + load)"),
     ):
         p = sub.add_parser(name, help=helptext, add_help=False)
         p.set_defaults(func=_service_main(name))
     return parser
 
 
-SERVICES = ("scheduler", "worker", "gateway", "kvstore")
+SERVICES = ("scheduler", "worker", "gateway", "kvstore", "router")
 PASSTHROUGH = (*SERVICES, "health")  # commands whose flags their own parser reads
 
 
@@ -154,6 +155,7 @@ SERVICE_CONFIGS = {  # module, config class: what `llmesh <service>` parses its 
     "worker": ("worker_svc.service", "WorkerServiceConfig"),
     "gateway": ("gateway.config", "GatewayConfig"),
     "kvstore": ("kvstore_svc.config", "KVStoreConfig"),
+    "router": ("router_svc.config", "RouterConfig"),
     "health": ("services.healthcheck", "HealthCheckConfig"),
 }
 
@@ -193,6 +195,7 @@ def _service_main(name: str):
             "worker": "worker_svc.service",
             "gateway": "gateway.service",
             "kvstore": "kvstore_svc.service",
+            "router": "router_svc.service",
         }
         return importlib.import_module(module[name]).main(args.rest)
 
@@ -236,6 +239,7 @@ UP_ALIASES = {
         "api_server_count": "--api-server-count",
     },
     "kvstore": {"redis_url": "--redis-url"},
+    "router": {},
 }
 # Knobs of the whole mesh: one flag for every service, handed to each in the unscoped
 # environment variable (LLMESH_TLS_CERT) that every service reads (a key never goes on argv).
@@ -255,6 +259,7 @@ _GROUP_HELP = {
     "--rejoin-after-s, through --worker-args)",
     "gateway": "the gateway's own flags (`llmesh gateway --help`)",
     "kvstore": "the KV store's own flags (`llmesh kvstore --help`; memory tier by default)",
+    "router": "the router's own flags, with --schedulers N > 1 (`llmesh router --help`)",
 }
 
 
@@ -267,6 +272,7 @@ def _up_configs() -> dict[str, type]:
     """
     from gateway.config import GatewayConfig
     from kvstore_svc.config import KVStoreConfig
+    from router_svc.config import RouterConfig
     from scheduler_svc.service import SchedulerServiceConfig
     from services.grpc_server import ServerConfig
     from worker_svc.config import WorkerConfig
@@ -277,6 +283,7 @@ def _up_configs() -> dict[str, type]:
         "worker": worker,
         "gateway": GatewayConfig,
         "kvstore": KVStoreConfig,
+        "router": RouterConfig,
     }
 
 
@@ -302,6 +309,13 @@ def _security_knobs() -> list[Leaf]:
 def _add_up_flags(p: argparse.ArgumentParser) -> None:
     _add_model_flags(p)
     p.add_argument("--workers", type=int, default=1, help="number of worker processes")
+    p.add_argument(
+        "--schedulers",
+        type=int,
+        default=1,
+        help="scheduler shards; above 1 a router takes --scheduler-port in front of them (routing by "
+        "the shards' KV events and load) and the workers are split among them",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address every service binds (loopback by default)")
     p.add_argument("--port", type=int, default=int(os.environ.get("LLMESH_PORT", 8000)), help="gateway port")
     p.add_argument("--scheduler-port", type=int, default=50051, help="scheduler gRPC port")
@@ -352,6 +366,7 @@ def _add_up_flags(p: argparse.ArgumentParser) -> None:
         ("worker", "every worker"),
         ("gateway", "the gateway"),
         ("kvstore", "the KV store"),
+        ("router", "the router (--schedulers > 1)"),
     ):
         pt.add_argument(
             f"--{name}-args",
@@ -383,6 +398,7 @@ def up_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     common = ["--cache-dir", args.cache_dir] if args.cache_dir else []
     own: dict[str, list[str]] = {"scheduler": list(common), "worker": list(common), "gateway": list(common)}
     own["kvstore"] = []
+    own["router"] = []
     if args.served_model_name:
         names = [n.strip() for n in args.served_model_name.split(",") if n.strip()]
         own["scheduler"] += ["--served-model-name", names[0]]  # the scheduler takes one name
@@ -401,6 +417,8 @@ def up_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(f"--api-key-file {args.api_key_file}: no key in it")
         env["LLMESH_GATEWAY_API_KEY_FILE"] = os.path.abspath(args.api_key_file)
         env.setdefault("LLMESH_SCHEDULER_API_KEY", keys[0])
+    if args.schedulers > 1 and "LLMESH_SCHEDULER_API_KEY" in env:  # the router's public API: the same key
+        env["LLMESH_ROUTER_API_KEY"] = env["LLMESH_SCHEDULER_API_KEY"]
     env |= security_env(args)
     return {
         "num_workers": args.workers,
@@ -415,6 +433,8 @@ def up_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "kvstore_port": args.kvstore_port,
         "kvstore_args": [*own["kvstore"], *_flatten(args.kvstore_args)],
         "env": env,
+        "num_schedulers": args.schedulers,
+        "router_args": [*own["router"], *_flatten(args.router_args)],
     }
 
 

@@ -166,6 +166,10 @@ class Router:
             ranked = self._affine(session, ranked, costs)
         return [(s, cached.get(s.shard_id, 0)) for s in ranked]
 
+    def by_load(self) -> list[Shard]:
+        """Ready shards, least loaded first (calls other than Generate: no routing state moves)."""
+        return sorted(self.ready_shards, key=lambda s: (self._cost(s, 0, 0), s.inflight))
+
     def _cached_tokens(self, prompt: list[int], salt: str, shards: list[Shard]) -> dict[str, int]:
         out: dict[str, int] = {}
         by_layout: dict[tuple[int, bytes], list[Shard]] = {}

@@ -153,7 +153,7 @@ class RouterServicer(generation_pb2_grpc.SchedulerServicer):
     async def _unary(self, context, method: str, request):
         """A unary call answered by any ready shard (the first that answers)."""
         last: grpc.aio.AioRpcError | None = None
-        for shard, _ in self.router.rank([], exclude=frozenset()) or []:
+        for shard in self.router.by_load():
             link = self.pool.link(shard)
             if link is None:
                 continue

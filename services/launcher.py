@@ -38,10 +38,11 @@ log = logging.getLogger(__name__)
 # The flags `start_mesh` gives each child itself (where it listens, its peers, the model): a
 # launcher's user may not set them per service (`llmesh up` offers every other knob of each).
 LAUNCHER_SETS = {
-    "scheduler": ("host", "port", "model", "kvstore_address"),
+    "scheduler": ("host", "port", "model", "kvstore_address", "shard_id"),
     "worker": ("host", "port", "scheduler", "kvstore_address", "worker_id", "model"),
     "gateway": ("host", "port", "scheduler", "model"),
     "kvstore": ("host", "port"),
+    "router": ("host", "port", "shards"),
 }
 
 
@@ -70,11 +71,12 @@ class Child:
 class LocalMesh:
     """A running local mesh; `stop()` (or the context manager) ends every process."""
 
-    scheduler: Child
+    scheduler: Child  # the gRPC front door: the scheduler, or with several shards the router
     workers: list[Child] = field(default_factory=list)
     gateway: Child | None = None
     kvstore: Child | None = None
     internal_key: str | None = None  # the mesh secret its internal RPCs need (None: mutual TLS)
+    shards: list[Child] = field(default_factory=list)  # scheduler shards behind the router (N > 1)
 
     @property
     def security(self) -> ChannelSecurity:
@@ -86,7 +88,7 @@ class LocalMesh:
         # The KV store first, so that stop() (reversed) ends it last: the others may still write to it.
         return (
             ([self.kvstore] if self.kvstore else [])
-            + [self.scheduler, *self.workers]
+            + [self.scheduler, *self.shards, *self.workers]
             + ([self.gateway] if self.gateway else [])
         )
 
@@ -190,6 +192,8 @@ def start_mesh(
     log_dir: str | None = None,
     env: dict[str, str] | None = None,
     timeout: float = 300.0,
+    num_schedulers: int = 1,
+    router_args: list[str] | None = None,
 ) -> LocalMesh:
     """Start scheduler + workers (+ gateway when `gateway_port` is not None) and wait until ready.
 
@@ -199,6 +203,10 @@ def start_mesh(
 
     Every port is explicit (a free one is picked for 0), so that a child restarted by
     `Supervisor` binds the same address and its peers find it again.
+
+    num_schedulers > 1: a router (router_svc) takes `scheduler_port` and fronts that many
+    scheduler shards (`mesh.shards`), worker i registering with shard i mod N; the gateway and
+    gRPC clients dial the router as they would a scheduler. 1: no router (the usual topology).
     """
     # Secure by default: one fresh secret per mesh, in each child's environment (never argv).
     env, internal_key = with_mesh_secret({**os.environ, **(env or {})})
@@ -209,7 +217,14 @@ def start_mesh(
     # The store may come up after its clients: they treat it as a miss until it answers.
     kv_args = ["--kvstore-address", f"{host}:{kv_port}"] if kvstore else []
     sched_args = ["--host", host, "--port", sched_port, *model_args, *kv_args, *(scheduler_args or [])]
-    mesh = LocalMesh(_start_child("scheduler", sched_addr, "scheduler_svc.service", sched_args, env, log_dir))
+    if num_schedulers > 1:
+        mesh = _start_router_and_shards(
+            num_schedulers, host, sched_addr, sched_args, router_args, env, log_dir
+        )
+    else:
+        mesh = LocalMesh(
+            _start_child("scheduler", sched_addr, "scheduler_svc.service", sched_args, env, log_dir)
+        )
     mesh.internal_key = internal_key
     try:
         if kvstore:
@@ -217,7 +232,8 @@ def start_mesh(
         for i in range(num_workers):
             port = free_port(host)
             # A fixed --worker-id: a restarted worker re-registers as itself.
-            args = ["--host", host, "--port", str(port), "--scheduler", sched_addr, *kv_args]
+            shard = mesh.shards[i % len(mesh.shards)].address if mesh.shards else sched_addr
+            args = ["--host", host, "--port", str(port), "--scheduler", shard, *kv_args]
             args += ["--worker-id", f"worker-{i}", *model_args, *(worker_args or [])]
             mesh.workers.append(
                 _start_child(f"worker-{i}", f"{host}:{port}", "worker_svc.service", args, env, log_dir)
@@ -227,7 +243,9 @@ def start_mesh(
             wait_until(lambda: child_ready(mesh.kvstore), "kvstore", procs, timeout)
         for w in mesh.workers:
             wait_until(lambda w=w: child_ready(w), w.name, procs, timeout)
-        wait_until(lambda: child_ready(mesh.scheduler), "scheduler", procs, timeout)
+        for shard in mesh.shards[: num_workers or None]:  # a shard without a worker never serves
+            wait_until(lambda shard=shard: child_ready(shard), shard.name, procs, timeout)
+        wait_until(lambda: child_ready(mesh.scheduler), mesh.scheduler.name, procs, timeout)
         if gateway_port is not None:
             args = [*model_args, *(gateway_args or [])]
             mesh.gateway = _start_gateway(host, gateway_port, sched_addr, args, env, log_dir)
@@ -236,6 +254,31 @@ def start_mesh(
         mesh.stop()
         raise
     return mesh
+
+
+def _start_router_and_shards(
+    n: int,
+    host: str,
+    router_addr: str,
+    sched_args: list[str],
+    router_args: list[str] | None,
+    env: dict[str, str],
+    log_dir: str | None,
+) -> LocalMesh:
+    """A router at `router_addr` and `n` scheduler shards on free ports, each with `sched_args`
+    (its --host/--port replaced). The router is given the shards' addresses (they keep them over
+    restarts); shards could register instead (--routers), as they do where addresses are not known
+    in advance (docs/architecture.md)."""
+    addresses = [f"{host}:{free_port(host)}" for _ in range(n)]
+    shards = []
+    for i, address in enumerate(addresses):
+        args = [*sched_args, "--port", address.rsplit(":", 1)[1], "--shard-id", f"scheduler-{i}"]
+        shards.append(_start_child(f"scheduler-{i}", address, "scheduler_svc.service", args, env, log_dir))
+    port = router_addr.rsplit(":", 1)[1]
+    args = ["--host", host, "--port", port, "--shards", ",".join(addresses), *(router_args or [])]
+    return LocalMesh(
+        _start_child("router", router_addr, "router_svc.service", args, env, log_dir), shards=shards
+    )
 
 
 def _start_kvstore(host: str, port: int, args: list[str], env: dict[str, str], log_dir: str | None) -> Child:
@@ -441,6 +484,8 @@ def run_up(
     kvstore_args: list[str] | None = None,
     env: dict[str, str] | None = None,
     backoff: Backoff | None = None,
+    num_schedulers: int = 1,
+    router_args: list[str] | None = None,
 ) -> int:
     """Foreground `llmesh up`: start, print addresses, supervise until Ctrl-C / SIGTERM, stop all."""
     from services.logging_setup import setup_logging
@@ -473,6 +518,8 @@ def run_up(
             kvstore_port=kvstore_port,
             kvstore_args=kvstore_args,
             env=env,
+            num_schedulers=num_schedulers,
+            router_args=router_args,
         )
     except KeyboardInterrupt:
         return 130
