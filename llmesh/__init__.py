@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from llmesh.llm import LLM, RequestOutput
+    from llmesh.lora import LoRARequest
     from services.sampling_params import SamplingParams
     from services.structured_outputs import StructuredOutputs
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutputs"]
+__all__ = ["LLM", "LoRARequest", "RequestOutput", "SamplingParams", "StructuredOutputs"]
 
 
 def __getattr__(name: str) -> Any:
@@ -21,6 +22,10 @@ def __getattr__(name: str) -> Any:
         from llmesh import llm
 
         return getattr(llm, name)
+    if name == "LoRARequest":
+        from llmesh.lora import LoRARequest
+
+        return LoRARequest
     if name == "SamplingParams":
         from services.sampling_params import SamplingParams
 

@@ -199,11 +199,14 @@ class LLMEngine:
         priority: int = 0,
         group: str = "",
         cache_salt: str = "",
+        lora_name: str = "",
+        lora_path: str = "",
     ) -> None:
         """On the loop thread: route a request into the Mesh; its deltas go to `queue`."""
         self.mesh.submit(
-            request_id, prompt_token_ids, params, priority, queue, group=group, cache_salt=cache_salt
-        )
+            request_id, prompt_token_ids, params, priority, queue, group=group, cache_salt=cache_salt,
+            lora_name=lora_name, lora_path=lora_path,
+        )  # fmt: skip
 
     def flush_kv(self, timeout_s: float = 30.0) -> None:
         """Wait until every KV save and store put planned so far has run and been sent.

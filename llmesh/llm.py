@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from llmesh.engine import EngineConfig, LLMEngine
 from llmesh.logprobs import PositionLogprobs, as_position_dicts
+from llmesh.lora import LoRARequest, lora_requests_for
 from scheduler_svc.prefix_hash import check_salt
 from scheduler_svc.request import RequestDelta
 from services.choices import ChoiceState, FanOut, fit_max_tokens
@@ -68,6 +69,7 @@ class _Submission:
     priority: int
     group: str
     cache_salt: str = ""  # the prompt's prefix-cache salt ({"cache_salt": ...}, vLLM's)
+    lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 class LLM:
@@ -85,9 +87,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """`lora_request`: the LoRA adapter to run with (vLLM's), one for all prompts or one each."""
         batch = self._as_batch(prompts)
         params = self._params_for(batch, sampling_params)
+        loras = lora_requests_for(len(batch), lora_request)
         children: dict[str, _Child] = {}
         outputs: list[RequestOutput] = []
         submissions: list[_Submission] = []
@@ -102,7 +107,8 @@ class LLM:
             # Children of a seeded request get distinct, reproducible seeds (vLLM convention).
             fanout = FanOut.plan(out.request_id, sp)
             prio = priority[i] if priority else 0
-            submissions.append(_Submission(fanout, token_ids, prio, out.request_id, self._salt_of(prompt)))
+            salt = self._salt_of(prompt)
+            submissions.append(_Submission(fanout, token_ids, prio, out.request_id, salt, loras[i]))
             for j, cid in enumerate(fanout.ids):
                 # Nothing streams here: text is decoded once, after the run, unless stop strings
                 # must be matched as tokens arrive (incrementally, on the engine's loop).
@@ -176,9 +182,11 @@ class LLM:
             for sub in submissions:
 
                 def submit(cid: str, sp: SamplingParams, sub: _Submission = sub) -> None:
+                    lora = sub.lora
                     self.engine.submit(
-                        cid, sub.prompt_token_ids, sp, queue, sub.priority, sub.group, sub.cache_salt
-                    )
+                        cid, sub.prompt_token_ids, sp, queue, sub.priority, sub.group, sub.cache_salt,
+                        lora.lora_name if lora else "", lora.lora_path if lora else "",
+                    )  # fmt: skip
                     running.add(cid)
 
                 sub.fanout.submit(submit, self.engine.mesh.abort)

@@ -40,6 +40,7 @@ from typing import Protocol
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.kv_events import KVEventLog
 from scheduler_svc.kv_tiers import KVTierPlanner
+from scheduler_svc.lora import LoRAMirror, lora_key
 from scheduler_svc.planner import Planner, PlannerConfig, RequestRejected
 from scheduler_svc.prefix_hash import extend_block_keys
 from scheduler_svc.request import Request, RequestDelta
@@ -244,6 +245,7 @@ class Mesh:
             info.num_speculative_tokens, info.spec_disable_by_batch_size, info.spec_drafts_ahead
         )
         slot = WorkerSlot(worker_id, info, link, Planner(planner_cfg, blocks, tiers, spec))
+        slot.planner.loras = LoRAMirror(info.max_loras)
         self.workers[worker_id] = slot
         slot.task = asyncio.get_running_loop().create_task(self._run(slot), name=f"worker-loop-{worker_id}")
         self.ready.set()
@@ -310,11 +312,16 @@ class Mesh:
         queue: asyncio.Queue | None = None,
         group: str = "",
         cache_salt: str = "",
+        lora_name: str = "",
+        lora_path: str = "",
     ) -> asyncio.Queue:
         """Route and enqueue a request; its deltas go to `queue` (shared by a request's n choices).
 
         `cache_salt`: the tenant's prefix-cache salt ("" = shared with every unsalted request).
+        `lora_name`, `lora_path`: the LoRA adapter to run it with ("" = the base model).
         """
+        if lora_name and not any(s.info.max_loras for s in self.workers.values()):
+            raise RequestRejected(f"LoRA adapter {lora_name!r}: no worker serves LoRA (--enable-lora)")
         if request_id in self.streams:
             raise RequestRejected(f"duplicate request id {request_id!r}")
         info = self.model_info
@@ -333,6 +340,8 @@ class Mesh:
             priority,
             group=group,
             cache_salt=cache_salt,
+            lora_name=lora_name,
+            lora_path=lora_path,
         )
         queue = queue if queue is not None else asyncio.Queue()
         refuse = self._admit(req)
@@ -487,7 +496,8 @@ class Mesh:
         slots = [s for s in self.workers.values() if s.worker_id != exclude]
         connected = [s for s in slots if s.connected]
         planners = {s.worker_id: s.planner for s in (connected or slots)}
-        choice = route(planners, req.all_token_ids, self.config.overload_margin, req.cache_root)
+        margin = self.config.overload_margin
+        choice = route(planners, req.all_token_ids, margin, req.cache_root, lora_key(req))
         if choice is None:
             raise NoWorkerAvailable("no worker is registered")
         slot = self.workers[choice.worker_id]
@@ -545,6 +555,8 @@ class Mesh:
                 list(old.output_logprobs),
                 group=old.group,
                 cache_salt=old.cache_salt,
+                lora_name=old.lora_name,
+                lora_path=old.lora_path,
             )
             try:
                 self._place(req, stream.queue, exclude=dead.worker_id)

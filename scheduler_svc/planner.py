@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.kv_tiers import KVTierPlanner
+from scheduler_svc.lora import LoRAMirror
 from scheduler_svc.prefix_hash import ROOT_KEY, extend_block_keys
 from scheduler_svc.request import FinishReason, Request, RequestDelta, RequestStatus
 from scheduler_svc.spec_decode import SpecDecodePolicy
@@ -131,6 +132,7 @@ class Planner:
         self._group_running: Counter[str] = Counter()
         self._groups: Counter[str] = Counter()  # unfinished sequences per group
         self.num_preemptions = 0
+        self.loras = LoRAMirror()  # the worker's LoRA slots (Mesh.add_worker sets their number)
 
     # ----- requests -----
     def add_request(self, req: Request) -> None:
@@ -310,6 +312,9 @@ class Planner:
                 if w == len(self.waiting):
                     break
             req = self.waiting[w]
+            if req.lora_name and not self.loras.fits(req, self.running):
+                w += 1  # its adapter would be one more than the worker's slots: it waits
+                continue
             tokens = req.all_token_ids
             bs = self.blocks.block_size
             # One key chain serves the GPU cache and the tiers below it.
@@ -578,8 +583,11 @@ class Planner:
                 num_new_tokens=num_new,
                 sampling_params=req.sampling_params,
                 max_draft_tokens=propose,
+                lora_name=req.lora_name,
+                lora_path=req.lora_path,
             )
         )
+        self.loras.touch(req)
 
     def _stop_reason(self, req: Request, token_id: int) -> FinishReason | None:
         sp = req.sampling_params

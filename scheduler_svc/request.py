@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from scheduler_svc.prefix_hash import root_key
+from services.lora_config import lora_cache_root
 from services.sampling_params import SamplingParams
 from services.step import TokenLogprobs
 
@@ -64,6 +65,10 @@ class Request:
     # request's block-key chain, computed once here (scheduler_svc/prefix_hash.py).
     cache_salt: str = ""
     cache_root: bytes = field(init=False, repr=False)
+    # The LoRA adapter it runs with ("" = the base model): the worker loads the folder at
+    # lora_path; the adapter is folded into cache_root, so its KV is its own (services/lora_config).
+    lora_name: str = ""
+    lora_path: str = ""
     # sampling_params.prompt_logprobs: one entry per prompt position (None at 0) as the worker's
     # chunks arrive, sent with the first token; until then the prompt takes no prefix hit.
     prompt_logprobs: list[TokenLogprobs | None] | None = field(default=None, init=False, repr=False)
@@ -72,7 +77,7 @@ class Request:
     def __post_init__(self) -> None:
         if not self.group:
             self.group = self.request_id
-        self.cache_root = root_key(self.cache_salt)
+        self.cache_root = lora_cache_root(root_key(self.cache_salt), self.lora_name, self.lora_path)
         if self.sampling_params.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 

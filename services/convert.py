@@ -268,6 +268,8 @@ def new_sequence_to_proto(seq: NewSequence) -> worker_pb2.NewSequence:
         num_new_tokens=seq.num_new_tokens,
         sampling_params=sampling_params_to_proto(seq.sampling_params),
         max_draft_tokens=seq.max_draft_tokens,
+        lora_name=seq.lora_name,
+        lora_path=seq.lora_path,
     )
 
 
@@ -281,6 +283,8 @@ def new_sequence_from_proto(msg: worker_pb2.NewSequence) -> NewSequence:
         num_new_tokens=msg.num_new_tokens,
         sampling_params=sampling_params_from_proto(msg.sampling_params),
         max_draft_tokens=msg.max_draft_tokens,
+        lora_name=msg.lora_name,
+        lora_path=msg.lora_path,
     )
 
 

@@ -32,6 +32,10 @@ class NewSequence:
     # If this step samples the sequence's next token, propose up to this many draft tokens after
     # it (speculative decoding); the result says how many were proposed.
     max_draft_tokens: int = 0
+    # The LoRA adapter it runs with ("" = the base model): the worker loads (name, path) into a
+    # slot if none holds it (worker.proto NewSequence.lora_name).
+    lora_name: str = ""
+    lora_path: str = ""
 
 
 @dataclass
@@ -190,6 +194,9 @@ class WorkerInfo:
     # a proposing one before its result, and verify the drafts a token later.
     spec_drafts_ahead: bool = False
     max_num_batched_tokens: int = 0
+    # LoRA: adapters the worker holds at once (0 = it serves none); the scheduler runs at most
+    # this many distinct adapters on it.
+    max_loras: int = 0
 
 
 def store_fingerprint(fingerprint: bytes, chunk_blocks: int) -> bytes:

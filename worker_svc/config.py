@@ -64,6 +64,14 @@ class WorkerConfig:
         '"num_speculative_tokens": 3, "num_layers": 8}\' (none = off)',
     )
     seed: int = 0
+    # Multi-LoRA (worker_svc/lora): PEFT adapters in `max_loras` device slots, loaded when a
+    # sequence names one (least recently used out); --lora-modules are loaded at start.
+    enable_lora: bool = option(False, help="serve LoRA adapters (on when --lora-modules is given)")
+    max_loras: int = option(4, ge=1, help="LoRA adapters on the device at once (one batch mixes this many)")
+    max_lora_rank: int = option(16, ge=1, help="largest LoRA rank served (the slots' rank)")
+    lora_modules: list[str] = option(
+        default_factory=list, help="LoRA adapters to load at start, name=path (comma-separated)"
+    )
     # Tensor parallelism: processes cuda:i, cuda:i+1, ... (gloo processes on CPU) that split the
     # model's heads, MLP and vocabulary.
     tensor_parallel_size: int = option(
@@ -93,6 +101,9 @@ class WorkerConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
 
     def torch_dtype(self) -> torch.dtype:
         import torch

@@ -26,6 +26,8 @@ from worker_svc.decode_gemms import choose_decode_gemms
 from worker_svc.kv_cache import KVCacheSpec, allocate_kv_cache, kv_budget_bytes, num_blocks_for_budget
 from worker_svc.kv_tiers import wait_for_loads
 from worker_svc.loader import load_model
+from worker_svc.lora.layer import LoRABatch
+from worker_svc.lora.slots import make_lora_slots
 from worker_svc.parallel import TensorParallel
 from worker_svc.rank_channel import DECODE_GRAPH, EAGER, ForwardInputs
 from worker_svc.spec_decode.config import SpeculativeConfig
@@ -115,6 +117,8 @@ class ModelExecutor:
             self.draft.allocate(self.num_kv_blocks, self.device)
         self.graphs = None  # DecodeGraphs once captured
         self.verify_graphs = None  # DecodeGraphs of 1 + num_speculative_tokens rows per sequence
+        # LoRA adapters' slots (None: none served). Steps with adapter rows run eagerly.
+        self.lora = make_lora_slots(config, self.model, tp.size, self.dtype)
 
     def _count_blocks(self, kv_spec: KVCacheSpec) -> int:
         """The KV blocks every rank holds: each its heads' share of every block, so the least
@@ -181,7 +185,13 @@ class ModelExecutor:
         arrays = [inp.ids, inp.positions, inp.slots, inp.query_start_loc, inp.seq_lens, inp.tables]
         if inp.sample_index is not None:
             arrays.append(inp.sample_index)
+        lora = self.lora.batch_arrays(inp.lora_slots) if self.lora and inp.lora_slots is not None else None
+        if lora is not None:
+            arrays += lora[:2]
         d = self.upload(arrays)  # one copy
+        if lora is not None:
+            assert self.lora is not None
+            self.lora.set_batch(LoRABatch(d[-2], d[-1], lora[2]))
         if patch is not None:
             d[0].index_copy_(0, *patch)
         meta = AttentionMetadata(
@@ -195,7 +205,11 @@ class ModelExecutor:
             seq_lens_cpu=inp.seq_lens.tolist(),
             layer_ready=layer_ready,
         )
-        hidden = self.model(d[0], d[1], self.kv_caches, meta)
+        try:
+            hidden = self.model(d[0], d[1], self.kv_caches, meta)
+        finally:
+            if lora is not None:
+                self.lora.set_batch(None)  # type: ignore[union-attr]
         wait_for_loads(layer_ready, self.device)
         if self.draft is not None:  # a draft model's KV follows the target's
             self.draft.forward_alongside(d[0], d[1], meta)

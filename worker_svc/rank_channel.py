@@ -117,6 +117,9 @@ class ForwardInputs:
     max_query_len: int = 1
     max_seq_len: int = 0
     patch_where: np.ndarray = field(default_factory=lambda: _EMPTY)
+    # Each input row's LoRA slot (-1: the base model), eager steps only; None: no row uses one.
+    # Rank 0 only: LoRA is not served with tensor parallelism yet (not encoded).
+    lora_slots: np.ndarray | None = None
 
     def encode(self) -> bytes:
         scalars = np.array(

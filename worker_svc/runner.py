@@ -79,6 +79,7 @@ class SequenceState:
     max_draft_tokens: int = 0
     promised_drafts: int = 0  # a draft model's drafts, reported but made when verified
     grammar: SequenceGrammar | None = None  # structured outputs: this sequence's matcher
+    lora_slot: int = -1  # its LoRA adapter's slot (worker_svc/lora/slots.py); -1: the base model
 
 
 @dataclass
@@ -229,6 +230,7 @@ class ModelRunner:
             num_speculative_tokens=self.spec.num_speculative_tokens if self.spec else 0,
             spec_disable_by_batch_size=self.spec.disable_by_batch_size if self.spec else 0,
             spec_drafts_ahead=self.proposer is not None,
+            max_loras=self.executor.lora.max_loras if self.executor.lora is not None else 0,
         )
 
     @staticmethod
@@ -250,6 +252,8 @@ class ModelRunner:
         for new in plan.new_seqs:
             self._drop(new.seq_id)
             st = self._state_of(new)
+            if new.lora_name:
+                st.lora_slot = self._lora_slot(new)
             st.row = self._tables.alloc(st.block_ids)
             st.max_draft_tokens = new.max_draft_tokens
             spec = st.params.structured_outputs
@@ -295,6 +299,8 @@ class ModelRunner:
         self._prompt_lp_ids.discard(seq_id)
         if st is not None and st.row >= 0:
             self._tables.release(st.row)
+        if st is not None and st.lora_slot >= 0 and self.executor.lora is not None:
+            self.executor.lora.release(st.lora_slot)
         if self.proposer is not None:
             self.proposer.forget(seq_id)
 
@@ -309,7 +315,21 @@ class ModelRunner:
             seq_id=new.seq_id,
         )
 
+    def _lora_slot(self, new: NewSequence) -> int:
+        """The slot of a new sequence's adapter, loaded now if no slot holds it (ValueError if
+        the worker serves no LoRA or the adapter cannot be loaded)."""
+        slots = self.executor.lora
+        if slots is None:
+            raise ValueError(f"sequence {new.seq_id!r} names LoRA adapter {new.lora_name!r}; LoRA is off")
+        try:
+            return slots.acquire(new.lora_name, new.lora_path)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"LoRA adapter {new.lora_name!r}: {e}") from None
+
     def drop_all(self) -> None:
+        if self.executor.lora is not None:
+            for st in self.seqs.values():
+                self.executor.lora.release(st.lora_slot)
         self.seqs.clear()
         self._prompt_lp_ids.clear()
         self._tables.clear()
@@ -369,9 +389,14 @@ class ModelRunner:
             self._draft_now(order)
         ex = self.executor
         prompt = prompt_rows(order) if self._prompt_lp_ids else None
-        # Prompt logprobs read rows of an eager forward; every other step keeps its graphs.
-        graphs = (ex.graphs, ex.verify_graphs) if prompt is None else (None, None)
+        lora_slots = self._lora_slots(order)
+        # Prompt logprobs read rows of an eager forward, and adapter rows run eagerly (the captured
+        # graphs hold the base model's kernels alone); every other step keeps its graphs.
+        eager = prompt is not None or lora_slots is not None
+        graphs = (None, None) if eager else (ex.graphs, ex.verify_graphs)
         step = prepare_step(order, self._tables.table, self.config.block_size, self.max_model_len, *graphs)
+        if lora_slots is not None:
+            step.forward.lora_slots = np.repeat(lora_slots, step.forward.query_lens)
         if prompt is not None:
             self._add_prompt_rows(step.forward, prompt)
         patch = None
@@ -422,6 +447,13 @@ class ModelRunner:
             sampling_rows = [self._sampling_row(st) for st in sampling]
             launched.sampled = self.sampler.sample_async(logits, sampling_rows, bitmask)
         return launched
+
+    def _lora_slots(self, order: list[tuple[SequenceState, int]]) -> np.ndarray | None:
+        """Each sequence's adapter slot, None when none uses one (the base path: no extra work)."""
+        if self.executor.lora is None:
+            return None
+        slots = np.fromiter((st.lora_slot for st, _ in order), dtype=np.int32, count=len(order))
+        return slots if (slots >= 0).any() else None
 
     def finish(self, launched: LaunchedStep) -> StepResult:
         """Read a launched step's sampled ids (waiting for the device) and append them."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -99,9 +99,13 @@ class ShardedLinear(nn.Module):
         # The Triton skinny GEMM config chosen for this shape at start (worker_svc.decode_gemms),
         # used inside decode graphs; None: cuBLAS everywhere.
         self.decode_gemm: SkinnyConfig | None = None
+        # LoRA adapters (worker_svc.lora.layer.LoRALayer, set when the worker serves them): adds
+        # each adapter row's low-rank product to this rank's GEMM output. None: nothing to add.
+        self.lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._gemm(x, self.bias)
+        out = self._gemm(x, self.bias)
+        return out if self.lora is None else self.lora(x, out)
 
     def out_fp32(self) -> bool:
         """Whether `forward` returns fp32 above bf16/fp16 weights (it then rounds nothing)."""
@@ -220,8 +224,11 @@ class RowParallelLinear(ShardedLinear):
         batch-1 decode step (cuBLAS writing fp32); prefill moved within its noise.
         """
         if self.tp.size == 1 and not self.out_fp32():
-            return self._gemm(x, self.bias)  # fp32 weights: nothing to widen, keep the fused bias
+            out = self._gemm(x, self.bias)  # fp32 weights: nothing to widen, keep the fused bias
+            return out if self.lora is None else self.lora(x, out)
         out = self._gemm(x, None, fp32_out=True)
+        if self.lora is not None:  # this rank's part of the delta, summed by the all-reduce
+            out = self.lora(x, out)
         if self.tp.size > 1:
             out = self.tp.all_reduce(out)
         return out if self.bias is None else out + self.bias

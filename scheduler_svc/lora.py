@@ -1,0 +1,53 @@
+"""What the scheduler knows of a worker's LoRA slots: how many, and which adapters it ran last.
+
+A worker holds `WorkerInfo.max_loras` adapters on its device at once and loads one when a new
+sequence names it (least recently used out, among slots no live sequence holds). The planner
+keeps the worker within that: a waiting request whose adapter would be one too many among the
+running ones waits (vLLM's scheduler does the same), while requests of adapters that fit are
+admitted past it. The router prefers a worker that ran the adapter lately (its slot is likely
+still loaded: no load on the step), mirrored here as an LRU of the adapters sent to it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Protocol
+
+LoRAKey = tuple[str, str]  # (name, path); ("", "") = the base model
+
+
+class HasLoRA(Protocol):
+    lora_name: str
+    lora_path: str
+
+
+def lora_key(req: HasLoRA) -> LoRAKey | None:
+    return (req.lora_name, req.lora_path) if req.lora_name else None
+
+
+class LoRAMirror:
+    def __init__(self, max_loras: int = 0) -> None:
+        self.max_loras = max_loras
+        self._recent: OrderedDict[LoRAKey, None] = OrderedDict()
+
+    def touch(self, req: HasLoRA) -> None:
+        """A new sequence with this adapter went to the worker: it holds the adapter now."""
+        key = lora_key(req)
+        if key is None:
+            return
+        self._recent[key] = None
+        self._recent.move_to_end(key)
+        while len(self._recent) > self.max_loras:
+            self._recent.popitem(last=False)
+
+    def holds(self, key: LoRAKey | None) -> bool:
+        return key is not None and key in self._recent
+
+    def fits(self, req: HasLoRA, running: Iterable[HasLoRA]) -> bool:
+        """Whether `req` may join `running` on the worker without more adapters than slots."""
+        key = lora_key(req)
+        if key is None:
+            return True
+        live = {k for k in map(lora_key, running) if k is not None}
+        return key in live or len(live) < self.max_loras

@@ -1,0 +1,74 @@
+"""Multi-LoRA on the CPU: adapters served from slots give the greedy tokens of the base weights
+merged with each adapter, with four adapters and the base model in one batch."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmesh import LLM, LoRARequest, SamplingParams
+from tests.helpers.lora_adapters import make_peft_adapter, merge_adapter
+from tests.helpers.tiny_models import make_tiny_model
+
+PROMPTS = [[(5 * i + 7 * j) % 400 + 20 for j in range(n)] for i, n in enumerate([9, 23, 5, 40, 17, 31])]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def lora_setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[str]]:
+    root = tmp_path_factory.mktemp("lora")
+    base = make_tiny_model(root / "base", "llama")
+    adapters = [
+        make_peft_adapter(root / "all", base, r=8, lora_alpha=16, seed=1),
+        make_peft_adapter(root / "qv", base, r=4, lora_alpha=8, targets=["q_proj", "v_proj"], seed=2),
+        make_peft_adapter(
+            root / "mlp",
+            base,
+            r=8,
+            lora_alpha=4,
+            targets=["gate_proj", "up_proj", "down_proj"],
+            seed=3,
+            use_rslora=True,
+        ),
+        make_peft_adapter(root / "ko", base, r=16, lora_alpha=16, targets=["k_proj", "o_proj"], seed=4),
+    ]
+    return base, adapters
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], lora=None) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False, lora_request=lora)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_adapters_in_one_batch_match_their_merged_weights(lora_setup, tmp_path) -> None:
+    base, adapters = lora_setup
+    loras = [LoRARequest(f"a{i}", i + 1, path) for i, path in enumerate(adapters)]
+    # Base, the four adapters, and the base again: one batch.
+    per_prompt = [None, *loras, None]
+    served = LLM(base, enable_lora=True, max_loras=4, max_lora_rank=16, num_kv_blocks=64)
+    got = _greedy(served, PROMPTS, per_prompt)
+    assert _greedy(LLM(base, num_kv_blocks=64), [PROMPTS[0], PROMPTS[5]]) == [got[0], got[5]]
+    for i, path in enumerate(adapters):
+        merged = LLM(merge_adapter(base, path, tmp_path / f"merged{i}"), num_kv_blocks=64)
+        want = _greedy(merged, [PROMPTS[i + 1]])[0]
+        assert got[i + 1] == want, f"adapter {i}"
+        # The adapter changed the model: not the base model's tokens.
+        assert got[i + 1] != _greedy(served, [PROMPTS[i + 1]])[0], f"adapter {i} had no effect"
+
+
+def test_slots_are_reused_least_recently_used_first(lora_setup) -> None:
+    base, adapters = lora_setup
+    served = LLM(base, enable_lora=True, max_loras=2, max_lora_rank=16, num_kv_blocks=64)
+    loras = [LoRARequest(f"a{i}", i + 1, path) for i, path in enumerate(adapters)]
+    first = [_greedy(served, [PROMPTS[1]], lora)[0] for lora in loras]
+    # Four adapters through two slots, in every batch at most two adapters (the planner's limit).
+    again = _greedy(served, [PROMPTS[1]] * 4, loras)
+    assert again == first
+    slots = served.engine.runner.executor.lora
+    assert len(slots.loaded) == 2
+
+
+def test_an_unservable_adapter_is_refused_before_anything_runs(lora_setup, tmp_path) -> None:
+    base, _ = lora_setup
+    served = LLM(base, enable_lora=True, num_kv_blocks=64)
+    with pytest.raises(ValueError, match="adapter_config.json"):
+        served.generate([[5, 6]], GREEDY, lora_request=LoRARequest("x", 1, str(tmp_path)))
