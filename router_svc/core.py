@@ -59,6 +59,10 @@ class Shard:
     pending_tokens: int = 0  # prefill tokens routed here whose request has not started
     inflight: int = 0  # requests routed here and still streaming
     routed: int = 0
+    # What this router saw change since the shard's last report (that report still counts it):
+    # prefill tokens of its requests that started, its requests that ended.
+    started_since_report: int = 0
+    ended_since_report: int = 0
     down_since: float | None = None
 
     @property
@@ -125,6 +129,7 @@ class Router:
         """A batch of the shard's events (and its load); False: out of sync, subscribe again."""
         if load is not None:
             shard.load = load
+            shard.started_since_report = shard.ended_since_report = 0
         return shard.feed.receive(batch)
 
     def set_connected(self, shard: Shard, connected: bool) -> None:
@@ -187,8 +192,10 @@ class Router:
 
     def _cost(self, shard: Shard, prompt_tokens: int, cached: int) -> int:
         load = shard.load
-        queued = max(load.queued_tokens, shard.pending_tokens)
-        running = max(load.running, shard.inflight)
+        # The report, less what this router knows has changed since, or this router's own count
+        # (fresher, but blind to other routers' requests), whichever is more.
+        queued = max(load.queued_tokens - shard.started_since_report, shard.pending_tokens)
+        running = max(load.running - shard.ended_since_report, shard.inflight)
         return (prompt_tokens - cached) + queued + self.config.running_cost_tokens * running
 
     def _affine(self, session: str, ranked: list[Shard], costs: dict[str, int]) -> list[Shard]:
@@ -224,6 +231,7 @@ class Router:
         if not ticket.started and not ticket.done:
             ticket.started = True
             ticket.shard.pending_tokens -= ticket.prefill_tokens
+            ticket.shard.started_since_report += ticket.prefill_tokens
 
     def finished(self, ticket: Ticket) -> None:
         if ticket.done:
@@ -232,3 +240,4 @@ class Router:
             ticket.shard.pending_tokens -= ticket.prefill_tokens
         ticket.done = True
         ticket.shard.inflight -= 1
+        ticket.shard.ended_since_report += 1

@@ -38,7 +38,8 @@ SESSION_KEY = "x-session-id"
 RETRY_AFTER_KEY = "retry-after"
 MAX_SESSION_CHARS = 256
 # Codes a shard answers before a request starts that another shard may not: try the next one.
-RETRY_ELSEWHERE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+# CANCELLED from a shard is the shard's doing (it stopped): the caller's own cancel never gets here.
+RETRY_ELSEWHERE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED)
 
 
 def _metadata(context: grpc.aio.ServicerContext, key: str) -> str:
@@ -116,6 +117,8 @@ class RouterServicer(generation_pb2_grpc.SchedulerServicer):
                     log.warning(
                         "shard failed mid-stream", extra={"shard_id": shard.shard_id, "error": e.details()}
                     )
+                    if code == grpc.StatusCode.CANCELLED:  # the shard stopped under it: it is gone
+                        code = grpc.StatusCode.UNAVAILABLE
                 await context.abort(code, e.details() or f"shard {shard.shard_id} failed")
             finally:
                 self.router.finished(ticket)

@@ -133,8 +133,9 @@ class ShardPool:
             try:
                 async for msg in self._subscribe(link):
                     delay = RESUBSCRIBE_MIN_S
-                    if msg.snapshot:
+                    if msg.block_size:  # the pool's cache layout (its first worker's)
                         shard.block_size, shard.fingerprint = msg.block_size, msg.fingerprint
+                    if msg.snapshot:
                         router.set_connected(shard, True)
                     batch = Batch(msg.epoch, msg.sequence, msg.snapshot, list(msg.stored), list(msg.removed))
                     was_ready = shard.ready

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import weakref
 
 import grpc
 
@@ -19,13 +20,28 @@ from scheduler_svc.mesh import Mesh
 DEFAULT_LOAD_INTERVAL_MS = 100
 
 
+# A waiting request's cached prefix when it was first counted (its hash chain walked once, not at
+# every report): its cached tokens are no work ahead of the next request.
+_cached_at_wait: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _uncached(planner, req) -> int:
+    if req.num_cached_tokens >= 0:  # scheduled once: what it had cached is known
+        return max(req.num_tokens - max(req.num_computed_tokens, req.num_cached_tokens), 0)
+    cached = _cached_at_wait.get(req)
+    if cached is None:
+        cached = _cached_at_wait[req] = planner.cached_prefix_tokens(req.all_token_ids, req.cache_root)
+    return max(req.num_tokens - max(req.num_computed_tokens, cached), 0)
+
+
 def pool_load(mesh: Mesh) -> Load:
-    """Prefill tokens still to compute, requests running and waiting, over the pool's workers."""
+    """Prefill tokens still to compute (cached ones are no work), requests running and waiting, over
+    the pool's workers."""
     load = Load(max_backlog=mesh.config.max_waiting_requests)
     for slot in mesh.workers.values():
         planner = slot.planner
         for req in planner.waiting:
-            load.queued_tokens += max(req.num_tokens - req.num_computed_tokens, 0)
+            load.queued_tokens += _uncached(planner, req)
         for req in planner.running:
             load.queued_tokens += max(req.num_tokens - req.num_computed_tokens - 1, 0)
         load.running += planner.num_running
@@ -80,7 +96,13 @@ class KVEventsServicer(router_pb2_grpc.KVEventsServicer):
                 if sub.lost:  # batches were dropped for this subscriber: a gap makes it resync
                     sub.lost = False
                     sequence += 1
-                msg = router_pb2.KVEventBatch(epoch=log.epoch, sequence=sequence, load=_load_msg(log.load()))
+                msg = router_pb2.KVEventBatch(
+                    epoch=log.epoch,
+                    sequence=sequence,
+                    load=_load_msg(log.load()),
+                    block_size=log.block_size,  # known once a worker joined (maybe after the snapshot)
+                    fingerprint=log.fingerprint,
+                )
                 if batch is not None:
                     msg.stored.extend(batch.stored)
                     msg.removed.extend(batch.removed)

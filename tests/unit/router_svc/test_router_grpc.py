@@ -91,7 +91,8 @@ async def test_a_dead_shard_s_waiting_requests_move_and_its_streaming_ones_end_c
             stub = gg.SchedulerStub(channel)
             # Fill the slow shard's 8 batch slots with long streams, then queue more behind them.
             calls = [stub.Generate(request([3, 4, 5, i + 3], max_tokens=400), timeout=30) for i in range(24)]
-            await until(lambda: slow.mesh.num_backlog > 0 and slow.mesh.streams)
+            streaming = lambda: any(s.started for s in slow.mesh.streams.values())  # noqa: E731
+            await until(lambda: slow.mesh.num_backlog > 0 and streaming())
             await slow.stop()  # SIGKILL-like: its streams break, its port refuses
             results = await asyncio.gather(*(_drain(c) for c in calls), return_exceptions=True)
             codes = [r if isinstance(r, grpc.StatusCode) else "ok" for r in results]
@@ -167,3 +168,29 @@ async def test_shards_register_and_deregister_at_runtime():
     finally:
         await router.stop()
         await shard.stop()
+
+
+async def test_a_pool_whose_workers_join_after_the_router_subscribed_is_indexed():
+    from llmesh.local_link import LocalWorkerLink
+    from tests.helpers.shards import INFO
+    from tests.unit.scheduler_svc.test_planner import CountingWorker
+
+    shards = [await start_shard(f"e{i}", num_workers=0) for i in range(2)]
+    router = await start_router([s.address for s in shards])
+    try:
+        await until(lambda: all(s.connected for s in router.router.shards.values()))
+        for s in shards:  # the snapshot said nothing of the cache layout: the batches after it do
+            worker = CountingWorker()
+            s.mesh.add_worker(f"{s.name}-w", INFO, LocalWorkerLink(worker.execute, INFO, worker.seqs.clear))
+        await router.wait_ready(2)
+        async with grpc.aio.insecure_channel(router.address) as channel:
+            stub = gg.SchedulerStub(channel)
+            await generate(stub, PREFIX + [1])
+            await until(lambda: router.router.index.keys)
+            for i in range(3):
+                _, cached = await generate(stub, PREFIX + [2 + i])
+                assert cached >= 60
+    finally:
+        await router.stop()
+        for s in shards:
+            await s.stop()
