@@ -10,10 +10,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, install_error_handlers
+from gateway.lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, adapter_card
 from gateway.metrics import CONTENT_TYPE
 from gateway.middleware import GuardMiddleware, MetricsMiddleware
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -129,14 +130,32 @@ def create_app(config: GatewayConfig, state: GatewayState | None = None) -> Fast
             "max_model_len": info.max_model_len,
         }
 
+    def any_card(name: str) -> dict[str, Any]:
+        model = state.resolve(name)
+        if model.lora is None:
+            return model_card(name)
+        return adapter_card(model.lora, model.names[0], model.info.created)
+
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(n) for n in state.served().names]}
+        names = state.served().names + [a.name for a in state.loras.adapters]
+        return {"object": "list", "data": [any_card(n) for n in names]}
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> dict[str, Any]:
-        state.resolve(model_id)
-        return model_card(model_id)
+        return any_card(model_id)
+
+    if config.allow_runtime_lora_updating:
+
+        @app.post("/v1/load_lora_adapter", summary="serve a LoRA adapter as a model (vLLM's)")
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
+            await state.loras.load(body.lora_name, body.lora_path, state.served().names)
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter", summary="stop serving a LoRA adapter (vLLM's)")
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+            state.loras.unload(body.lora_name)
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -76,6 +76,16 @@ class GatewayConfig(RequestLimits, TLSConfig):
     model: str | None = option(
         None, help="model folder/.gguf for the tokenizer (default: what the scheduler serves)"
     )
+    lora_modules: list[str] = option(
+        default_factory=list,
+        help="LoRA adapters served as models, name=path (PEFT folders on the workers' hosts), "
+        "comma-separated; a request's `model` picks one (the workers need --enable-lora)",
+    )
+    allow_runtime_lora_updating: bool = option(
+        False,
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's; off as there: they "
+        "let any API key holder name folders for the workers to read)",
+    )
     cache_dir: str | None = option(None, help="converted-model cache (default $LLMESH_CACHE)")
     max_prompts: int = option(64, ge=1, help="most prompts in one batched /v1/completions request")
     max_seqs_per_request: int = option(256, ge=1, help="most sequences (prompts x n) in one request")

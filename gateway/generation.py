@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from gateway.errors import APIError, bad_request, from_grpc
+from gateway.lora import LoRAModule
 from gateway.scheduler_client import SchedulerClient
 from gateway.tokenizer import Tokenizer
 from llmesh.v1 import generation_pb2
@@ -162,8 +163,10 @@ class Generation:
         skip_special_tokens: bool = True,
         include_stop_str_in_output: bool = False,
         cache_salt: str = "",
+        lora: LoRAModule | None = None,
     ) -> None:
         self.client = client
+        self.lora = lora  # the LoRA adapter to run with (None: the base model)
         self.prompt_ids = prompt_ids
         self.params = params
         self.model = model
@@ -210,6 +213,8 @@ class Generation:
             sampling_params=sampling_params_to_proto(params),
             priority=self.priority,
             cache_salt=self.cache_salt,
+            lora_name=self.lora.name if self.lora else "",
+            lora_path=self.lora.path if self.lora else "",
         )
 
     async def _pump(self, i: int, call: grpc.aio.UnaryStreamCall, queue: asyncio.Queue) -> None:

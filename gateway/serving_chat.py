@@ -105,6 +105,7 @@ async def prepare_chat(state: GatewayState, req: ChatCompletionRequest, request:
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         cache_salt=salt,
+        lora=model.lora,
     )
     return ChatRun(Run(state, name, [gen]), gen, tools, name, model.tokenizer)
 

@@ -190,6 +190,7 @@ async def create_completion(state: GatewayState, req: CompletionRequest, request
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 cache_salt=salt,
+                lora=model.lora,
             )
         )
     echo = [

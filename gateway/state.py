@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, model_not_found
+from gateway.lora import LoRAModule, LoRARegistry
 from gateway.metrics import GatewayMetrics
 from gateway.params import Limits
 from gateway.scheduler_client import SchedulerClient
@@ -36,6 +37,7 @@ class ServedModel:
     info: generation_pb2.ModelInfo  # the scheduler's view (its id, context length, vocab, ...)
     tokenizer: Tokenizer
     limits: Limits  # the config's caps combined with this model's
+    lora: LoRAModule | None = None  # the LoRA adapter a request's `model` named (gateway/lora.py)
 
 
 class GatewayState:
@@ -45,6 +47,7 @@ class GatewayState:
             config.scheduler, config.keepalive_s, ChannelSecurity.of(config, config.scheduler_key)
         )
         self.metrics = GatewayMetrics()
+        self.loras = LoRARegistry(config.lora_modules)
         self.model: ServedModel | None = None
         self.startup_error: str | None = None  # why the model is not known yet
         # A few threads for large prompts: tokenization never blocks the event loop, and a flood of
@@ -105,7 +108,10 @@ class GatewayState:
     def resolve(self, name: str | None) -> ServedModel:
         model = self.served()
         if name is not None and name not in model.names:
-            raise model_not_found(name)
+            lora = self.loras.get(name)
+            if lora is None:
+                raise model_not_found(name)
+            return dataclasses.replace(model, lora=lora)
         return model
 
     def limits(self) -> Limits:

@@ -27,6 +27,7 @@ from services.config import (
     select,
     value_text,
 )
+from services.lora_config import parse_lora_modules
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
@@ -232,11 +233,15 @@ UP_ALIASES = {
         "gpu_memory_utilization": "--gpu-memory-utilization",
         "enforce_eager": "--enforce-eager",
         "kv_store_shared_memory": "--kv-store-shared-memory",
+        "enable_lora": "--enable-lora",
+        "max_loras": "--max-loras",
+        "max_lora_rank": "--max-lora-rank",
     },
     "gateway": {
         "max_body_bytes": "--max-body-bytes",
         "request_timeout_s": "--request-timeout-s",
         "api_server_count": "--api-server-count",
+        "allow_runtime_lora_updating": "--allow-runtime-lora-updating",
     },
     "kvstore": {"redis_url": "--redis-url"},
     "router": {},
@@ -329,6 +334,15 @@ def _add_up_flags(p: argparse.ArgumentParser) -> None:
         "on the scheduler's gRPC API",
     )
     p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) served as models, vLLM's: the gateway lists them and maps "
+        "`model` to them, the workers load them at start (and enable LoRA)",
+    )
+    p.add_argument(
         "--api-key",
         default=None,
         help="clients must send `Authorization: Bearer KEY` (default $LLMESH_API_KEY): the gateway's key "
@@ -403,6 +417,10 @@ def up_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         names = [n.strip() for n in args.served_model_name.split(",") if n.strip()]
         own["scheduler"] += ["--served-model-name", names[0]]  # the scheduler takes one name
         own["gateway"] += ["--served-model-name", ",".join(names)]
+    if args.lora_modules:
+        mods = ",".join(f"{n}={os.path.abspath(p)}" for n, p in parse_lora_modules(args.lora_modules).items())
+        own["gateway"] += ["--lora-modules", mods]
+        own["worker"] += ["--lora-modules", mods]
     env: dict[str, str] = {}
     for name, found in _up_groups().items():
         words, secrets = forward(args, found, name, name)

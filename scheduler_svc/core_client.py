@@ -63,6 +63,8 @@ class CoreClient:
         queue: asyncio.Queue | None = None,
         group: str = "",
         cache_salt: str = "",
+        lora_name: str = "",
+        lora_path: str = "",
     ) -> asyncio.Queue:
         """Send a request to the core; its deltas go to `queue` (shared by a request's choices)."""
         info = self.model_info
@@ -85,6 +87,8 @@ class CoreClient:
             priority=priority,
             group=group,
             cache_salt=cache_salt,
+            lora_name=lora_name,
+            lora_path=lora_path,
         )
         self._outbox.put_nowait(core_pb2.CoreRequest(submit=submit))
         return queue

@@ -114,7 +114,7 @@ class SchedulerCoreServicer(core_pb2_grpc.SchedulerCoreServicer):
             params = sampling_params_from_proto(msg.sampling_params)
             self.mesh.submit(
                 rid, list(msg.prompt_token_ids), params, msg.priority, _Tagged(sink, rid),  # type: ignore[arg-type]
-                group=msg.group, cache_salt=msg.cache_salt,
+                group=msg.group, cache_salt=msg.cache_salt, lora_name=msg.lora_name, lora_path=msg.lora_path,
             )  # fmt: skip
             live.add(rid)
         except (RequestRejected, SamplingParamsError, ValueError) as e:

@@ -10,9 +10,12 @@ still loaded: no load on the step), mirrored here as an LRU of the adapters sent
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Protocol
+
+from services.lora_config import LoRAConfigError, check_lora_name, read_lora_spec
 
 LoRAKey = tuple[str, str]  # (name, path); ("", "") = the base model
 
@@ -51,3 +54,28 @@ class LoRAMirror:
             return True
         live = {k for k in map(lora_key, running) if k is not None}
         return key in live or len(live) < self.max_loras
+
+
+_CHECKED: OrderedDict[LoRAKey, None] = OrderedDict()  # folders found servable (bounded)
+_MAX_CHECKED = 256
+
+
+def check_lora_request(name: str, path: str) -> None:
+    """ValueError (its message starts with the field) unless (name, path) may be sent to workers.
+
+    A folder the scheduler can see is read (its config and safetensors header): a bad adapter is
+    refused here, not by the worker, whose Step stream a failed load would end. A path that does
+    not exist on this host is left to the workers (they may see other disks)."""
+    if not name and not path:
+        return
+    if not name or not path:
+        raise ValueError("lora_name: lora_name and lora_path go together")
+    try:
+        check_lora_name(name)
+        if (name, path) not in _CHECKED and os.path.exists(path):
+            read_lora_spec(path)
+            _CHECKED[(name, path)] = None
+            while len(_CHECKED) > _MAX_CHECKED:
+                _CHECKED.popitem(last=False)
+    except LoRAConfigError as e:
+        raise ValueError(f"lora_name: {e}") from None

@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 
 from llmesh.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from scheduler_svc.lora import check_lora_request
 from scheduler_svc.mesh import Connected, LinkBroken, Mesh, NoWorkerAvailable, Overloaded
 from scheduler_svc.planner import RequestRejected
 from scheduler_svc.prefix_hash import check_salt
@@ -104,6 +105,10 @@ class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
         prompt = await self._prompt_of(request, context)
         params = await self._params_of(request, context, len(prompt), info.max_model_len)
         salt = await self._salt_of(request, context)
+        try:
+            check_lora_request(request.lora_name, request.lora_path)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         stream_text = request.return_text and params.detokenize
         needs_text = stream_text or bool(params.stop)
         if needs_text and self.tokenizer is None:
@@ -134,7 +139,10 @@ class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
         queue: asyncio.Queue = asyncio.Queue()
 
         def submit(cid: str, child: SamplingParams) -> None:
-            self.mesh.submit(cid, prompt, child, request.priority, queue, group=group, cache_salt=salt)
+            self.mesh.submit(
+                cid, prompt, child, request.priority, queue, group=group, cache_salt=salt,
+                lora_name=request.lora_name, lora_path=request.lora_path,
+            )  # fmt: skip
 
         try:
             fanout.submit(submit, self.mesh.abort)

@@ -15,8 +15,9 @@ from services.launcher import LocalMesh, start_mesh
 
 # 256 MiB of KV cache (364 blocks of 16 tokens for SmolLM2-135M); a 1 MiB body cap so that
 # the 413 test need not send megabytes.
-GATEWAY_WORKER_ARGS = ["--kv-cache-memory", str(256 << 20)]
-GATEWAY_ARGS = ["--max-body-bytes", str(1 << 20), "--log-format", "text"]
+# LoRA on (tests/integration/test_gateway_lora.py and docs/lora.md load adapters at run time).
+GATEWAY_WORKER_ARGS = ["--kv-cache-memory", str(256 << 20), "--enable-lora"]
+GATEWAY_ARGS = ["--max-body-bytes", str(1 << 20), "--log-format", "text", "--allow-runtime-lora-updating"]
 
 
 def service_logs(log_dir: pathlib.Path, tail: int = 3000) -> str:

@@ -72,3 +72,19 @@ def test_an_unservable_adapter_is_refused_before_anything_runs(lora_setup, tmp_p
     served = LLM(base, enable_lora=True, num_kv_blocks=64)
     with pytest.raises(ValueError, match="adapter_config.json"):
         served.generate([[5, 6]], GREEDY, lora_request=LoRARequest("x", 1, str(tmp_path)))
+
+
+def test_an_adapter_never_shares_cached_blocks_with_the_base_or_another(lora_setup) -> None:
+    base, adapters = lora_setup
+    llm = LLM(base, enable_lora=True, num_kv_blocks=64)
+    prompt = list(range(20, 60))  # two full blocks of 16 can be cached
+
+    def cached(lora: LoRARequest | None) -> int:
+        return llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=lora)[0].num_cached_tokens
+
+    a, b = LoRARequest("a", 1, adapters[0]), LoRARequest("b", 2, adapters[1])
+    assert cached(None) == 0
+    assert cached(a) == 0  # the base model's blocks hold other KV
+    assert cached(b) == 0
+    assert cached(LoRARequest("a", 1, adapters[1])) == 0  # the same name, another folder
+    assert (cached(a), cached(None), cached(b)) == (32, 32, 32)
