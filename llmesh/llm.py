@@ -13,9 +13,17 @@ from tqdm.auto import tqdm
 from llmesh.engine import EngineConfig, LLMEngine
 from llmesh.logprobs import PositionLogprobs, as_position_dicts
 from llmesh.lora import LoRARequest, lora_requests_for
+from llmesh.pooling import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingParams,
+    PoolingRequestOutput,
+)
 from scheduler_svc.prefix_hash import check_salt
 from scheduler_svc.request import RequestDelta
 from services.choices import ChoiceState, FanOut, fit_max_tokens
+from services.embeddings import check_dimensions, finish_embedding
 from services.model_files import load_tokenizer
 from services.sampling_params import SamplingParams
 from services.step import TokenLogprobs
@@ -51,6 +59,7 @@ class RequestOutput:
     # position {token id: Logprob} holding the prompt token and its top-k alternatives.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     _prompt_entries: list | None = field(default=None, repr=False)  # as the engine gave them
+    _embedding: list[float] | None = field(default=None, repr=False)  # a pooling request's vector
 
 
 @dataclass
@@ -139,6 +148,52 @@ class LLM:
                 out._prompt_entries = None
         return outputs
 
+    def encode(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's `encode`: each prompt's pooled final hidden states (raw, not normalized)."""
+        pp = pooling_params or PoolingParams()
+        outs = self.generate(prompts, pp.sampling_params(), use_tqdm)
+        return [
+            PoolingRequestOutput(o.request_id, o.prompt_token_ids, PoolingOutput(self._vector(o)))
+            for o in outs
+        ]
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """vLLM's `embed`: each prompt's embedding, cut to `dimensions`, normalized unless
+        `normalize=False` (the model's pooling unless `pooling_type` says otherwise)."""
+        pp = pooling_params or PoolingParams()
+        try:
+            check_dimensions(pp.dimensions, self.engine.runner.model_config.hidden_size)
+        except ValueError as e:
+            raise ValueError(f"dimensions: {e}") from None
+        outs = self.generate(prompts, pp.sampling_params(), use_tqdm)
+        normalize = pp.normalize is not False
+        return [
+            EmbeddingRequestOutput(
+                o.request_id,
+                o.prompt_token_ids,
+                EmbeddingOutput(finish_embedding(self._vector(o), pp.dimensions, normalize)),
+                prompt=o.prompt,
+            )
+            for o in outs
+        ]
+
+    @staticmethod
+    def _vector(out: RequestOutput) -> list[float]:
+        if out._embedding is None:
+            reason = out.outputs[0].finish_reason if out.outputs else None
+            raise RuntimeError(f"request {out.request_id} ended ({reason}) without its pooled vector")
+        return out._embedding
+
     def chat(
         self,
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
@@ -215,6 +270,8 @@ class LLM:
         child.parent.num_cached_tokens = max(child.parent.num_cached_tokens, delta.num_cached_tokens)
         if delta.prompt_logprobs is not None:
             child.parent._prompt_entries = delta.prompt_logprobs
+        if delta.embedding is not None:
+            child.parent._embedding = delta.embedding
         up = state.absorb(delta.new_token_ids, delta.finish_reason)
         if out.logprobs is not None:
             out.logprobs.extend(delta.new_logprobs[: up.num_tokens])

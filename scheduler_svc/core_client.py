@@ -158,6 +158,7 @@ class CoreClient:
                 RequestDelta(
                     d.request_id, token_ids, logprobs, finish,
                     d.num_prompt_tokens, d.num_output_tokens, d.num_cached_tokens, prompt_logprobs,
+                    list(d.embedding) if d.embedding else None,
                 )  # fmt: skip
             )
 

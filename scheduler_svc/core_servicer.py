@@ -165,6 +165,8 @@ def _delta_to_proto(delta: RequestDelta) -> core_pb2.CoreDelta:
         msg.logprobs.CopyFrom(logprobs_to_proto(delta.new_logprobs, delta.new_token_ids))
     if delta.prompt_logprobs is not None:
         msg.prompt_logprobs.CopyFrom(prompt_logprobs_to_proto(delta.prompt_logprobs))
+    if delta.embedding is not None:
+        msg.embedding.extend(delta.embedding)
     if delta.finish_reason is not None:
         msg.finish_reason = FINISH_REASON_TO_PROTO[delta.finish_reason]  # type: ignore[assignment]
     return msg

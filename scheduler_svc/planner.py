@@ -323,7 +323,7 @@ class Planner:
             hits = self.blocks.longest_cached_prefix(tokens, keys, root)
             # Always compute at least the last token: its logits give the next token. A request
             # that wants prompt logprobs computes its whole prompt (vLLM too): no hit at all.
-            max_blocks = 0 if req.needs_prompt_logprobs else (len(tokens) - 1) // bs
+            max_blocks = 0 if req.computes_whole_prompt else (len(tokens) - 1) // bs
             num_gpu = min(len(hits), max_blocks)
             # Past the GPU hit, the worker's host tier and then the KV store may hold more blocks:
             # they are loaded into fresh blocks by this plan instead of being computed.
@@ -396,6 +396,15 @@ class Planner:
         for seq_id, req in touched.items():
             n = len(new_tokens[seq_id])
             deltas.append(self.delta(req, n))
+        for out in result.pooled:  # pooling requests end with their vector, no token
+            req = self.requests.get(out.seq_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue
+            if sampled.get(out.seq_id) != req.incarnation:
+                continue  # restarted (preempted) since this plan was made: it is pooled again
+            req.embedding = out.values
+            self._finish(req, FinishReason.STOP)
+            deltas.append(self.delta(req, 0))
         return deltas
 
     def _apply_speculation(
@@ -453,6 +462,7 @@ class Planner:
             num_output_tokens=len(req.output_token_ids),
             num_cached_tokens=max(req.num_cached_tokens, 0),
             prompt_logprobs=prompt_logprobs,
+            embedding=req.embedding,
         )
 
     # ----- the worker's link broke -----
@@ -508,6 +518,8 @@ class Planner:
         """Every token it may still produce is already being sampled by plans in flight."""
         if not req.num_pending:
             return False
+        if req.is_pooling:  # its last chunk is in flight: the vector is all that comes
+            return True
         max_tokens = req.sampling_params.max_tokens
         if max_tokens is not None and len(req.output_token_ids) + req.num_pending >= max_tokens:
             return True
@@ -558,7 +570,7 @@ class Planner:
         if req.num_computed_tokens >= req.num_tokens + req.num_pending:  # drafts go past the end
             req.num_pending += 1  # the worker samples the next token and keeps it
             self._sampling[req.request_id] = req.incarnation
-            if self.spec.enabled:
+            if self.spec.enabled and not req.is_pooling:
                 # Waiting requests count: a burst being admitted is a big batch from its first plan.
                 batch = len(self.running) + len(self.waiting)
                 propose = self.spec.drafts_to_propose(req, self.config.max_model_len, batch)

@@ -73,6 +73,8 @@ class Request:
     # chunks arrive, sent with the first token; until then the prompt takes no prefix hit.
     prompt_logprobs: list[TokenLogprobs | None] | None = field(default=None, init=False, repr=False)
     prompt_logprobs_sent: bool = False
+    # A pooling request's vector (sampling_params.pooling), once its prompt is computed.
+    embedding: list[float] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.group:
@@ -85,6 +87,16 @@ class Request:
     def needs_prompt_logprobs(self) -> bool:
         """Its prompt must be computed, not found in a cache: its logprobs are still wanted."""
         return self.prompt_logprobs is not None and not self.prompt_logprobs_sent
+
+    @property
+    def is_pooling(self) -> bool:
+        """A pooling request (embeddings): its prompt is computed and pooled, nothing sampled."""
+        return self.sampling_params.pooling is not None
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Every prompt position's output is read (prompt logprobs, pooling): no prefix hit."""
+        return self.needs_prompt_logprobs or self.is_pooling
 
     def restart(self) -> None:
         """Forget the worker-side progress: recomputed from prompt + output tokens so far."""
@@ -120,6 +132,7 @@ class RequestDelta:
     num_cached_tokens: int = 0
     # The prompt's logprobs (entry per position, None at 0), on the first delta with tokens.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    embedding: list[float] | None = None  # a pooling request's vector, on its last delta
 
     @property
     def finished(self) -> bool:
@@ -136,6 +149,7 @@ class RequestDelta:
             self.num_output_tokens,
             self.num_cached_tokens,
             self.prompt_logprobs,
+            self.embedding,
         )
 
     def merge(self, later: RequestDelta) -> None:
@@ -147,6 +161,8 @@ class RequestDelta:
         self.num_cached_tokens = later.num_cached_tokens
         if later.prompt_logprobs is not None:
             self.prompt_logprobs = later.prompt_logprobs
+        if later.embedding is not None:
+            self.embedding = later.embedding
 
 
 def coalesce(items: list) -> list:

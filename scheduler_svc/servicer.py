@@ -194,6 +194,8 @@ class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
             resp.logprobs.CopyFrom(logprobs_to_proto(delta.new_logprobs[: len(ids)], ids))
         if delta.prompt_logprobs is not None:
             resp.prompt_logprobs.CopyFrom(prompt_logprobs_to_proto(delta.prompt_logprobs))
+        if delta.embedding is not None:
+            resp.embedding.extend(delta.embedding)
         if return_text and up.text:
             resp.text = up.text
         if state.finished:

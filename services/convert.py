@@ -23,10 +23,11 @@ from collections.abc import Sequence
 
 from llmesh.v1 import generation_pb2, worker_pb2
 from services.choices import ABORT, LENGTH, STOP
-from services.sampling_params import SamplingParams
+from services.sampling_params import SamplingParams, SamplingParamsError
 from services.step import (
     KVTransfers,
     NewSequence,
+    PooledOutput,
     PromptLogprobs,
     ScheduledSequence,
     StepPlan,
@@ -43,6 +44,15 @@ from services.structured_outputs import StructuredOutputs
 _SP_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
 
 # -- sampling parameters -----------------------------------------------------------
+
+# SamplingParams.pooling on the wire (generation.proto's Pooling), and back.
+POOLING_TO_PROTO = {
+    "default": generation_pb2.POOLING_DEFAULT,
+    "last": generation_pb2.POOLING_LAST,
+    "mean": generation_pb2.POOLING_MEAN,
+    "cls": generation_pb2.POOLING_CLS,
+}
+POOLING_FROM_PROTO = {wire: name for name, wire in POOLING_TO_PROTO.items()}
 
 # services/choices.py's finish reasons (the scheduler's FinishReason values) on the wire, and back.
 FINISH_REASON_TO_PROTO = {
@@ -80,6 +90,8 @@ def sampling_params_to_proto(sp: SamplingParams) -> generation_pb2.SamplingParam
         msg.logprobs = sp.logprobs
     if sp.prompt_logprobs is not None:
         msg.prompt_logprobs = sp.prompt_logprobs
+    if sp.pooling is not None:
+        msg.pooling = POOLING_TO_PROTO[sp.pooling]
     if sp.structured_outputs is not None:
         msg.structured_outputs.CopyFrom(structured_outputs_to_proto(sp.structured_outputs))
     return msg
@@ -135,6 +147,7 @@ def sampling_params_from_proto(msg: generation_pb2.SamplingParams) -> SamplingPa
         ignore_eos=msg.ignore_eos,
         logprobs=opt("logprobs", None),
         prompt_logprobs=opt("prompt_logprobs", None),
+        pooling=_pooling_from_proto(msg.pooling),
         max_logprobs=opt("max_logprobs", _SP_DEFAULTS["max_logprobs"]),
         detokenize=opt("detokenize", _SP_DEFAULTS["detokenize"]),
         structured_outputs=(
@@ -143,6 +156,14 @@ def sampling_params_from_proto(msg: generation_pb2.SamplingParams) -> SamplingPa
             else None
         ),
     )
+
+
+def _pooling_from_proto(value: int) -> str | None:
+    if value == generation_pb2.POOLING_NONE:
+        return None
+    if value not in POOLING_FROM_PROTO:
+        raise SamplingParamsError("pooling", f"unknown value {value}")
+    return POOLING_FROM_PROTO[value]
 
 
 # -- logprobs ----------------------------------------------------------------------
@@ -389,6 +410,7 @@ def step_result_to_proto(result: StepResult) -> worker_pb2.StepResult:
         num_draft_tokens=result.num_draft_tokens,
         kv_verify_failures=result.kv_verify_failures,
         prompt_logprobs=[prompt_chunk_to_proto(c) for c in result.prompt_logprobs],
+        pooled=[worker_pb2.PooledOutput(seq_id=p.seq_id, values=p.values) for p in result.pooled],
     )
     if len(result.draft_seq_ids) != len(result.num_draft_tokens):
         raise ValueError("StepResult: draft_seq_ids and num_draft_tokens differ in length")
@@ -417,6 +439,7 @@ def step_result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
         num_draft_tokens=list(msg.num_draft_tokens),
         kv_verify_failures=msg.kv_verify_failures,
         prompt_logprobs=[prompt_chunk_from_proto(c) for c in msg.prompt_logprobs],
+        pooled=[PooledOutput(p.seq_id, list(p.values)) for p in msg.pooled],
     )
 
 

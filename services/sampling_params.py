@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from services.structured_outputs import StructuredOutputs, StructuredOutputsError
 
 _SEED_LIMIT = 2**63
+# How a pooling request (embeddings) pools the prompt's final hidden states; "default" = the
+# model's (its sentence-transformers pooling config or the worker's --pooling-type, else last).
+POOLING_TYPES = ("default", "last", "mean", "cls")
 
 
 class SamplingParamsError(ValueError):
@@ -66,6 +69,9 @@ class SamplingParams:
     # vLLM's prompt_logprobs: None = none; k >= 0 = each prompt token's logprob (after the
     # first) + its top-k alternatives. The prompt is computed in full (no prefix-cache hits).
     prompt_logprobs: int | None = None
+    # A pooling request (vLLM's embed/encode): the prompt is prefilled and its final hidden
+    # states pooled (POOLING_TYPES); nothing is sampled. None = generate.
+    pooling: str | None = None
     # False: token ids only, no text (saves two decodes per token where nothing reads text).
     detokenize: bool = True
     # Constrain the output to a JSON schema / regex / choice / grammar (checked here, applied
@@ -128,10 +134,28 @@ class SamplingParams:
                 if e.param != param:
                     param += "." + e.param
                 raise SamplingParamsError(param, str(e).split(": ", 1)[-1]) from None
+        if self.pooling is not None:
+            self._check_pooling()
         if self.stop and not self.detokenize:
             raise SamplingParamsError(
                 "detokenize", "stop strings are matched on text: they need detokenize=True"
             )
+
+    def _check_pooling(self) -> None:
+        if self.pooling not in POOLING_TYPES:
+            choices = ", ".join(POOLING_TYPES)
+            raise SamplingParamsError("pooling", f"must be one of {choices}, got {self.pooling!r}")
+        # A pooling request samples nothing: what only generation reads must be unset.
+        for name, unset in (
+            ("n", 1),
+            ("logprobs", None),
+            ("prompt_logprobs", None),
+            ("structured_outputs", None),
+            ("stop", []),
+            ("min_tokens", 0),
+        ):
+            if getattr(self, name) != unset:
+                raise SamplingParamsError("pooling", f"a pooling request cannot set {name}")
 
     @property
     def greedy(self) -> bool:

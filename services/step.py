@@ -142,6 +142,14 @@ class PromptLogprobs:
 
 
 @dataclass
+class PooledOutput:
+    """A pooling sequence's pooled final hidden states, once its prompt is computed."""
+
+    seq_id: str
+    values: list[float]
+
+
+@dataclass
 class StepResult:
     """Sampled tokens for the sequences of a plan that reached the end of their known tokens.
 
@@ -165,6 +173,8 @@ class StepResult:
     kv_verify_failures: int = 0
     # Prompt logprobs this forward computed (sequences with sampling_params.prompt_logprobs).
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    # Pooling sequences whose prompt this step completed (they sample nothing).
+    pooled: list[PooledOutput] = field(default_factory=list)
 
 
 @dataclass

@@ -85,6 +85,12 @@ class WorkerConfig:
         "NCCL above and wherever it cannot start; nccl = NCCL for every message",
     )
 
+    pooling_type: Literal["last", "mean", "cls"] | None = option(
+        None,
+        help="how pooling requests (embeddings) pool the prompt's final hidden states when they ask for "
+        "the model's default: last token, mean or first (CLS); none = the model folder's "
+        "sentence-transformers pooling config, else last",
+    )
     decode_gemm: Literal["auto", "cublas"] = option(
         "auto",
         help="the decode graphs' GEMMs on CUDA: auto = each weight shape timed at start, cuBLAS "

@@ -34,6 +34,7 @@ from worker_svc.kv_shards import KVShardExchange
 from worker_svc.kv_tiers import KVStoreLink, WorkerKVTiers
 from worker_svc.loader import model_fingerprint
 from worker_svc.parallel import TensorParallel
+from worker_svc.pooling import Pooler, default_pooling, drop_pooling_samples, pooled_outputs
 from worker_svc.prompt_logprobs import PromptLogprobsPending, PromptRows, prompt_rows
 from worker_svc.rank_channel import EAGER, ForwardInputs
 from worker_svc.rank_group import RankGroup, start_rank_group
@@ -94,6 +95,7 @@ class LaunchedStep:
     verified: list[list[int]] | None = None
     propose: list[int] = field(default_factory=list)
     prompt: PromptLogprobsPending | None = None  # prompt logprobs this step computes
+    pooled: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # prompts pooled (embeddings)
 
 
 class _TokenSpan(Sequence[int]):
@@ -182,6 +184,9 @@ class ModelRunner:
         self.seqs: dict[str, SequenceState] = {}
         # Sequences that asked for prompt logprobs: only steps that run one look for prompt rows.
         self._prompt_lp_ids: set[str] = set()
+        # Pooling sequences (embeddings): their steps run eagerly and pool instead of sampling.
+        self._pooling_ids: set[str] = set()
+        self.pooler = Pooler(default_pooling(self.model_path, getattr(config, "pooling_type", None)))
         self.max_num_seqs = config.resolved_max_num_seqs()
         # vLLM's token budget for this device: a suggestion to schedulers that set none (WorkerInfo).
         self.suggested_batched_tokens = default_batch_limits(self.device)[1]
@@ -262,6 +267,8 @@ class ModelRunner:
             self.seqs[new.seq_id] = st
             if st.params.prompt_logprobs is not None:
                 self._prompt_lp_ids.add(new.seq_id)
+            if st.params.pooling is not None:
+                self._pooling_ids.add(new.seq_id)
             order.append((st, new.num_new_tokens))
         for s in plan.scheduled:
             st = self.seqs.get(s.seq_id)
@@ -297,6 +304,9 @@ class ModelRunner:
     def _drop(self, seq_id: str) -> None:
         st = self.seqs.pop(seq_id, None)
         self._prompt_lp_ids.discard(seq_id)
+        if seq_id in self._pooling_ids:
+            self._pooling_ids.discard(seq_id)
+            self.pooler.forget(seq_id)
         if st is not None and st.row >= 0:
             self._tables.release(st.row)
         if st is not None and st.lora_slot >= 0 and self.executor.lora is not None:
@@ -332,6 +342,8 @@ class ModelRunner:
                 self.executor.lora.release(st.lora_slot)
         self.seqs.clear()
         self._prompt_lp_ids.clear()
+        self._pooling_ids.clear()
+        self.pooler.forget_all()
         self._tables.clear()
         if self.proposer is not None:
             self.proposer.forget_all()
@@ -389,12 +401,16 @@ class ModelRunner:
             self._draft_now(order)
         ex = self.executor
         prompt = prompt_rows(order) if self._prompt_lp_ids else None
+        # Pooling sequences (embeddings) read rows of an eager forward too, and sample nothing.
+        pooling = bool(self._pooling_ids) and any(st.params.pooling is not None for st, _ in order)
         lora_slots = self._lora_slots(order)
         # Prompt logprobs read rows of an eager forward, and adapter rows run eagerly (the captured
         # graphs hold the base model's kernels alone); every other step keeps its graphs.
-        eager = prompt is not None or lora_slots is not None
+        eager = prompt is not None or lora_slots is not None or pooling
         graphs = (None, None) if eager else (ex.graphs, ex.verify_graphs)
         step = prepare_step(order, self._tables.table, self.config.block_size, self.max_model_len, *graphs)
+        if pooling:
+            drop_pooling_samples(step, order)
         if lora_slots is not None:
             step.forward.lora_slots = np.repeat(lora_slots, step.forward.query_lens)
         if prompt is not None:
@@ -422,6 +438,8 @@ class ModelRunner:
                 self.kv_tiers.wait_for_loads(loading)
             self.ranks.send(step.forward, patch)
         hidden, sample_index = ex.forward(step.forward, patch, loading)
+        if pooling:
+            launched.pooled = self.pooler.take(hidden, order)
         for st, num_new in order:
             st.num_computed_tokens += num_new
         if not sampling and prompt is None:
@@ -460,6 +478,8 @@ class ModelRunner:
         result = launched.result
         if launched.prompt is not None:
             result.prompt_logprobs = launched.prompt.wait()
+        if launched.pooled:
+            result.pooled = pooled_outputs(launched.pooled)
         if launched.sampled is None:
             return result
         token_ids, logprobs = launched.sampled.wait()
