@@ -19,10 +19,12 @@ from gateway.metrics import CONTENT_TYPE
 from gateway.middleware import GuardMiddleware, MetricsMiddleware
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from gateway.protocol_anthropic import CountTokensRequest, MessagesRequest
+from gateway.protocol_embeddings import EmbeddingRequest
 from gateway.protocol_responses import ResponsesRequest
 from gateway.response_store import open_store
 from gateway.serving_chat import create_chat_completion
 from gateway.serving_completion import create_completion
+from gateway.serving_embeddings import create_embeddings
 from gateway.serving_messages import count_tokens, create_message
 from gateway.serving_responses import Responses
 from gateway.serving_tokenization import detokenize, tokenize
@@ -160,6 +162,10 @@ def create_app(config: GatewayConfig, state: GatewayState | None = None) -> Fast
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(state, body, request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        return await create_embeddings(state, body, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:

@@ -60,11 +60,14 @@ class ChoiceDelta:
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     # With prompt logprobs, on the choice's first delta: one entry per prompt position (None at 0).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    embedding: list[float] | None = None  # a pooling request's vector (SamplingParams.pooling)
 
     def extend(self, later: ChoiceDelta) -> None:
         """Append a later delta of the same choice (coalescing)."""
         if later.prompt_logprobs is not None:
             self.prompt_logprobs = later.prompt_logprobs
+        if later.embedding is not None:
+            self.embedding = later.embedding
         self.text += later.text
         self.token_ids.extend(later.token_ids)
         self.logprobs.extend(later.logprobs)
@@ -128,6 +131,8 @@ class ChoiceStream:
         if resp.HasField("prompt_logprobs"):
             self.prompt_logprobs = prompt_logprobs_from_proto(resp.prompt_logprobs, self.prompt_ids)
             delta.prompt_logprobs = self.prompt_logprobs
+        if resp.embedding:
+            delta.embedding = list(resp.embedding)
         if resp.HasField("usage"):
             self.cached_tokens = resp.usage.cached_prompt_tokens
         if self.state.finished:

@@ -40,10 +40,13 @@ class ChoiceResult:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: list | None = None  # TokenLogprobs | None per prompt position, when asked
+    embedding: list[float] | None = None  # a pooling request's vector
 
     def add(self, d: ChoiceDelta) -> None:
         if d.prompt_logprobs is not None:
             self.prompt_logprobs = d.prompt_logprobs
+        if d.embedding is not None:
+            self.embedding = d.embedding
         self.text.append(d.text)
         self.token_ids.extend(d.token_ids)
         self.logprobs.extend(d.logprobs)

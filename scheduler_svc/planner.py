@@ -150,7 +150,8 @@ class Planner:
                 f"prompt of {req.num_tokens} tokens exceeds max_num_batched_tokens "
                 f"{self.config.max_num_batched_tokens} and chunked prefill is off"
             )
-        max_tokens = req.sampling_params.max_tokens or limit
+        # A pooling request holds its prompt's blocks only (it generates nothing).
+        max_tokens = 0 if req.is_pooling else req.sampling_params.max_tokens or limit
         longest = min(req.num_tokens + max_tokens, limit)
         if self.blocks.blocks_needed(longest) > self.blocks.num_blocks:
             raise RequestRejected(
