@@ -119,6 +119,7 @@ class ModelExecutor:
         self.verify_graphs = None  # DecodeGraphs of 1 + num_speculative_tokens rows per sequence
         # LoRA adapters' slots (None: none served). Steps with adapter rows run eagerly.
         self.lora = make_lora_slots(config, self.model, tp.size, self.dtype)
+        self.lora_graphs = None  # LoRADecodeGraphs once captured
 
     def _count_blocks(self, kv_spec: KVCacheSpec) -> int:
         """The KV blocks every rank holds: each its heads' share of every block, so the least
@@ -153,6 +154,11 @@ class ModelExecutor:
         if self.spec is not None and self.tp.size == 1:
             self.verify_graphs = DecodeGraphs(self, sizes, query_len=1 + self.spec.num_speculative_tokens)
             self.verify_graphs.capture()
+        if self.lora is not None:  # decodes with adapter rows replay these (the base ones hold no LoRA)
+            from worker_svc.lora.graphs import LoRADecodeGraphs
+
+            self.lora_graphs = LoRADecodeGraphs(self, sizes, self.lora)
+            self.lora_graphs.capture()
 
     # ----- host -> device -----
     def upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
@@ -177,6 +183,9 @@ class ModelExecutor:
         """
         if inp.mode != EAGER:
             graphs = self.graphs if inp.mode == DECODE_GRAPH else self.verify_graphs
+            if inp.lora_slots is not None:  # the runner picks DECODE_GRAPH for these only if captured
+                assert self.lora_graphs is not None and inp.mode == DECODE_GRAPH
+                graphs = self.lora_graphs.with_rows(inp.lora_slots)
             assert graphs is not None, f"forward mode {inp.mode} replays graphs this rank did not capture"
             wait_for_loads(layer_ready, self.device)
             hidden = graphs.run(inp.ids, inp.positions, inp.slots, inp.seq_lens, inp.tables, patch)

@@ -404,15 +404,19 @@ class ModelRunner:
         # Pooling sequences (embeddings) read rows of an eager forward too, and sample nothing.
         pooling = bool(self._pooling_ids) and any(st.params.pooling is not None for st, _ in order)
         lora_slots = self._lora_slots(order)
-        # Prompt logprobs read rows of an eager forward, and adapter rows run eagerly (the captured
-        # graphs hold the base model's kernels alone); every other step keeps its graphs.
-        eager = prompt is not None or lora_slots is not None or pooling
+        # Prompt logprobs read rows of an eager forward; adapter rows replay the LoRA decode graphs
+        # where captured, else run eagerly (the base graphs hold no LoRA work); every other step
+        # keeps its graphs.
+        eager = prompt is not None or (lora_slots is not None and ex.lora_graphs is None) or pooling
         graphs = (None, None) if eager else (ex.graphs, ex.verify_graphs)
+        if lora_slots is not None and not eager:
+            graphs = (ex.lora_graphs, None)  # a pure decode that fits replays them, else eager
         step = prepare_step(order, self._tables.table, self.config.block_size, self.max_model_len, *graphs)
         if pooling:
             drop_pooling_samples(step, order)
         if lora_slots is not None:
-            step.forward.lora_slots = np.repeat(lora_slots, step.forward.query_lens)
+            per_row = step.forward.query_lens if step.forward.mode == EAGER else 1  # graphs: decodes
+            step.forward.lora_slots = np.repeat(lora_slots, per_row)
         if prompt is not None:
             self._add_prompt_rows(step.forward, prompt)
         patch = None

@@ -88,3 +88,31 @@ def test_an_adapter_never_shares_cached_blocks_with_the_base_or_another(lora_set
     assert cached(b) == 0
     assert cached(LoRARequest("a", 1, adapters[1])) == 0  # the same name, another folder
     assert (cached(a), cached(None), cached(b)) == (32, 32, 32)
+
+
+def test_lora_decode_graphs_static_path_equals_eager(lora_setup) -> None:
+    """The LoRA decode graphs' padded static-buffer path (run eagerly here: no GPU to capture on)
+    gives the eager path's tokens, with adapters and base rows mixed in each decode."""
+    from worker_svc.lora.graphs import LoRADecodeGraphs
+
+    base, adapters = lora_setup
+    loras = [None, LoRARequest("a0", 1, adapters[0]), LoRARequest("a2", 3, adapters[2])]
+    prompts = [[7, 8, 9], [30, 31, 32, 33], [50, 51]]  # short: the interpreter runs the attention
+    kw = dict(enable_lora=True, max_loras=2, max_lora_rank=16, num_kv_blocks=64, max_num_seqs=4)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    def greedy(llm: LLM) -> list[list[int]]:
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras
+        )
+        return [o.outputs[0].token_ids for o in outs]
+
+    want = greedy(LLM(base, **kw))
+    llm = LLM(base, attention_backend="triton", **kw)
+    ex = llm.engine.runner.executor
+    ex.lora_graphs = LoRADecodeGraphs(ex, [1, 2, 4], ex.lora, capture=False)
+    replays = []
+    with_rows = ex.lora_graphs.with_rows
+    ex.lora_graphs.with_rows = lambda rows: replays.append(len(rows)) or with_rows(rows)  # type: ignore[method-assign]
+    assert greedy(llm) == want
+    assert 3 in replays  # decodes of 3 sequences (padded to 4) replayed the LoRA graphs' path
