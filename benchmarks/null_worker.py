@@ -219,6 +219,11 @@ def main() -> int:
     import worker_svc.service as service
 
     NullRunner.cost = COST_MODELS[cost_model]
+    scale = float(os.environ.get("LLMESH_NULL_COST_SCALE", "1"))  # a slower simulated GPU (routing.py)
+    if NullRunner.cost is not None and scale != 1:
+        NullRunner.cost = StepCost(
+            *(scale * getattr(NullRunner.cost, f) for f in ("a", "b", "c", "d0", "d1"))
+        )
     service.ModelRunner = NullRunner  # type: ignore[misc, assignment]
     return service.main(argv)
 

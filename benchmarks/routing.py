@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/routing.py                       # the full run (16-core host)
     .venv/bin/python benchmarks/routing.py --smoke               # tiny, every policy (make test)
-    [--tenants 64] [--context-len 4096] [--question-len 512] [--output-len 64] [--rate 100]
+    [--tenants 64] [--context-len 4096] [--question-len 512] [--output-len 64] [--rate 120]
     [--num-requests 3000] [--shards 4] [--workers 8] [--kv-tokens-per-worker 65536]
     [--client-procs 4] [--policies index load round-robin]
 
@@ -160,9 +160,11 @@ def start(args: argparse.Namespace, logs: str) -> Mesh:
     host = "127.0.0.1"
     procs: list[subprocess.Popen] = []
 
+    env = {**os.environ, "LLMESH_NULL_COST_SCALE": str(args.cost_scale)}
+
     def spawn(name: str, cmd: list[str]) -> None:
         with open(os.path.join(logs, f"{name}.log"), "wb") as out:
-            procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT))
+            procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env))
 
     shards = [f"{host}:{free_port(host)}" for _ in range(args.shards)]
     limits = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", "8192"]
@@ -185,7 +187,8 @@ def start(args: argparse.Namespace, logs: str) -> Mesh:
         address = f"{host}:{free_port(host)}"
         spawn(f"router-{policy}", [sys.executable, "-m", "router_svc.service", "--host", host,
                                    "--port", address.rsplit(":", 1)[1], "--shards", ",".join(shards),
-                                   "--policy", policy, "--load-interval-ms", "20"])  # fmt: skip
+                                   "--policy", policy, "--load-interval-ms", "20",
+                                   *args.router_args])  # fmt: skip
         routers[policy] = address
     mesh = Mesh(procs, routers, shards)
     for address in [*shards, *routers.values()]:
@@ -226,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context-len", type=int, default=4096)
     ap.add_argument("--question-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--rate", type=float, default=100.0, help="requests per second (Poisson)")
+    ap.add_argument("--rate", type=float, default=120.0, help="requests per second (Poisson)")
     ap.add_argument("--num-requests", type=int, default=3000)
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--workers", type=int, default=8)
@@ -237,7 +240,15 @@ def main(argv: list[str] | None = None) -> int:
         "--stream-interval", type=int, default=16, help="the shards' (the first token is never held)"
     )
     ap.add_argument("--cost-model", default="h100-8b")
+    ap.add_argument(
+        "--cost-scale",
+        type=float,
+        default=1.0,
+        help="every step takes this many times the cost model's time: a slower GPU, so that a small "
+        "host can drive the workers to their limits at a lower request rate (development runs)",
+    )
     ap.add_argument("--client-procs", type=int, default=4)
+    ap.add_argument("--router-args", nargs="*", default=[], help="more flags for every router")
     ap.add_argument("--policies", nargs="+", default=["round-robin", "load", "index"])
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument(
@@ -294,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{args.tenants} tenants x {args.context_len}-token contexts, {args.question_len}-token questions, "
         f"{args.output_len} out, {args.rate:g} req/s Poisson, {args.num_requests} requests; "
-        f"{args.workers} null workers ({args.cost_model}, {args.kv_tokens_per_worker} KV tokens each) "
+        f"{args.workers} null workers ({args.cost_model} x{args.cost_scale:g}, "
+        f"{args.kv_tokens_per_worker} KV tokens each) "
         f"over {args.shards} shards"
     )
     print(f"{'policy':<12}{'done':>6}{'failed':>7}{'TTFT P50 s':>11}{'TTFT P90 s':>11}"

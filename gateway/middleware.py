@@ -78,9 +78,10 @@ class GuardMiddleware:
                 scope,
             )
             return
-        session = _header(scope, SESSION_HEADER.encode())
-        if session:  # printable and bounded: it travels on as gRPC metadata
-            SESSION_ID.set(session[:256] if session.isascii() and session.isprintable() else "")
+        # Every request sets it (keep-alive requests share a task's context): printable, bounded,
+        # it travels on as gRPC metadata (gateway/scheduler_client.py).
+        session = _header(scope, SESSION_HEADER.encode()) or ""
+        SESSION_ID.set(session[:256] if session.isascii() and session.isprintable() else "")
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return

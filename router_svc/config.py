@@ -30,6 +30,12 @@ class RouterConfig(ServerConfig):
         help="index: prefix overlap from the shards' KV events minus load; load: load only; "
         "round-robin: across ready shards",
     )
+    prefix_weight: float = option(
+        2.0,
+        ge=0,
+        help="weight of a request's own uncached prefill tokens against the load ahead of it (above "
+        "1: locality outlasts larger load differences; a miss also evicts what others had cached)",
+    )
     running_cost_tokens: int = option(
         32, ge=0, help="queued prefill tokens one running request counts as, in a shard's load"
     )
@@ -67,4 +73,5 @@ class RouterConfig(ServerConfig):
             self.session_slack_tokens,
             self.max_sessions,
             self.session_ttl_s,
+            prefix_weight=self.prefix_weight,
         )

@@ -4,7 +4,7 @@ Each shard is a scheduler with its pool of workers. A request goes to the shard 
 start soonest, estimated in tokens of prefill work (llm-d's precise prefix-cache scorer and
 vLLM-router's "overlap minus load", in one unit):
 
-    cost(shard) = (prompt tokens the shard does not hold cached)            -- its own prefill
+    cost(shard) = prefix_weight * (prompt tokens the shard does not hold)  -- its own prefill
                 + max(reported, routed here and not started) queued tokens  -- work ahead of it
                 + running_cost_tokens * requests running there               -- decode batch it joins
 
@@ -95,6 +95,7 @@ class RouterConfigView:
     max_sessions: int = 100_000
     session_ttl_s: float = 600.0
     max_reorder: int = 0
+    prefix_weight: float = 2.0
 
 
 class Router:
@@ -196,7 +197,8 @@ class Router:
         # (fresher, but blind to other routers' requests), whichever is more.
         queued = max(load.queued_tokens - shard.started_since_report, shard.pending_tokens)
         running = max(load.running - shard.ended_since_report, shard.inflight)
-        return (prompt_tokens - cached) + queued + self.config.running_cost_tokens * running
+        own = self.config.prefix_weight * (prompt_tokens - cached)
+        return int(own) + queued + self.config.running_cost_tokens * running
 
     def _affine(self, session: str, ranked: list[Shard], costs: dict[str, int]) -> list[Shard]:
         now = time.monotonic()
