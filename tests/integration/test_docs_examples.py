@@ -1,6 +1,7 @@
 """The API docs' examples, run as written against the session's real mesh (issue 34).
 
-Every ```bash / ```sh block that calls `curl` and every ```python block of docs/apis.md, and those
+Every ```bash / ```sh block that calls `curl` and every ```python block of docs/apis.md (and
+docs/lora.md), and those
 of README.md's "OpenAI API" section, is extracted and run: curl blocks through `bash` (each `curl`
 given `-sS --fail-with-body --max-time 120`, the script `-e -o pipefail`), Python blocks with
 `exec` in a fresh namespace. The docs are written for `make run` (`localhost:8000` or
@@ -22,7 +23,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # (file, the `## ` section whose examples run; None: every section)
-SOURCES = [("docs/apis.md", None), ("README.md", "OpenAI API")]
+SOURCES = [("docs/apis.md", None), ("docs/lora.md", None), ("README.md", "OpenAI API")]
 DOCS_ADDRESS = re.compile(r"\b(?:localhost|127\.0\.0\.1):8000\b")
 FENCE = re.compile(r"^```(\w*)\s*$")
 NOT_RUN = re.compile(r"<!--\s*not run:\s*(.*?)\s*-->", re.S)
