@@ -1,0 +1,68 @@
+"""The scheduler's side of multi-LoRA: a worker never runs more distinct adapters than its slots,
+the router prefers a worker that ran the adapter, and adapters root their own key chains."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.lora import LoRAMirror, check_lora_request
+from scheduler_svc.planner import Planner, PlannerConfig
+from scheduler_svc.request import Request
+from scheduler_svc.router import route
+from services.sampling_params import SamplingParams
+
+
+def _planner(max_loras: int) -> Planner:
+    p = Planner(PlannerConfig(max_model_len=512), BlockManager(200, 8, b"t"))
+    p.loras = LoRAMirror(max_loras)
+    return p
+
+
+def _req(rid: str, lora: str = "", prompt: list[int] | None = None) -> Request:
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    return Request(
+        rid, prompt or [5, 6, 7, 8, 9], params, lora_name=lora, lora_path=f"/a/{lora}" if lora else ""
+    )
+
+
+def test_a_request_of_one_adapter_too_many_waits_and_others_go_past_it() -> None:
+    p = _planner(max_loras=2)
+    for r in [_req("a1", "a"), _req("b1", "b"), _req("c1", "c"), _req("base"), _req("a2", "a")]:
+        p.add_request(r)
+    plan = p.schedule()
+    admitted = [s.seq_id for s in plan.new_seqs]
+    assert admitted == ["a1", "b1", "base", "a2"]  # c waits: a and b hold both slots
+    assert {(s.lora_name, s.lora_path) for s in plan.new_seqs} == {("a", "/a/a"), ("b", "/a/b"), ("", "")}
+    assert [r.request_id for r in p.waiting] == ["c1"]
+
+
+def test_the_router_prefers_a_worker_that_ran_the_adapter() -> None:
+    holder, other, plain = _planner(2), _planner(2), _planner(0)
+    holder.loras.touch(_req("x", "a"))
+    planners = {"other": other, "holder": holder, "plain": plain}
+    req = _req("r", "a")
+    assert route(planners, req.all_token_ids, 4, req.cache_root, ("a", "/a/a")).worker_id == "holder"
+    # A worker serving no LoRA is never a candidate for an adapter's request.
+    assert route({"plain": plain}, req.all_token_ids, 4, req.cache_root, ("a", "/a/a")) is None
+
+
+def test_mirror_forgets_the_least_recently_sent_adapter() -> None:
+    m = LoRAMirror(2)
+    for name in ("a", "b", "a", "c"):
+        m.touch(_req("x", name))
+    assert m.holds(("a", "/a/a")) and m.holds(("c", "/a/c")) and not m.holds(("b", "/a/b"))
+
+
+def test_adapters_root_their_own_key_chains() -> None:
+    roots = {_req("x").cache_root, _req("x", "a").cache_root, _req("x", "b").cache_root}
+    other_folder = Request("x", [5], SamplingParams(), lora_name="a", lora_path="/elsewhere").cache_root
+    assert len(roots | {other_folder}) == 4
+
+
+def test_check_lora_request(tmp_path) -> None:
+    check_lora_request("", "")
+    check_lora_request("remote", "/not/on/this/host")  # left to the workers
+    for name, path in [("a", ""), ("", "/x"), ("bad name", "/x"), ("a", str(tmp_path))]:
+        with pytest.raises(ValueError, match="^lora_name: "):
+            check_lora_request(name, path)
