@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from router_svc.index import Batch, PrefixIndex, ShardFeed
+from services.lora_config import lora_cache_root
 from services.prefix_hash import extend_block_keys, root_key, short_key
 
 Policy = Literal["index", "load", "round-robin"]
@@ -142,10 +143,19 @@ class Router:
         return [s for s in self.shards.values() if s.ready]
 
     # ----- routing -----
-    def prompt_keys(self, prompt: list[int], salt: str, block_size: int, fingerprint: bytes) -> list[int]:
+    def prompt_keys(
+        self,
+        prompt: list[int],
+        salt: str,
+        block_size: int,
+        fingerprint: bytes,
+        lora: tuple[str, str] = ("", ""),
+    ) -> list[int]:
+        """`lora`: the request's adapter (name, folder), which roots a chain of its own."""
         if not block_size:
             return []
-        full = extend_block_keys([], prompt, block_size, fingerprint, root_key(salt))
+        root = lora_cache_root(root_key(salt), *lora)
+        full = extend_block_keys([], prompt, block_size, fingerprint, root)
         return [short_key(k) for k in full]
 
     def rank(
@@ -154,6 +164,7 @@ class Router:
         salt: str = "",
         session: str = "",
         exclude: set[str] | frozenset = frozenset(),
+        lora: tuple[str, str] = ("", ""),
     ) -> list[tuple[Shard, int]]:
         """Ready shards, best first, with the prompt tokens each holds cached."""
         shards = [s for s in self.ready_shards if s.shard_id not in exclude]
@@ -165,7 +176,7 @@ class Router:
             return [(s, 0) for s in shards[start:] + shards[:start]]
         cached: dict[str, int] = {}
         if policy == "index":
-            cached = self._cached_tokens(prompt, salt, shards)
+            cached = self._cached_tokens(prompt, salt, shards, lora)
         costs = {s.shard_id: self._cost(s, len(prompt), cached.get(s.shard_id, 0)) for s in shards}
         ranked = sorted(shards, key=lambda s: (costs[s.shard_id], s.inflight, s.routed))
         if session:
@@ -176,13 +187,15 @@ class Router:
         """Ready shards, least loaded first (calls other than Generate: no routing state moves)."""
         return sorted(self.ready_shards, key=lambda s: (self._cost(s, 0, 0), s.inflight))
 
-    def _cached_tokens(self, prompt: list[int], salt: str, shards: list[Shard]) -> dict[str, int]:
+    def _cached_tokens(
+        self, prompt: list[int], salt: str, shards: list[Shard], lora: tuple[str, str] = ("", "")
+    ) -> dict[str, int]:
         out: dict[str, int] = {}
         by_layout: dict[tuple[int, bytes], list[Shard]] = {}
         for s in shards:
             by_layout.setdefault((s.block_size, s.fingerprint), []).append(s)
         for (block_size, fingerprint), group in by_layout.items():
-            keys = self.prompt_keys(prompt, salt, block_size, fingerprint)
+            keys = self.prompt_keys(prompt, salt, block_size, fingerprint, lora)
             if not keys:
                 continue
             bits = {s.bit: s for s in group}

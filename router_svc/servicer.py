@@ -86,7 +86,8 @@ class RouterServicer(generation_pb2_grpc.SchedulerServicer):
         refusals: list[int] = []
         last_error = "no scheduler shard is ready"
         while True:
-            ranked = self.router.rank(prompt, request.cache_salt, session, tried)
+            lora = (request.lora_name, request.lora_path)
+            ranked = self.router.rank(prompt, request.cache_salt, session, tried, lora)
             if not ranked:
                 break
             shard, cached = ranked[0]

@@ -66,3 +66,17 @@ def test_check_lora_request(tmp_path) -> None:
     for name, path in [("a", ""), ("", "/x"), ("bad name", "/x"), ("a", str(tmp_path))]:
         with pytest.raises(ValueError, match="^lora_name: "):
             check_lora_request(name, path)
+
+
+def test_the_router_in_front_of_shards_keys_an_adapter_as_the_scheduler_does() -> None:
+    """router_svc hashes prompts for its global prefix index: with the adapter's root, or an
+    adapter's request would count the base model's blocks as hits."""
+    from router_svc.core import Router, RouterConfigView
+    from services.prefix_hash import extend_block_keys, short_key
+
+    r = Router(RouterConfigView(policy="index"))  # type: ignore[arg-type]
+    req = _req("x", "a", prompt=list(range(3, 35)))
+    # The chain the scheduler's cache is keyed by.
+    want = [short_key(k) for k in extend_block_keys([], req.all_token_ids, 8, b"fp", req.cache_root)]
+    assert r.prompt_keys(req.all_token_ids, "", 8, b"fp", ("a", "/a/a")) == want
+    assert r.prompt_keys(req.all_token_ids, "", 8, b"fp") != want
