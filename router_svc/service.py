@@ -5,10 +5,15 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from llmesh.v1 import generation_pb2_grpc, router_pb2_grpc, worker_pb2_grpc
+from llmesh.v1 import router_pb2_grpc, worker_pb2_grpc
 from router_svc.config import RouterConfig
 from router_svc.core import Router
-from router_svc.servicer import RouterRegistryServicer, RouterServicer, ShardRegistryServicer
+from router_svc.servicer import (
+    RouterRegistryServicer,
+    RouterServicer,
+    ShardRegistryServicer,
+    add_router_to_server,
+)
 from router_svc.shards import ShardPool
 from services.grpc_server import ChannelSecurity, GrpcServer, Service, serve, service_main
 
@@ -32,8 +37,7 @@ async def run(config: RouterConfig) -> None:
         print(f"llmesh router listening on {config.host}:{server.port}", flush=True)
 
     services = [
-        Service.of("llmesh.v1.Scheduler", generation_pb2_grpc.add_SchedulerServicer_to_server,
-                   RouterServicer(router, pool)),
+        Service.of("llmesh.v1.Scheduler", add_router_to_server, RouterServicer(router, pool)),
         Service.of("llmesh.v1.ShardRegistry", router_pb2_grpc.add_ShardRegistryServicer_to_server,
                    ShardRegistryServicer(pool)),
         Service.of("llmesh.v1.Registry", worker_pb2_grpc.add_RegistryServicer_to_server,

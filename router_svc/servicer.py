@@ -59,6 +59,25 @@ def _retry_after(error: grpc.aio.AioRpcError) -> int | None:
     return None
 
 
+def add_router_to_server(servicer: RouterServicer, server) -> None:
+    """The generated Scheduler registration, except that Generate's responses are the shard's own
+    bytes, relayed as they came: the router never parses or rebuilds a token message."""
+
+    class _Capture:
+        def add_generic_rpc_handlers(self, handlers) -> None:
+            pass
+
+        def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+            self.service, self.handlers = service, handlers
+
+    capture = _Capture()
+    generation_pb2_grpc.add_SchedulerServicer_to_server(servicer, capture)
+    handlers = dict(capture.handlers)
+    handlers["Generate"] = handlers["Generate"]._replace(response_serializer=None)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(capture.service, handlers),))
+    server.add_registered_method_handlers(capture.service, handlers)
+
+
 class RouterServicer(generation_pb2_grpc.SchedulerServicer):
     def __init__(self, router: Router, pool: ShardPool) -> None:
         self.router = router
@@ -96,13 +115,13 @@ class RouterServicer(generation_pb2_grpc.SchedulerServicer):
                 tried.add(shard.shard_id)
                 continue
             ticket = self.router.routed(shard, len(prompt), cached)
-            call = link.scheduler.Generate(request, timeout=context.time_remaining(), wait_for_ready=False)
+            call = link.generate(request, timeout=context.time_remaining(), wait_for_ready=False)
             if rid:
                 self._live[rid] = shard
             try:
-                async for resp in call:
+                async for raw in call:  # a GenerateResponse's bytes, relayed untouched
                     self.router.started(ticket)
-                    yield resp
+                    yield raw
                 return
             except grpc.aio.AioRpcError as e:
                 code = e.code()

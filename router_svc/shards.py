@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from llmesh.v1 import generation_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2_grpc
+from llmesh.v1 import generation_pb2, generation_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2_grpc
 from router_svc.config import RouterConfig
 from router_svc.core import Router, Shard, ShardLoad
 from router_svc.index import Batch
@@ -37,6 +37,7 @@ class ShardLink:
     scheduler: generation_pb2_grpc.SchedulerStub
     registry: worker_pb2_grpc.RegistryStub
     events: router_pb2_grpc.KVEventsStub
+    generate: grpc.aio.UnaryStreamMultiCallable  # Scheduler.Generate, responses as raw bytes
     task: asyncio.Task | None = None
 
 
@@ -77,6 +78,11 @@ class ShardPool:
                 generation_pb2_grpc.SchedulerStub(channel),
                 worker_pb2_grpc.RegistryStub(channel),
                 router_pb2_grpc.KVEventsStub(channel),
+                channel.unary_stream(
+                    "/llmesh.v1.Scheduler/Generate",
+                    request_serializer=generation_pb2.GenerateRequest.SerializeToString,
+                    response_deserializer=None,
+                ),
             )
             self.links[shard_id] = link
             link.task = asyncio.get_running_loop().create_task(self._follow(link), name=f"shard-{shard_id}")

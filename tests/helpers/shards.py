@@ -13,7 +13,12 @@ from llmesh.local_link import LocalWorkerLink
 from llmesh.v1 import generation_pb2_grpc, router_pb2_grpc, worker_pb2_grpc
 from router_svc.config import RouterConfig
 from router_svc.core import Router
-from router_svc.servicer import RouterRegistryServicer, RouterServicer, ShardRegistryServicer
+from router_svc.servicer import (
+    RouterRegistryServicer,
+    RouterServicer,
+    ShardRegistryServicer,
+    add_router_to_server,
+)
 from router_svc.shards import ShardPool
 from scheduler_svc.kv_events import KVEventLog
 from scheduler_svc.kv_events_servicer import KVEventsServicer, pool_load
@@ -118,7 +123,7 @@ async def start_router(addresses: list[str], policy: str = "index", **kw) -> Rou
     pool = ShardPool(router, config, PLAINTEXT)
     servicer = RouterServicer(router, pool)
     server = grpc.aio.server()
-    generation_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
+    add_router_to_server(servicer, server)
     router_pb2_grpc.add_ShardRegistryServicer_to_server(ShardRegistryServicer(pool), server)
     worker_pb2_grpc.add_RegistryServicer_to_server(RouterRegistryServicer(pool), server)
     port = server.add_insecure_port("127.0.0.1:0")
