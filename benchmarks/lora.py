@@ -127,6 +127,7 @@ def main() -> int:
             dtype="bfloat16" if args.device == "cuda" else "float32",
             enable_lora=True, max_loras=args.num_adapters, max_lora_rank=args.rank,
             max_num_seqs=args.batch, max_model_len=max_len, enforce_eager=args.enforce_eager,
+            enable_prefix_caching=False,  # every run computes its prompts: rows and repeats alike
         )  # fmt: skip
         reqs = workload(args.batch, cfg["vocab_size"], args.seed, args.prompt_len, args.output_len)
         rows = {
