@@ -117,8 +117,8 @@ class ModelExecutor:
             self.draft.allocate(self.num_kv_blocks, self.device)
         self.graphs = None  # DecodeGraphs once captured
         self.verify_graphs = None  # DecodeGraphs of 1 + num_speculative_tokens rows per sequence
-        # LoRA adapters' slots (None: none served). Steps with adapter rows run eagerly.
-        self.lora = make_lora_slots(config, self.model, tp.size, self.dtype)
+        # LoRA adapters' slots (None: none served): decodes with adapter rows replay lora_graphs.
+        self.lora = make_lora_slots(config, self.model, self.dtype)
         self.lora_graphs = None  # LoRADecodeGraphs once captured
 
     def _count_blocks(self, kv_spec: KVCacheSpec) -> int:

@@ -24,6 +24,8 @@ STOP = 2
 # KV tiers (worker_svc.kv_shards): gather these blocks' heads to rank 0 / take them from it.
 KV_GATHER = 3
 KV_SCATTER = 4
+# LoRA (worker_svc.lora.slots): load the adapter in this folder into this slot, as rank 0 just did.
+LORA_LOAD = 5
 
 _CODES = {np.dtype(np.int64): 0, np.dtype(np.int32): 1}
 _DTYPES = {code: dtype for dtype, code in _CODES.items()}
@@ -84,6 +86,7 @@ def read_message(f: BinaryIO) -> tuple[int, list[np.ndarray]] | None:
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+_NO_LORA = np.zeros(0, dtype=np.int32)
 
 # How a step's forward runs (`ModelExecutor.forward`): eagerly, or by replaying the captured
 # decode graphs, or the verification graphs (q rows per sequence, speculative decoding).
@@ -117,8 +120,7 @@ class ForwardInputs:
     max_query_len: int = 1
     max_seq_len: int = 0
     patch_where: np.ndarray = field(default_factory=lambda: _EMPTY)
-    # Each input row's LoRA slot (-1: the base model), eager steps only; None: no row uses one.
-    # Rank 0 only: LoRA is not served with tensor parallelism yet (not encoded).
+    # Each input row's LoRA slot (-1: the base model; int32); None: no row uses an adapter.
     lora_slots: np.ndarray | None = None
 
     def encode(self) -> bytes:
@@ -146,12 +148,13 @@ class ForwardInputs:
                 self.query_start_loc,
                 self.query_lens,
                 self.patch_where,
+                self.lora_slots if self.lora_slots is not None else _NO_LORA,
             ],
         )
 
     @classmethod
     def decode(cls, arrays: list[np.ndarray]) -> ForwardInputs:
-        scalars, ids, positions, slots, seq_lens, tables, sample_index, qsl, query_lens, where = arrays
+        scalars, ids, positions, slots, seq_lens, tables, sample_index, qsl, query_lens, where, lora = arrays
         mode, num_sampled, has_index, max_query_len, max_seq_len = (int(v) for v in scalars)
         return cls(
             mode=mode,
@@ -167,4 +170,5 @@ class ForwardInputs:
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
             patch_where=where,
+            lora_slots=lora if lora.size else None,  # a step with adapter rows has rows
         )

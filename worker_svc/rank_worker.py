@@ -25,8 +25,9 @@ import torch
 from worker_svc.config import WorkerConfig
 from worker_svc.executor import ModelExecutor
 from worker_svc.kv_shards import serve_gather, serve_scatter
+from worker_svc.lora.slots import decode_lora_load
 from worker_svc.parallel import TensorParallel, backend_for, open_group
-from worker_svc.rank_channel import KV_GATHER, KV_SCATTER, STEP, STOP, ForwardInputs, read_message
+from worker_svc.rank_channel import KV_GATHER, KV_SCATTER, LORA_LOAD, STEP, STOP, ForwardInputs, read_message
 from worker_svc.rank_group import joined_key
 
 log = logging.getLogger("llmesh.rank")
@@ -116,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
             elif kind == KV_SCATTER:
                 with torch.inference_mode():
                     serve_scatter(tp, shard.kv_caches, arrays[0])
+            elif kind == LORA_LOAD:
+                assert shard.executor.lora is not None  # every rank has LoRA on, or none
+                with torch.inference_mode():
+                    shard.executor.lora.load_into(*decode_lora_load(arrays))
             else:
                 raise ValueError(f"unknown rank message kind {kind}")
     finally:

@@ -33,10 +33,11 @@ from worker_svc.kv_cache import KVCacheSpec
 from worker_svc.kv_shards import KVShardExchange
 from worker_svc.kv_tiers import KVStoreLink, WorkerKVTiers
 from worker_svc.loader import model_fingerprint
+from worker_svc.lora.slots import encode_lora_load
 from worker_svc.parallel import TensorParallel
 from worker_svc.pooling import Pooler, default_pooling, drop_pooling_samples, pooled_outputs
 from worker_svc.prompt_logprobs import PromptLogprobsPending, PromptRows, prompt_rows
-from worker_svc.rank_channel import EAGER, ForwardInputs
+from worker_svc.rank_channel import EAGER, LORA_LOAD, ForwardInputs
 from worker_svc.rank_group import RankGroup, start_rank_group
 from worker_svc.sampler import SampledIds, Sampler, SamplingRow
 from worker_svc.spec_decode.config import SpeculativeConfig
@@ -147,6 +148,9 @@ class ModelRunner:
 
     def _build(self, config: WorkerConfig, kv_store: KVStoreLink | None) -> None:
         ex = self.executor = ModelExecutor(config, self.tp, self.model_path)
+        if ex.lora is not None and self.ranks is not None:  # each rank loads its shard of an adapter
+            ranks = self.ranks
+            ex.lora.on_load = lambda slot, path: ranks.announce(LORA_LOAD, encode_lora_load(slot, path))
         # The executor's, under the names the worker's other parts (and benchmarks) read.
         self.model, self.model_config, self.backend = ex.model, ex.model_config, ex.backend
         self.spec, self.draft = ex.spec, ex.draft

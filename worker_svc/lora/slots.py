@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -58,6 +59,9 @@ class LoRASlots:
                 module.lora = layer
                 self.layers[name.removeprefix("model.")] = layer
         self._loaded: OrderedDict[Key, int] = OrderedDict()  # least recently used first
+        # Called (slot, folder) after each load on demand: rank 0 tells the other tensor-parallel
+        # ranks to load the same folder into the same slot (worker_svc/runner.py).
+        self.on_load: Callable[[int, str], None] | None = None
         self._refs = [0] * max_loras
         self._free = list(range(max_loras - 1, -1, -1))
 
@@ -77,6 +81,8 @@ class LoRASlots:
                 self._free.append(slot)
                 raise
             self._loaded[key] = slot
+            if self.on_load is not None:
+                self.on_load(slot, path)
             log.info("lora adapter loaded", extra={"adapter": name, "path": path, "slot": slot})
         self._loaded.move_to_end(key)
         self._refs[slot] += 1
@@ -99,6 +105,10 @@ class LoRASlots:
                 del self._loaded[key]
                 return slot
         raise ValueError(f"every one of the {self.max_loras} LoRA slots is held by a running sequence")
+
+    def load_into(self, slot: int, path: str) -> None:
+        """Another tensor-parallel rank: load what rank 0 loaded into `slot` (its own shard of it)."""
+        self._load(slot, path)
 
     def _load(self, slot: int, path: str) -> None:
         spec = read_lora_spec(path)
@@ -139,15 +149,22 @@ def lora_batch_arrays(token_slots: np.ndarray, num_slots: int) -> tuple[np.ndarr
     return perm.astype(np.int32), starts, int(counts.max())
 
 
-def make_lora_slots(config, model: nn.Module, tp_size: int, dtype: torch.dtype) -> LoRASlots | None:  # type: ignore[no-untyped-def]
-    """The worker's slots when it serves LoRA (`WorkerConfig.lora_enabled`), its --lora-modules loaded."""
+def make_lora_slots(config, model: nn.Module, dtype: torch.dtype) -> LoRASlots | None:  # type: ignore[no-untyped-def]
+    """The worker's slots when it serves LoRA (`WorkerConfig.lora_enabled`), its --lora-modules
+    loaded (on every tensor-parallel rank alike, in order: into the same slots)."""
     if not config.lora_enabled():
         return None
-    if tp_size > 1:
-        # The per-row slots would have to reach the other ranks with each step (rank_channel);
-        # the sharded loading itself (LoRALayer.load) is done and tested.
-        raise ValueError("LoRA adapters with tensor_parallel_size > 1 are not served yet")
     slots = LoRASlots(model, config.max_loras, config.max_lora_rank, dtype)
     for name, path in parse_lora_modules(config.lora_modules).items():
         slots.preload(name, path)
     return slots
+
+
+def encode_lora_load(slot: int, path: str) -> list[np.ndarray]:
+    """A LORA_LOAD rank message's arrays (the channel carries integers: the folder's UTF-8 bytes)."""
+    folder = np.frombuffer(path.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+    return [np.array([slot], dtype=np.int64), folder]
+
+
+def decode_lora_load(arrays: list[np.ndarray]) -> tuple[int, str]:
+    return int(arrays[0][0]), arrays[1].astype(np.uint8).tobytes().decode("utf-8")
