@@ -33,7 +33,14 @@ from services.lora_config import parse_lora_modules
 def _cmd_convert(args: argparse.Namespace) -> int:
     from services.model_files import resolve_model
 
-    print(resolve_model(args.model, args.cache_dir))
+    folder = resolve_model(args.model, args.cache_dir)
+    if args.link:
+        # A stable name for the folder (content-keyed otherwise), for services whose image carries
+        # no GGUF (deploy's light image): they are given `--model LINK`.
+        tmp = f"{args.link}.tmp-{os.getpid()}"
+        os.symlink(folder, tmp)
+        os.replace(tmp, args.link)
+    print(folder)
     return 0
 
 
@@ -85,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("convert", help="convert/cache the model (GGUF -> safetensors) and print its folder")
     _add_model_flags(p)
+    p.add_argument("--link", default=None, help="also make this path a symlink to the converted folder")
     p.set_defaults(func=_cmd_convert)
 
     for name, func, helptext in (

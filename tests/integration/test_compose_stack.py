@@ -33,6 +33,7 @@ from tests.integration.test_zero_trust import call_empty, proto_services
 COMPOSE = Path(__file__).resolve().parents[2] / "deploy" / "docker-compose.yml"
 DEFAULT_PROFILE_ORDER = ("convert", "kvstore", "scheduler", "worker", "gateway")
 SECRETS_MOUNT = "/run/llmesh"  # where the services mount the volume `secrets`
+MODELS_MOUNT = "/models"  # ... and the volume `models` (convert's --link, the scheduler's --model)
 
 
 def _interpolate(value: str, environ: dict[str, str]) -> str:
@@ -99,7 +100,9 @@ def _loopback_commands(
     services: dict, redis_address: str, secrets: Path
 ) -> dict[str, tuple[list[str], dict[str, str]]]:
     """Each service's command and environment with compose addresses rewritten to loopback ones,
-    the secrets volume to the folder `secrets`."""
+    the secrets volume to the folder `secrets`, the models volume to a `models` folder beside it."""
+    models = secrets.parent / "models"
+    models.mkdir(exist_ok=True)
     addresses = {"redis:6379": redis_address}
     ports = {}
     for name in DEFAULT_PROFILE_ORDER:
@@ -111,7 +114,9 @@ def _loopback_commands(
     def rewrite(word: str) -> str:
         for compose_address, loopback in addresses.items():
             word = word.replace(compose_address, loopback)
-        return "127.0.0.1" if word == "0.0.0.0" else word.replace(SECRETS_MOUNT, str(secrets))
+        if word == "0.0.0.0":
+            return "127.0.0.1"
+        return word.replace(SECRETS_MOUNT, str(secrets)).replace(f"{MODELS_MOUNT}/", f"{models}/")
 
     out = {}
     for name in DEFAULT_PROFILE_ORDER:
