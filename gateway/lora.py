@@ -5,8 +5,9 @@
 A request whose `model` names an adapter runs the served model with it: the gateway sends the
 adapter's name and folder with the request (GenerateRequest.lora_name / lora_path) and the
 workers load it on demand. Each adapter is checked here before it is served (its config and
-safetensors header, `services.lora_config`), when the folder is visible to the gateway: a bad
-one is a 400 now, not a failure of the requests that would name it.
+safetensors header, `services.lora_config`): a bad or missing one is a 400 now, not a failure
+of the requests that would name it. So the gateway (and the scheduler, which checks again)
+must see the adapters at the workers' paths: one host, or a volume shared by the pods.
 
 The registry is this gateway process's: with --api-server-count > 1 or several replicas, adapters
 loaded at run time are known to the process that took the call only; --lora-modules are known
@@ -16,7 +17,6 @@ to all of them.
 from __future__ import annotations
 
 import asyncio
-import os
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict
@@ -32,12 +32,11 @@ class LoRAModule:
 
 
 def check_adapter(name: str, path: str) -> None:
-    """LoRAConfigError unless `name` is valid and `path` (if this host sees it) a servable adapter."""
+    """LoRAConfigError unless `name` is valid and `path` a servable adapter folder on this host."""
     check_lora_name(name)
     if not path:
         raise LoRAConfigError("lora_path is empty")
-    if os.path.exists(path):
-        read_lora_spec(path)
+    read_lora_spec(path)
 
 
 class LoRARegistry:

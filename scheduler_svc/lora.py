@@ -10,7 +10,6 @@ still loaded: no load on the step), mirrored here as an LRU of the adapters sent
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Protocol
@@ -56,26 +55,34 @@ class LoRAMirror:
         return key in live or len(live) < self.max_loras
 
 
-_CHECKED: OrderedDict[LoRAKey, None] = OrderedDict()  # folders found servable (bounded)
-_MAX_CHECKED = 256
+class LoRAChecks:
+    """The scheduler's check of the adapters requests name (GenerateRequest.lora_name/lora_path),
+    remembering the folders found servable (a bounded LRU: one read per adapter, not per request)."""
 
+    def __init__(self, max_remembered: int = 256) -> None:
+        self._servable: OrderedDict[LoRAKey, None] = OrderedDict()
+        self._max = max_remembered
 
-def check_lora_request(name: str, path: str) -> None:
-    """ValueError (its message starts with the field) unless (name, path) may be sent to workers.
+    def check(self, name: str, path: str) -> None:
+        """ValueError (its message starts with the field) unless (name, path) may go to workers.
 
-    A folder the scheduler can see is read (its config and safetensors header): a bad adapter is
-    refused here, not by the worker, whose Step stream a failed load would end. A path that does
-    not exist on this host is left to the workers (they may see other disks)."""
-    if not name and not path:
-        return
-    if not name or not path:
-        raise ValueError("lora_name: lora_name and lora_path go together")
-    try:
-        check_lora_name(name)
-        if (name, path) not in _CHECKED and os.path.exists(path):
+        The folder is read here (its config and safetensors header): a bad or missing adapter is
+        refused before any worker tries it, since a load that fails on a worker ends its Step
+        stream. So the scheduler must see the adapters at the workers' paths (one host, or a
+        shared volume)."""
+        if not name and not path:
+            return
+        if not name or not path:
+            raise ValueError("lora_name: lora_name and lora_path go together")
+        key = (name, path)
+        if key in self._servable:
+            self._servable.move_to_end(key)
+            return
+        try:
+            check_lora_name(name)
             read_lora_spec(path)
-            _CHECKED[(name, path)] = None
-            while len(_CHECKED) > _MAX_CHECKED:
-                _CHECKED.popitem(last=False)
-    except LoRAConfigError as e:
-        raise ValueError(f"lora_name: {e}") from None
+        except (LoRAConfigError, OSError) as e:
+            raise ValueError(f"lora_name: {e}") from None
+        self._servable[key] = None
+        while len(self._servable) > self._max:
+            self._servable.popitem(last=False)

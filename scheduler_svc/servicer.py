@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from llmesh.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
-from scheduler_svc.lora import check_lora_request
+from scheduler_svc.lora import LoRAChecks
 from scheduler_svc.mesh import Connected, LinkBroken, Mesh, NoWorkerAvailable, Overloaded
 from scheduler_svc.planner import RequestRejected
 from scheduler_svc.prefix_hash import check_salt
@@ -76,6 +76,7 @@ class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
         self.mesh = mesh
         self.card = card
         self.limits = limits if limits is not None else RequestLimits()
+        self.lora_checks = LoRAChecks()  # the adapter folders requests name (scheduler_svc/lora.py)
         self.tokenizer: Any = None  # set with set_tokenizer (text prompts, return_text, stop strings)
         self.tokenizer_pending = False  # True while it loads: text requests wait for it (UNAVAILABLE)
         self._longest_token_chars = 0
@@ -106,7 +107,7 @@ class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
         params = await self._params_of(request, context, len(prompt), info.max_model_len)
         salt = await self._salt_of(request, context)
         try:
-            check_lora_request(request.lora_name, request.lora_path)
+            self.lora_checks.check(request.lora_name, request.lora_path)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         stream_text = request.return_text and params.detokenize

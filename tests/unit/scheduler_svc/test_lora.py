@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.lora import LoRAMirror, check_lora_request
+from scheduler_svc.lora import LoRAChecks, LoRAMirror
 from scheduler_svc.planner import Planner, PlannerConfig
 from scheduler_svc.request import Request
 from scheduler_svc.router import route
@@ -60,12 +60,12 @@ def test_adapters_root_their_own_key_chains() -> None:
     assert len(roots | {other_folder}) == 4
 
 
-def test_check_lora_request(tmp_path) -> None:
-    check_lora_request("", "")
-    check_lora_request("remote", "/not/on/this/host")  # left to the workers
-    for name, path in [("a", ""), ("", "/x"), ("bad name", "/x"), ("a", str(tmp_path))]:
+def test_adapter_checks(tmp_path) -> None:
+    checks = LoRAChecks()
+    checks.check("", "")
+    for name, path in [("a", ""), ("", "/x"), ("bad name", "/x"), ("a", str(tmp_path)), ("a", "/not/here")]:
         with pytest.raises(ValueError, match="^lora_name: "):
-            check_lora_request(name, path)
+            checks.check(name, path)
 
 
 def test_the_router_in_front_of_shards_keys_an_adapter_as_the_scheduler_does() -> None:
