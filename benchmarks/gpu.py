@@ -379,6 +379,12 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
         choices=["auto", "cublas"],
         help="the worker's decode_gemm (auto: a Triton skinny GEMM where it beats cuBLAS at start)",
     )
+    ap.add_argument(
+        "--quantization",
+        default=None,
+        choices=["fp8"],
+        help="the worker's quantization (fp8: W8A8 e4m3, weights quantized on load)",
+    )
 
 
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -393,6 +399,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         tp_all_reduce=getattr(args, "tp_all_reduce", "auto"),
         decode_gemm=getattr(args, "decode_gemm", "auto"),
+        quantization=getattr(args, "quantization", None),
     )
 
 

@@ -140,6 +140,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None 
     return F.linear(x.float(), weight.float()).to(out_dtype or x.dtype)
 
 
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # an all-zero row still gets a finite, nonzero scale
+
+
+def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (q [M, K] float8_e4m3fn, scale [M, 1] fp32): each row's own scale,
+    amax(|row|) / 448, so that x ≈ q * scale (per-token dynamic quantization)."""
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    scale = (x2.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    q = (x2 / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[..., 2I] (gate | up) -> [..., I] = SiLU(gate) * up, as Hugging Face's Llama MLP computes it."""
     gate, up = x.chunk(2, dim=-1)

@@ -238,6 +238,7 @@ UP_ALIASES = {
         "speculative_config": "--speculative-config",
         "max_model_len": "--max-model-len",  # the worker's: the scheduler's is at most its workers'
         "dtype": "--dtype",
+        "quantization": "--quantization",
         "gpu_memory_utilization": "--gpu-memory-utilization",
         "enforce_eager": "--enforce-eager",
         "kv_store_shared_memory": "--kv-store-shared-memory",

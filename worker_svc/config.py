@@ -85,6 +85,11 @@ class WorkerConfig:
         "NCCL above and wherever it cannot start; nccl = NCCL for every message",
     )
 
+    quantization: Literal["fp8"] | None = option(
+        None,
+        help="fp8: W8A8 e4m3, the linear layers' weights quantized on load with one scale per output "
+        "channel, activations per token at each GEMM (vLLM's dynamic FP8); none: the model's dtype",
+    )
     pooling_type: Literal["last", "mean", "cls"] | None = option(
         None,
         help="how pooling requests (embeddings) pool the prompt's final hidden states when they ask for "

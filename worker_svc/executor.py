@@ -101,6 +101,7 @@ class ModelExecutor:
             backend=self.backend,
             load_format=config.load_format,
             tp=tp,
+            quantization=config.quantization,
         )
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings

@@ -23,6 +23,7 @@ from torch import nn
 from services.model_files import resolve_model
 from worker_svc.attention.base import AttentionBackend
 from worker_svc.models.config import ModelConfig
+from worker_svc.models.fp8 import QUANTIZATIONS
 from worker_svc.models.registry import get_model_class
 from worker_svc.parallel import TensorParallel, check_shardable
 
@@ -40,6 +41,7 @@ def load_model(
     cache_dir: str | None = None,
     num_layers: int = 0,
     tp: TensorParallel | None = None,
+    quantization: str | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """(model in eval mode on `device`, its config) for a folder, a .gguf file, or None (default).
 
@@ -48,8 +50,12 @@ def load_model(
     first decoder layers (with the model's own final norm and head: an early-exit draft model).
     With `tp` of size N this rank's shard is built and only its slices of the checkpoint are
     read; dummy weights are the same at every size (each rank cuts its slice from the size-1
-    weights).
+    weights). quantization="fp8": the linear layers' weights are quantized once loaded
+    (worker_svc.models.fp8).
     """
+    if quantization not in (None, *QUANTIZATIONS):
+        known = ", ".join(QUANTIZATIONS)
+        raise ValueError(f"quantization must be one of {known} or none; got {quantization!r}")
     tp = tp or TensorParallel()
     folder = resolve_model(path, cache_dir)
     config = ModelConfig.from_pretrained(folder)
@@ -84,6 +90,11 @@ def load_model(
     else:
         raise ValueError(f"unknown load_format {load_format!r} (auto, safetensors, dummy)")
     model.eval().requires_grad_(False)
+    if quantization is not None:
+        from worker_svc.models.fp8 import quantize_model_fp8
+
+        n = quantize_model_fp8(model)
+        logger.info("fp8: %d linear layers quantized (W8A8, per-channel weights, per-token activations)", n)
     return model, config
 
 

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker_svc.models.fp8 import fp8_linear
 from worker_svc.parallel import TensorParallel
 
 if TYPE_CHECKING:
@@ -102,6 +103,15 @@ class ShardedLinear(nn.Module):
         # LoRA adapters (worker_svc.lora.layer.LoRALayer, set when the worker serves them): adds
         # each adapter row's low-rank product to this rank's GEMM output. None: nothing to add.
         self.lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        # FP8 weights (worker_svc.models.fp8): the weight is float8_e4m3fn and this holds its
+        # per-output-channel scales, [1, out] fp32; None: the weight is used as it is.
+        self.weight_scale: torch.Tensor | None
+        self.register_buffer("weight_scale", None, persistent=False)
+
+    def set_fp8_weight(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
+        """Replace the weight by its FP8 quantization (`scale`: [out] fp32)."""
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_scale = scale.reshape(1, -1).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._gemm(x, self.bias)
@@ -118,6 +128,9 @@ class ShardedLinear(nn.Module):
         SKINNY_MAX_ROWS rows goes through the skinny GEMM chosen for this shape; everywhere
         else, cuBLAS. Launched eagerly, a Triton kernel costs more host time than cuBLAS, and
         eager small batches are bound by the host."""
+        if self.weight_scale is not None:
+            out_dtype = torch.float32 if fp32_out else x.dtype
+            return fp8_linear(x, self.weight, self.weight_scale, bias, out_dtype)
         cfg = self.decode_gemm
         if cfg is not None and _DECODE_GRAPH.active and x.numel() <= SKINNY_MAX_ROWS * x.shape[-1]:
             from kernels.triton.skinny_gemm import skinny_gemm

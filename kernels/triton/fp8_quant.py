@@ -1,0 +1,88 @@
+"""Per-token dynamic FP8 (e4m3) quantization of activations (twin: `kernels.reference.quantize_fp8_rows`).
+
+W8A8's activation side: every row (token) gets its own scale, amax(|x|) / 448, so one outlier
+token does not flatten the others' precision (per-tensor scales would need a calibration pass,
+and a static one breaks on inputs unlike the calibration set). One program per row, two
+passes over it: the amax, then the scaled cast. The second read hits L2 for rows of up to a few
+thousand columns, and the kernel costs one read and a half-width write of the activations,
+where torch's ops (abs, amax, div, clamp, cast) cost five round trips.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton import dual_jit
+
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # an all-zero row still gets a finite, nonzero scale
+
+
+@dual_jit
+def _quantize_fp8_rows_kernel(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    stride_x,
+    stride_q,
+    n_cols,
+    fp8_max,
+    min_scale,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK_N):
+        offs = start + tl.arange(0, BLOCK_N)
+        x = tl.load(x_ptr + row * stride_x + offs, mask=offs < n_cols, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, axis=0) / fp8_max, min_scale)
+    tl.store(scale_ptr + row, scale)
+    for start in range(0, n_cols, BLOCK_N):
+        offs = start + tl.arange(0, BLOCK_N)
+        mask = offs < n_cols
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        q = tl.clamp(x / scale, -fp8_max, fp8_max)
+        # Round to e4m3's grid here, to nearest even, so that the cast below is exact: the
+        # hardware's cast would round the same, but Triton's interpreter (the CPU tests) rounds
+        # half up and drops a carry into the exponent (127.4 became 64). Normal values keep 3 of
+        # fp32's 23 mantissa bits; below 2**-6 (e4m3's subnormals, a grid of 2**-9) the value is
+        # lifted by 2**-6 so that the same 3-bit rounding lands on that grid, then lowered again.
+        a = tl.abs(q)
+        small = a < 0.015625
+        a = tl.where(small, a + 0.015625, a)
+        bits = a.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
+        a = bits.to(tl.float32, bitcast=True)
+        a = tl.where(small, a - 0.015625, a)
+        q = tl.where(q < 0, -a, a)
+        tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (q [M, K] float8_e4m3fn, scale [M, 1] fp32), M = rows of x, x ≈ q * scale."""
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    q = torch.empty((m, n), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, scale
+    block_n = min(triton.next_power_of_2(n), 2048)
+    _quantize_fp8_rows_kernel[(m,)](
+        x2,
+        q,
+        scale,
+        x2.stride(0),
+        q.stride(0),
+        n,
+        FP8_MAX,
+        MIN_SCALE,
+        BLOCK_N=block_n,
+        num_warps=min(max(block_n // 256, 1), 8),
+    )
+    return q, scale

@@ -1,0 +1,41 @@
+"""The per-token FP8 quantization kernel against its twin (Triton's interpreter on the CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.triton.fp8_quant import quantize_fp8_rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(5, 3000), (3, 64), (1, 16)])
+def test_quantize_fp8_rows_matches_twin_bit_for_bit(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    x = (torch.randn(shape) * 3).to(dtype)
+    x[0] = 0  # an all-zero row: finite scale, zero codes
+    q, scale = quantize_fp8_rows(x)
+    q_ref, scale_ref = reference.quantize_fp8_rows(x)
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def test_quantize_fp8_rows_rounds_to_nearest_even_across_binades_and_subnormals() -> None:
+    # Values that round up into the next power of two (127.4 -> 128), and e4m3 subnormals
+    # (below 2**-6 of the scale): where a naive cast (Triton's interpreter's) goes wrong.
+    row = torch.tensor([[448.0, 127.4, -31.1, 1.98, 0.009, -0.0031, 0.00098, 0.0]])
+    q, scale = quantize_fp8_rows(row)
+    q_ref, _ = reference.quantize_fp8_rows(row)
+    assert scale.item() == 1.0
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert q.float()[0, 1].item() == 128.0
+
+
+def test_quantize_fp8_rows_scales_each_row_and_keeps_leading_dims_flat() -> None:
+    x = torch.randn(2, 3, 32)
+    x[1, 2] *= 1000  # one outlier token does not change the others' scales
+    q, scale = quantize_fp8_rows(x)
+    assert q.shape == (6, 32) and scale.shape == (6, 1)
+    rel = ((q.float() * scale).view_as(x) - x).abs().amax(-1) / x.abs().amax(-1)
+    assert rel.max() <= 2**-4  # half of e4m3's 3-bit mantissa step
+    assert quantize_fp8_rows(torch.empty(0, 32))[0].shape == (0, 32)

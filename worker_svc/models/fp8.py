@@ -1,0 +1,138 @@
+"""FP8 (e4m3) W8A8 linear layers: `quantization="fp8"`, as vLLM's dynamic FP8.
+
+Weights are quantized once, on load, from the checkpoint's bf16/fp32 tensors: one scale per
+output channel (row of W), amax / 448, which keeps a channel of small weights from being
+flattened by another's large ones (a per-tensor scale loses ~1 bit on real checkpoints).
+Activations are quantized per token at every GEMM (`quantize_fp8_rows`: the Triton kernel on
+CUDA, its twin elsewhere), and the GEMM is `torch._scaled_mm` with both scales applied to its
+fp32 accumulators (rowwise scaling: CUTLASS on Hopper, a reference kernel on the CPU).
+
+Only the decoder's projections are quantized; the embedding, the norms and the lm_head stay
+in the model's dtype (the logits are where FP8's error would show first, and vLLM keeps the
+head unquantized too). A layer whose dims are not multiples of 16 (the FP8 GEMM's tile rule)
+stays unquantized.
+
+The KV cache is untouched here: what the layers write into it is still the model's dtype,
+but its values differ from the unquantized model's, so the worker's fingerprint names the
+quantization and no block is shared between the two.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from kernels import reference
+
+log = logging.getLogger(__name__)
+
+QUANTIZATIONS = ("fp8",)
+_FP8_MAX = reference.FP8_MAX
+
+
+def quantize_weight_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [out, in] -> (Wq [out, in] float8_e4m3fn, scale [out] fp32), W ≈ Wq * scale[:, None]."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / _FP8_MAX).clamp(min=reference.FP8_MIN_SCALE)
+    q = (w / scale[:, None]).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def quantizable(layer: nn.Module) -> bool:
+    """Whether `layer` (a ShardedLinear) can take FP8 weights: a float matrix whose dims are
+    multiples of 16."""
+    w = getattr(layer, "weight", None)
+    return (
+        w is not None
+        and w.dim() == 2
+        and w.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and w.shape[0] % 16 == 0
+        and w.shape[1] % 16 == 0
+    )
+
+
+def quantize_model_fp8(model: nn.Module) -> int:
+    """Quantize every linear layer of `model` (in place, one layer at a time, so the peak is
+    one layer's fp32 copy above the model); returns how many were quantized."""
+    from worker_svc.models.parallel_layers import ShardedLinear
+
+    done = skipped = 0
+    for layer in model.modules():
+        if not isinstance(layer, ShardedLinear):
+            continue
+        if not quantizable(layer):
+            skipped += 1
+            continue
+        q, scale = quantize_weight_fp8(layer.weight.data)
+        layer.set_fp8_weight(q, scale)
+        done += 1
+    if skipped:
+        log.warning("fp8: %d linear layers kept their dtype (dims not multiples of 16)", skipped)
+    if done and next(model.parameters()).device.type == "cuda":
+        torch.cuda.empty_cache()  # the freed bf16 weights count as free for the KV budget
+    return done
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """x @ (Wq * scale).T (+ bias) with x quantized per token: [..., in] -> [..., out] in `out_dtype`.
+
+    `weight_scale` is [1, out] fp32 (the layout `_scaled_mm` takes)."""
+    n_out = weight.shape[0]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] == 0:
+        return x.new_empty((*lead, n_out), dtype=out_dtype)
+    q, x_scale = _quantize_rows(x2)
+    gemm_dtype = out_dtype if out_dtype != torch.float32 or _fp32_out(x.device) else torch.bfloat16
+    out = torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=gemm_dtype)
+    if out.dtype != out_dtype:
+        out = out.to(out_dtype)
+    if bias is not None:
+        out = out + bias
+    return out.view(*lead, n_out)
+
+
+def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token quantization: the Triton kernel on CUDA (imported on first use: the CPU
+    worker never loads Triton), the twin elsewhere."""
+    if x.device.type != "cuda":
+        return reference.quantize_fp8_rows(x)
+    global _triton_quantize_rows
+    if _triton_quantize_rows is None:
+        from kernels.triton.fp8_quant import quantize_fp8_rows
+
+        _triton_quantize_rows = quantize_fp8_rows
+    return _triton_quantize_rows(x)
+
+
+_triton_quantize_rows: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+_SCALED_MM_FP32_OUT: dict[torch.device, bool] = {}
+
+
+def _fp32_out(device: torch.device) -> bool:
+    """Whether `_scaled_mm` with rowwise scales writes fp32 on this device (probed once, outside
+    any graph capture; the CPU's does)."""
+    known = _SCALED_MM_FP32_OUT.get(device)
+    if known is not None:
+        return known
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    a = torch.ones(16, 16, device=device).to(torch.float8_e4m3fn)
+    ones = torch.ones(16, 1, device=device)
+    try:
+        ok = torch._scaled_mm(a, a.t(), scale_a=ones, scale_b=ones.t(), out_dtype=torch.float32).dtype == (
+            torch.float32
+        )
+    except (RuntimeError, TypeError, NotImplementedError):
+        ok = False
+    _SCALED_MM_FP32_OUT[device] = ok
+    return ok
