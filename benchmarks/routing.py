@@ -2,8 +2,8 @@
 
     .venv/bin/python benchmarks/routing.py                       # the full run (16-core host)
     .venv/bin/python benchmarks/routing.py --smoke               # tiny, every policy (make test)
-    [--tenants 64] [--context-len 4096] [--question-len 512] [--output-len 64] [--rate 120]
-    [--num-requests 3000] [--shards 4] [--workers 8] [--kv-tokens-per-worker 65536]
+    [--tenants 64] [--context-len 4096] [--question-len 512] [--output-len 64] [--rate 80]
+    [--num-requests 2400] [--shards 4] [--workers 8] [--kv-tokens-per-worker 65536]
     [--client-procs 4] [--policies index load round-robin]
 
 A prefix-heavy multi-tenant workload (llm-d's "shared prefix" benchmark): every tenant has a long
@@ -229,8 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context-len", type=int, default=4096)
     ap.add_argument("--question-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--rate", type=float, default=120.0, help="requests per second (Poisson)")
-    ap.add_argument("--num-requests", type=int, default=3000)
+    ap.add_argument("--rate", type=float, default=80.0, help="requests per second (Poisson)")
+    ap.add_argument("--num-requests", type=int, default=2400)
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--kv-tokens-per-worker", type=int, default=65536)
