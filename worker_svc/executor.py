@@ -111,6 +111,9 @@ class ModelExecutor:
         self.spec = spec = SpeculativeConfig.parse(config.speculative_config)
         with_draft = spec is not None and spec.method == "draft_model" and tp.is_first
         self.draft = DraftModel(spec, self) if spec is not None and with_draft else None
+        # LoRA adapters' slots (None: none served), before the KV cache takes what memory is left.
+        # Decodes with adapter rows replay lora_graphs.
+        self.lora = make_lora_slots(config, self.model, self.dtype)
         kv_spec = KVCacheSpec.of(mc, bs, self.dtype, tp.size)
         self.num_kv_blocks = self._count_blocks(kv_spec)
         self.kv_caches = allocate_kv_cache(kv_spec, self.num_kv_blocks, self.device)
@@ -118,8 +121,6 @@ class ModelExecutor:
             self.draft.allocate(self.num_kv_blocks, self.device)
         self.graphs = None  # DecodeGraphs once captured
         self.verify_graphs = None  # DecodeGraphs of 1 + num_speculative_tokens rows per sequence
-        # LoRA adapters' slots (None: none served): decodes with adapter rows replay lora_graphs.
-        self.lora = make_lora_slots(config, self.model, self.dtype)
         self.lora_graphs = None  # LoRADecodeGraphs once captured
 
     def _count_blocks(self, kv_spec: KVCacheSpec) -> int:
