@@ -148,10 +148,12 @@ def lora_shrink(
     perm: torch.Tensor,
     starts: torch.Tensor,
     max_rows: int | None = None,
+    split_k: int | None = None,
 ) -> torch.Tensor:
     """y [T, R] fp32 = x[row] @ A[slot(row)].T on the adapters' rows (base rows: unspecified).
 
     `max_rows`: a bound on the rows of any one slot (default: all rows); it sizes the grid.
+    `split_k`: programs sharing each K range (default: by K on the GPU, 1 interpreted).
     """
     t, k = x.shape
     num_slots, n, _ = a.shape
@@ -160,7 +162,8 @@ def lora_shrink(
     block_m = _block_m(max_rows)
     block_n = max(16, min(64, triton.next_power_of_2(n)))
     # Few rows per slot and a small R leave K as the parallelism: split it among programs.
-    split_k = 1 if is_interpreted(x.device) else max(1, min(8, k // 512))
+    if split_k is None:
+        split_k = 1 if is_interpreted(x.device) else max(1, min(8, k // 512))
     # Base rows of y are never read by the expand: left unwritten unless programs add into y.
     y = (torch.zeros if split_k > 1 else torch.empty)((t, n), dtype=torch.float32, device=x.device)
     if t == 0:

@@ -54,3 +54,15 @@ def test_expand_adds_into_fp32_output_of_a_row_parallel_layer() -> None:
     want = ref.lora_expand(y, b, out.clone(), perm, starts, seg_starts)
     # bf16 B: the interpreter rounds y to 16 bits its own way (see test_triton_kernels.py).
     torch.testing.assert_close(got, want, atol=5e-2, rtol=2e-2)
+
+
+def test_split_k_shrink_adds_its_partial_sums() -> None:
+    slots = [0, 1, -1, 1, 0, 0]
+    perm, starts = _batch(slots, 2)
+    x = torch.randn(len(slots), 200)
+    a = torch.randn(2, 24, 200) / 8
+    lora = perm.long()
+    want = ref.lora_shrink(x, a, perm, starts)[lora]
+    for split_k in (2, 3):  # 4 tiles of 64 along K: some programs take two, some one
+        got = kt.lora_shrink(x, a, perm, starts, split_k=split_k)[lora]
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
