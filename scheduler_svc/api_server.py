@@ -7,7 +7,7 @@ the public `llmesh.v1.Scheduler` API with the same `SchedulerServicer` the core
 runs (tokenizing, stop strings, detokenizing, one stream per caller), and
 reaches the core through a `CoreClient`: one Serve stream, one message per step
 (protos/llmesh/v1/core.proto). Workers register at the public address as
-before: an API process forwards `Registry` calls to the core.
+before: an API process forwards `Registry` calls to the core, and a router's `KVEvents` stream.
 
 The core starts the processes (`python -m scheduler_svc.api_server`, the core's
 config as JSON in their environment, secrets included: never argv), restarts
@@ -30,7 +30,7 @@ from typing import Any
 
 import grpc
 
-from llmesh.v1 import generation_pb2_grpc, worker_pb2_grpc
+from llmesh.v1 import generation_pb2_grpc, router_pb2_grpc, worker_pb2_grpc
 from scheduler_svc.core_client import CoreClient
 from scheduler_svc.servicer import ModelCard, SchedulerServicer
 from services.grpc_server import ChannelSecurity, GrpcServer, Service, open_channel, serve
@@ -67,6 +67,20 @@ class RegistryProxy(worker_pb2_grpc.RegistryServicer):
         await self._channel.close()
 
 
+class KVEventsProxy(router_pb2_grpc.KVEventsServicer):
+    """A router subscribes at the public address: the core's KV event stream, relayed."""
+
+    def __init__(self, registry: RegistryProxy) -> None:
+        self._core = router_pb2_grpc.KVEventsStub(registry._channel)
+
+    async def Subscribe(self, request, context):
+        try:
+            async for batch in self._core.Subscribe(request, timeout=context.time_remaining()):
+                yield batch
+        except grpc.aio.AioRpcError as e:
+            await context.abort(e.code(), f"scheduler core: {e.details()}")
+
+
 async def run_api_server(
     config: Any, card: ModelCard, load_tokenizer: Callable[[Any], tuple[Any, int]]
 ) -> None:
@@ -97,6 +111,9 @@ async def run_api_server(
     services = [
         Service.of("llmesh.v1.Scheduler", generation_pb2_grpc.add_SchedulerServicer_to_server, scheduler),
         Service.of("llmesh.v1.Registry", worker_pb2_grpc.add_RegistryServicer_to_server, registry),
+        Service.of(
+            "llmesh.v1.KVEvents", router_pb2_grpc.add_KVEventsServicer_to_server, KVEventsProxy(registry)
+        ),
     ]
     try:
         await serve(
