@@ -3,14 +3,25 @@ the router prefers a worker that ran the adapter, and adapters root their own ke
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+
+import grpc
 import pytest
 
+from llmesh.v1 import core_pb2_grpc
 from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.core_client import CoreClient
+from scheduler_svc.core_servicer import SchedulerCoreServicer
 from scheduler_svc.lora import LoRAChecks, LoRAMirror
-from scheduler_svc.planner import Planner, PlannerConfig
+from scheduler_svc.mesh import Mesh
+from scheduler_svc.planner import Planner, PlannerConfig, RequestRejected
 from scheduler_svc.request import Request
 from scheduler_svc.router import route
+from services.grpc_server import PLAINTEXT
 from services.sampling_params import SamplingParams
+from tests.unit.scheduler_svc.test_mesh import INFO, local, mesh_config
+from tests.unit.scheduler_svc.test_planner import CountingWorker
 
 
 def _planner(max_loras: int) -> Planner:
@@ -80,3 +91,42 @@ def test_the_router_in_front_of_shards_keys_an_adapter_as_the_scheduler_does() -
     want = [short_key(k) for k in extend_block_keys([], req.all_token_ids, 8, b"fp", req.cache_root)]
     assert r.prompt_keys(req.all_token_ids, "", 8, b"fp", ("a", "/a/a")) == want
     assert r.prompt_keys(req.all_token_ids, "", 8, b"fp") != want
+
+
+class _RecordingWorker(CountingWorker):
+    def __init__(self) -> None:
+        super().__init__()
+        self.new: list = []
+
+    def execute(self, plan):  # type: ignore[no-untyped-def]
+        self.new += plan.new_seqs
+        return super().execute(plan)
+
+
+@pytest.mark.parametrize("max_loras", [2, 0])
+async def test_the_adapter_reaches_the_worker_through_the_core_stream(max_loras: int) -> None:
+    """An API process's CoreClient -> the core's Serve stream -> the mesh -> NewSequence."""
+    mesh = Mesh(mesh_config())
+    worker = _RecordingWorker()
+    mesh.add_worker("w", dataclasses.replace(INFO, max_loras=max_loras), local(worker))
+    server = grpc.aio.server()
+    core_pb2_grpc.add_SchedulerCoreServicer_to_server(SchedulerCoreServicer(mesh), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = CoreClient(f"127.0.0.1:{port}", PLAINTEXT)
+    task = asyncio.ensure_future(client.run())
+    try:
+        await asyncio.wait_for(client.attached.wait(), 10)
+        queue = client.submit("l", [5, 6, 7], SamplingParams(max_tokens=3), lora_name="a", lora_path="/a")
+        while not isinstance(item := await queue.get(), Exception) and not item.finished:
+            pass
+        if max_loras:
+            assert not isinstance(item, Exception)
+            assert [(s.lora_name, s.lora_path) for s in worker.new] == [("a", "/a")]
+        else:  # no worker serves LoRA: refused before it runs
+            assert isinstance(item, RequestRejected) and "LoRA" in str(item)
+            assert worker.new == []
+    finally:
+        task.cancel()
+        await server.stop(0)
+        await mesh.remove_worker("w")
