@@ -101,7 +101,8 @@ class LLM:
         """`lora_request`: the LoRA adapter to run with (vLLM's), one for all prompts or one each."""
         batch = self._as_batch(prompts)
         params = self._params_for(batch, sampling_params)
-        loras = lora_requests_for(len(batch), lora_request)
+        info = self.engine.info
+        loras = lora_requests_for(len(batch), lora_request, info.max_loras, info.max_lora_rank)
         children: dict[str, _Child] = {}
         outputs: list[RequestOutput] = []
         submissions: list[_Submission] = []

@@ -20,18 +20,27 @@ class LoRARequest:
     lora_int_id: int  # vLLM's unique id; llmesh names an adapter by (lora_name, lora_path)
     lora_path: str
 
-    def check(self) -> None:
-        """ValueError unless the name is valid and the folder an adapter that can be served."""
+    def check(self, max_rank: int = 0) -> None:
+        """ValueError unless the name is valid and the folder an adapter of rank <= `max_rank` (0:
+        any) that can be served."""
         check_lora_name(self.lora_name)
         if self.lora_int_id < 1:
             raise ValueError(f"lora_int_id must be positive, got {self.lora_int_id}")
-        read_lora_spec(self.lora_path)
+        rank = read_lora_spec(self.lora_path).rank
+        if max_rank and rank > max_rank:
+            raise ValueError(
+                f"LoRA adapter {self.lora_name!r} has rank {rank}, above max_lora_rank {max_rank}"
+            )
 
 
 def lora_requests_for(
-    num_prompts: int, lora_request: LoRARequest | Sequence[LoRARequest | None] | None
+    num_prompts: int,
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+    max_loras: int = 0,
+    max_rank: int = 0,
 ) -> list[LoRARequest | None]:
-    """One adapter (or None) per prompt, each checked (ValueError) before anything runs."""
+    """One adapter (or None) per prompt, each checked (ValueError) before anything runs, against
+    the engine's max_loras (0: LoRA is off) and max_lora_rank."""
     if lora_request is None or isinstance(lora_request, LoRARequest):
         loras: list[LoRARequest | None] = [lora_request] * num_prompts
     else:
@@ -43,6 +52,8 @@ def lora_requests_for(
         if lora is not None and lora not in checked:
             if not isinstance(lora, LoRARequest):
                 raise ValueError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
-            lora.check()
+            if not max_loras:
+                raise ValueError("lora_request needs LoRA on: LLM(..., enable_lora=True)")
+            lora.check(max_rank)
             checked.add(lora)
     return loras

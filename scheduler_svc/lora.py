@@ -60,29 +60,33 @@ class LoRAChecks:
     remembering the folders found servable (a bounded LRU: one read per adapter, not per request)."""
 
     def __init__(self, max_remembered: int = 256) -> None:
-        self._servable: OrderedDict[LoRAKey, None] = OrderedDict()
+        self._servable: OrderedDict[LoRAKey, int] = OrderedDict()  # -> the adapter's rank
         self._max = max_remembered
 
-    def check(self, name: str, path: str) -> None:
+    def check(self, name: str, path: str, max_rank: int = 0) -> None:
         """ValueError (its message starts with the field) unless (name, path) may go to workers.
 
         The folder is read here (its config and safetensors header): a bad or missing adapter is
         refused before any worker tries it, since a load that fails on a worker ends its Step
         stream. So the scheduler must see the adapters at the workers' paths (one host, or a
-        shared volume)."""
+        shared volume). `max_rank`: the workers' max_lora_rank (0: not checked)."""
         if not name and not path:
             return
         if not name or not path:
             raise ValueError("lora_name: lora_name and lora_path go together")
         key = (name, path)
-        if key in self._servable:
-            self._servable.move_to_end(key)
-            return
-        try:
-            check_lora_name(name)
-            read_lora_spec(path)
-        except (LoRAConfigError, OSError) as e:
-            raise ValueError(f"lora_name: {e}") from None
-        self._servable[key] = None
-        while len(self._servable) > self._max:
-            self._servable.popitem(last=False)
+        rank = self._servable.get(key)
+        if rank is None:
+            try:
+                check_lora_name(name)
+                rank = read_lora_spec(path).rank
+            except (LoRAConfigError, OSError) as e:
+                raise ValueError(f"lora_name: {e}") from None
+            self._servable[key] = rank
+            while len(self._servable) > self._max:
+                self._servable.popitem(last=False)
+        self._servable.move_to_end(key)
+        if max_rank and rank > max_rank:
+            raise ValueError(
+                f"lora_name: adapter {name!r} has rank {rank}, above the workers' max_lora_rank {max_rank}"
+            )

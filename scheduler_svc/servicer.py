@@ -107,7 +107,7 @@ class SchedulerServicer(generation_pb2_grpc.SchedulerServicer):
         params = await self._params_of(request, context, len(prompt), info.max_model_len)
         salt = await self._salt_of(request, context)
         try:
-            self.lora_checks.check(request.lora_name, request.lora_path)
+            self.lora_checks.check(request.lora_name, request.lora_path, info.max_lora_rank)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         stream_text = request.return_text and params.detokenize

@@ -207,6 +207,7 @@ class WorkerInfo:
     # LoRA: adapters the worker holds at once (0 = it serves none); the scheduler runs at most
     # this many distinct adapters on it.
     max_loras: int = 0
+    max_lora_rank: int = 0  # the largest adapter rank its slots hold
 
 
 def store_fingerprint(fingerprint: bytes, chunk_blocks: int) -> bytes:

@@ -240,6 +240,7 @@ class ModelRunner:
             spec_disable_by_batch_size=self.spec.disable_by_batch_size if self.spec else 0,
             spec_drafts_ahead=self.proposer is not None,
             max_loras=self.executor.lora.max_loras if self.executor.lora is not None else 0,
+            max_lora_rank=self.executor.lora.max_rank if self.executor.lora is not None else 0,
         )
 
     @staticmethod

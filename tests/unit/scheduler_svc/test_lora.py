@@ -77,6 +77,15 @@ def test_adapter_checks(tmp_path) -> None:
     for name, path in [("a", ""), ("", "/x"), ("bad name", "/x"), ("a", str(tmp_path)), ("a", "/not/here")]:
         with pytest.raises(ValueError, match="^lora_name: "):
             checks.check(name, path)
+    from tests.helpers.lora_adapters import make_peft_adapter
+    from tests.helpers.tiny_models import make_tiny_model
+
+    adapter = make_peft_adapter(
+        tmp_path / "a", make_tiny_model(tmp_path / "m", "llama"), r=8, targets=["q_proj"]
+    )
+    checks.check("a", adapter, max_rank=8)
+    with pytest.raises(ValueError, match="rank 8, above the workers' max_lora_rank 4"):
+        checks.check("a", adapter, max_rank=4)  # remembered as servable, the rank still checked
 
 
 def test_the_router_in_front_of_shards_keys_an_adapter_as_the_scheduler_does() -> None:

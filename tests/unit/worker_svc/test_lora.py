@@ -68,10 +68,14 @@ def test_slots_are_reused_least_recently_used_first(lora_setup) -> None:
 
 
 def test_an_unservable_adapter_is_refused_before_anything_runs(lora_setup, tmp_path) -> None:
-    base, _ = lora_setup
-    served = LLM(base, enable_lora=True, num_kv_blocks=64)
+    base, adapters = lora_setup
+    served = LLM(base, enable_lora=True, num_kv_blocks=64, max_lora_rank=8)
     with pytest.raises(ValueError, match="adapter_config.json"):
         served.generate([[5, 6]], GREEDY, lora_request=LoRARequest("x", 1, str(tmp_path)))
+    with pytest.raises(ValueError, match="rank 16, above max_lora_rank 8"):
+        served.generate([[5, 6]], GREEDY, lora_request=LoRARequest("ko", 1, adapters[3]))
+    with pytest.raises(ValueError, match="enable_lora"):
+        LLM(base, num_kv_blocks=16).generate([[5, 6]], GREEDY, lora_request=LoRARequest("a", 1, adapters[0]))
 
 
 def test_an_adapter_never_shares_cached_blocks_with_the_base_or_another(lora_setup) -> None:
