@@ -130,4 +130,5 @@ async def start_router(addresses: list[str], policy: str = "index", **kw) -> Rou
     await server.start()
     for address in addresses:
         pool.add(address, address)
+    pool.start_dns()
     return RouterUnderTest(router, pool, servicer, server, port)

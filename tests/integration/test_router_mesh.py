@@ -96,7 +96,7 @@ def test_sigkill_of_a_shard_under_streams(sharded: LocalMesh, client):
             chunks = client.chat.completions.create(
                 model="SmolLM2-135M-Instruct",
                 messages=[{"role": "user", "content": f"Count slowly from {i} to one hundred."}],
-                max_tokens=96,
+                max_tokens=64,
                 temperature=0,
                 stream=True,
                 extra_body={"ignore_eos": True},

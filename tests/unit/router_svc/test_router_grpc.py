@@ -194,3 +194,35 @@ async def test_a_pool_whose_workers_join_after_the_router_subscribed_is_indexed(
         await router.stop()
         for s in shards:
             await s.stop()
+
+
+async def test_shards_found_by_dns_join():
+    shard = await start_shard("dns")
+    router = await start_router([], shards_dns=f"localhost:{shard.port}", dns_refresh_s=0.1)
+    try:
+        await router.wait_ready(1)  # localhost may also resolve to ::1, where nothing listens
+        assert any(s.registered for s in router.router.ready_shards)
+    finally:
+        await router.stop()
+        await shard.stop()
+
+
+async def test_abort_through_the_router_ends_the_stream():
+    shard = await start_shard("slowish", step_s=0.02)
+    router = await start_router([shard.address])
+    try:
+        await router.wait_ready(1)
+        async with grpc.aio.insecure_channel(router.address) as channel:
+            stub = gg.SchedulerStub(channel)
+            call = stub.Generate(request([3, 4, 5], max_tokens=500, rid="mine"), timeout=30)
+            first = await call.read()
+            assert first.request_id == "mine"
+            reply = await stub.Abort(g.AbortRequest(request_ids=["mine", "unknown"]))
+            assert list(reply.aborted_ids) == ["mine"]
+            last = first
+            while (resp := await call.read()) is not grpc.aio.EOF:
+                last = resp
+            assert last.finish_reason == g.FINISH_REASON_ABORT
+    finally:
+        await router.stop()
+        await shard.stop()
