@@ -65,9 +65,11 @@ class ShardUnderTest:
             await self.mesh.remove_worker(wid)
 
 
-async def start_shard(name: str, num_workers: int = 1, step_s: float = 0.0, port: int = 0) -> ShardUnderTest:
+async def start_shard(
+    name: str, num_workers: int = 1, step_s: float = 0.0, port: int = 0, max_waiting_requests: int = 1024
+) -> ShardUnderTest:
     planner = PlannerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024)
-    mesh = Mesh(MeshConfig(planner=planner))
+    mesh = Mesh(MeshConfig(planner=planner, max_waiting_requests=max_waiting_requests))
     mesh.kv_events = KVEventLog(name, load=lambda: pool_load(mesh))
     shard = ShardUnderTest(name, mesh, grpc.aio.server(), 0)
     for i in range(num_workers):

@@ -226,3 +226,25 @@ async def test_abort_through_the_router_ends_the_stream():
     finally:
         await router.stop()
         await shard.stop()
+
+
+async def test_when_every_shard_is_full_the_caller_gets_resource_exhausted_with_retry_after():
+    shards = [await start_shard(f"full{i}", step_s=0.5, max_waiting_requests=1) for i in range(2)]
+    router = await start_router([s.address for s in shards], policy="round-robin")
+    try:
+        await router.wait_ready(2)
+        async with grpc.aio.insecure_channel(router.address) as channel:
+            stub = gg.SchedulerStub(channel)
+            held = [stub.Generate(request([3, 4, i + 3], max_tokens=100), timeout=30) for i in range(18)]
+            await until(lambda: all(s.mesh.num_backlog == 1 for s in shards))  # 8 slots + 1 each
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await generate(stub, [7, 7, 7])
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert int(dict(refused.value.trailing_metadata())["retry-after"]) >= 1
+            assert router.servicer.num_retries >= 2  # both shards were asked
+            for c in held:
+                c.cancel()
+    finally:
+        await router.stop()
+        for s in shards:
+            await s.stop()
