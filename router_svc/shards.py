@@ -185,14 +185,12 @@ class ShardPool:
 
     async def _resolve_loop(self) -> None:
         host, _, port = self.config.shards_dns.rpartition(":")
-        known: set[str] = set()
         while True:
             try:
                 infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
                 found = {f"[{i[4][0]}]:{port}" if ":" in i[4][0] else f"{i[4][0]}:{port}" for i in infos}
-                for address in found - known:
+                for address in found - self.links.keys():  # new, or forgotten after it died
                     self.add(address, registered=True)
-                known = found
             except OSError as e:
                 log.info("shard DNS lookup failed", extra={"name": self.config.shards_dns, "error": str(e)})
             await asyncio.sleep(self.config.dns_refresh_s)
