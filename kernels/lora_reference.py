@@ -30,11 +30,12 @@ def lora_rows(perm: torch.Tensor, starts: torch.Tensor) -> list[tuple[int, torch
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, perm: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-    """y [T, R] fp32 = x[row] @ A[slot(row)].T for the adapters' rows (0 on base rows, which the
-    kernel leaves unspecified: the expand never reads them)."""
-    y = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
+    """y [1, T, R] fp32 = x[row] @ A[slot(row)].T for the adapters' rows (0 on base rows, which the
+    kernel leaves unspecified: the expand never reads them). One plane: the kernel may give
+    several, partial sums over K, which `lora_expand` adds up."""
+    y = torch.zeros(1, x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
     for s, rows in lora_rows(perm, starts):
-        y[rows] = x[rows].float() @ a[s].float().T
+        y[0, rows] = x[rows].float() @ a[s].float().T
     return y
 
 
@@ -46,17 +47,19 @@ def lora_expand(
     starts: torch.Tensor,
     seg_starts: torch.Tensor,
 ) -> torch.Tensor:
-    """out[row, seg j] += y[row, j's rank columns] @ B[slot(row), seg j].T, in place; returns out.
+    """out[row, seg j] += y[:, row, j's rank columns].sum(0) @ B[slot(row), seg j].T, in place;
+    returns out.
 
-    `y` is rounded to B's dtype first, as the kernel's tensor-core product does; the sum is
-    accumulated in fp32 and rounded once to out's dtype.
+    The planes are summed in order in fp32, then rounded to B's dtype, as the kernel's
+    tensor-core product does; the sum is accumulated in fp32 and rounded once to out's dtype.
     """
     n_bounds = seg_starts.tolist()
     r_seg = b.shape[2]
+    total = y.sum(0) if y.shape[0] > 1 else y[0]
     for s, rows in lora_rows(perm, starts):
         for j in range(len(n_bounds) - 1):
             lo, hi = n_bounds[j], n_bounds[j + 1]
-            ys = y[rows, j * r_seg : (j + 1) * r_seg].to(b.dtype).float()
+            ys = total[rows, j * r_seg : (j + 1) * r_seg].to(b.dtype).float()
             delta = ys @ b[s, lo:hi].float().T
             out[rows, lo:hi] = (out[rows, lo:hi].float() + delta).to(out.dtype)
     return out

@@ -10,11 +10,12 @@ CUDA graph may replay it with other counts). Each program gathers its rows of x 
 one launch serves every adapter and base rows cost nothing.
 
 * shrink: program (s, m-block, n-block of R x split) walks K in BLOCK_K tiles; with SPLIT_K > 1
-  the K range is split among programs that add into y atomically (y zeroed first): a decode
-  batch has few rows per adapter and R is small, so K is where the parallelism is.
-* expand: program (s, m-block, segment x n-block) multiplies its rows' rank columns of its
-  segment by B[s]'s rows of that segment in one dot (R fits a tile) and adds into `out` in
-  place. Every (row, column) of `out` belongs to one program: no atomics.
+  the K range is split among programs (a decode batch has few rows per adapter and R is small,
+  so K is where the parallelism is), each writing its partial sum to its own plane of
+  y [SPLIT_K, T, R]: no atomics and no zeroed buffer, and the sum is the same every run;
+* expand: program (s, m-block, segment x n-block) sums its rows' rank columns of its segment
+  over the planes, multiplies them by B[s]'s rows of that segment in one dot (R fits a tile)
+  and adds into `out` in place. Every (row, column) of `out` belongs to one program.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def _lora_shrink_kernel(
     stride_xm,
     stride_as,
     stride_an,
+    stride_yk,
     stride_ym,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -72,12 +74,8 @@ def _lora_shrink_kernel(
             acc += tl.dot(x.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(x.to(a.dtype), tl.trans(a))
-    y = y_ptr + rows[:, None] * stride_ym + offs_n[None, :]
-    mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT_K == 1:
-        tl.store(y, acc, mask=mask)
-    else:
-        tl.atomic_add(y, acc, mask=mask)
+    y = y_ptr + pid_k.to(tl.int64) * stride_yk + rows[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y, acc, mask=m_mask[:, None] & n_mask[None, :])
 
 
 @dual_jit
@@ -89,10 +87,12 @@ def _lora_expand_kernel(
     starts_ptr,
     seg_starts_ptr,
     R,
+    stride_yk,
     stride_ym,
     stride_bs,
     stride_bn,
     stride_om,
+    PLANES: tl.constexpr,
     N_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -117,11 +117,11 @@ def _lora_expand_kernel(
     n_mask = offs_n < n_hi
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
-    y = tl.load(
-        y_ptr + rows[:, None] * stride_ym + (seg * R + offs_r)[None, :],
-        mask=m_mask[:, None] & r_mask[None, :],
-        other=0.0,
-    )
+    y_rows = y_ptr + rows[:, None] * stride_ym + (seg * R + offs_r)[None, :]
+    y_mask = m_mask[:, None] & r_mask[None, :]
+    y = tl.load(y_rows, mask=y_mask, other=0.0)
+    for p in range(1, PLANES):  # the shrink's split-K partial sums, in a fixed order
+        y += tl.load(y_rows + p * stride_yk, mask=y_mask, other=0.0)
     b = tl.load(
         b_ptr + s.to(tl.int64) * stride_bs + offs_n.to(tl.int64)[:, None] * stride_bn + offs_r[None, :],
         mask=n_mask[:, None] & r_mask[None, :],
@@ -150,7 +150,8 @@ def lora_shrink(
     max_rows: int | None = None,
     split_k: int | None = None,
 ) -> torch.Tensor:
-    """y [T, R] fp32 = x[row] @ A[slot(row)].T on the adapters' rows (base rows: unspecified).
+    """y [P, T, R] fp32: P partial sums (split K) of x[row] @ A[slot(row)].T on the adapters' rows
+    (base rows: unspecified); `lora_expand` sums the planes.
 
     `max_rows`: a bound on the rows of any one slot (default: all rows); it sizes the grid.
     `split_k`: programs sharing each K range (default: by K on the GPU, 1 interpreted).
@@ -161,17 +162,16 @@ def lora_shrink(
     max_rows = t if max_rows is None else max_rows
     block_m = _block_m(max_rows)
     block_n = max(16, min(64, triton.next_power_of_2(n)))
-    # Few rows per slot and a small R leave K as the parallelism: split it among programs.
     if split_k is None:
         split_k = 1 if is_interpreted(x.device) else max(1, min(8, k // 512))
-    # Base rows of y are never read by the expand: left unwritten unless programs add into y.
-    y = (torch.zeros if split_k > 1 else torch.empty)((t, n), dtype=torch.float32, device=x.device)
+    # Base rows of y are never read by the expand: left unwritten.
+    y = torch.empty((split_k, t, n), dtype=torch.float32, device=x.device)
     if t == 0:
         return y
     grid = (num_slots, triton.cdiv(max_rows, block_m), triton.cdiv(n, block_n) * split_k)
     _lora_shrink_kernel[grid](
         x, a, y, perm, starts, n, k,
-        x.stride(0), a.stride(0), a.stride(1), y.stride(0),
+        x.stride(0), a.stride(0), a.stride(1), y.stride(0), y.stride(1),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64 if is_interpreted(x.device) else 128,
         SPLIT_K=split_k, DOT_FP32=is_interpreted(x.device) or a.dtype == torch.float32,
     )  # fmt: skip
@@ -188,12 +188,13 @@ def lora_expand(
     max_rows: int | None = None,
     max_seg_n: int | None = None,
 ) -> torch.Tensor:
-    """out[row, seg j] += y[row, j's rank columns] @ B[slot(row), seg j].T, in place; returns out.
+    """out[row, seg j] += y[:, row, j's rank columns].sum(0) @ B[slot(row), seg j].T, in place;
+    returns out. `y`: `lora_shrink`'s [P, T, R] planes.
 
     `seg_starts`: int32 [num_segments + 1] output offsets; `max_seg_n`: the widest segment
     (default: all of N); `max_rows` as for `lora_shrink`.
     """
-    t = y.shape[0]
+    planes, t = y.shape[0], y.shape[1]
     num_slots, n, r = b.shape
     num_segs = seg_starts.shape[0] - 1
     assert b.stride(-1) == 1 and out.stride(-1) == 1 and out.shape[0] == t
@@ -206,8 +207,9 @@ def lora_expand(
     grid = (num_slots, triton.cdiv(max_rows, block_m), num_segs * n_blocks)
     _lora_expand_kernel[grid](
         y, b, out, perm, starts, seg_starts, r,
-        y.stride(0), b.stride(0), b.stride(1), out.stride(0),
-        N_BLOCKS=n_blocks, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(r)),
+        y.stride(0), y.stride(1), b.stride(0), b.stride(1), out.stride(0),
+        PLANES=planes, N_BLOCKS=n_blocks, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_R=max(16, triton.next_power_of_2(r)),
         DOT_FP32=is_interpreted(y.device) or b.dtype == torch.float32,
     )  # fmt: skip
     return out

@@ -33,7 +33,7 @@ def test_shrink_and_expand_match_twin(dtype: torch.dtype) -> None:
     y = kt.lora_shrink(x, a, perm, starts)
     y_ref = ref.lora_shrink(x, a, perm, starts)
     lora = perm.long()
-    torch.testing.assert_close(y[lora], y_ref[lora], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(y.sum(0)[lora], y_ref[0, lora], atol=1e-4, rtol=1e-4)
     base = torch.randn(len(slots), sum(segs), dtype=dtype)
     out = kt.lora_expand(y_ref, b, base.clone(), perm, starts, seg_starts, max_seg_n=40)
     out_ref = ref.lora_expand(y_ref, b, base.clone(), perm, starts, seg_starts)
@@ -46,7 +46,7 @@ def test_shrink_and_expand_match_twin(dtype: torch.dtype) -> None:
 def test_expand_adds_into_fp32_output_of_a_row_parallel_layer() -> None:
     slots = [1, 1, -1, 0]
     perm, starts = _batch(slots, 2)
-    y = torch.randn(4, 16)
+    y = torch.randn(2, 4, 16)  # two planes of partial sums
     b = torch.randn(2, 20, 16, dtype=torch.bfloat16)
     out = torch.zeros(4, 20)
     seg_starts = torch.tensor([0, 20], dtype=torch.int32)
@@ -62,7 +62,16 @@ def test_split_k_shrink_adds_its_partial_sums() -> None:
     x = torch.randn(len(slots), 200)
     a = torch.randn(2, 24, 200) / 8
     lora = perm.long()
-    want = ref.lora_shrink(x, a, perm, starts)[lora]
+    want = ref.lora_shrink(x, a, perm, starts)[0, lora]
     for split_k in (2, 3):  # 4 tiles of 64 along K: some programs take two, some one
-        got = kt.lora_shrink(x, a, perm, starts, split_k=split_k)[lora]
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        y = kt.lora_shrink(x, a, perm, starts, split_k=split_k)
+        assert y.shape[0] == split_k
+        torch.testing.assert_close(y.sum(0)[lora], want, atol=1e-4, rtol=1e-4)
+        # The expand sums the planes itself.
+        b = torch.randn(2, 16, 8)
+        seg = torch.tensor([0, 8, 16], dtype=torch.int32)
+        out = kt.lora_expand(y, b, torch.zeros(len(slots), 16), perm, starts, seg)
+        want_out = ref.lora_expand(
+            ref.lora_shrink(x, a, perm, starts), b, torch.zeros(len(slots), 16), perm, starts, seg
+        )
+        torch.testing.assert_close(out, want_out, atol=1e-4, rtol=1e-4)
