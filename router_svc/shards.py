@@ -61,6 +61,7 @@ class ShardPool:
         self.links: dict[str, ShardLink] = {}
         self.on_change: list = []  # called with no argument when a shard's readiness may have changed
         self._dns_task: asyncio.Task | None = None
+        self._closing: set[asyncio.Task] = set()  # departed shards' channels, closed once idle
 
     # ----- join / leave -----
     def add(self, address: str, shard_id: str = "", registered: bool = False) -> Shard:
@@ -110,8 +111,16 @@ class ShardPool:
     def _close_link(self, link: ShardLink) -> None:
         if link.task is not None and link.task is not asyncio.current_task():
             link.task.cancel()
-        # In-flight calls of the shard keep the channel until they end (they hold their stub's channel).
-        asyncio.get_running_loop().call_later(60.0, lambda: asyncio.ensure_future(link.channel.close()))
+        self._closing.add(asyncio.ensure_future(self._close_when_idle(link)))
+
+    async def _close_when_idle(self, link: ShardLink) -> None:
+        """Close a departed shard's channel once the requests streaming over it have ended."""
+        try:
+            while link.shard.inflight > 0:
+                await asyncio.sleep(1.0)
+            await link.channel.close()
+        finally:
+            self._closing.discard(asyncio.current_task())  # type: ignore[arg-type]
 
     def link(self, shard: Shard) -> ShardLink | None:
         return self.links.get(shard.shard_id)
@@ -119,6 +128,8 @@ class ShardPool:
     async def close(self) -> None:
         if self._dns_task is not None:
             self._dns_task.cancel()
+        for task in list(self._closing):
+            task.cancel()
         for link in list(self.links.values()):
             if link.task is not None:
                 link.task.cancel()
