@@ -120,3 +120,11 @@ def test_lora_decode_graphs_static_path_equals_eager(lora_setup) -> None:
     ex.lora_graphs.with_rows = lambda rows: replays.append(len(rows)) or with_rows(rows)  # type: ignore[method-assign]
     assert greedy(llm) == want
     assert 3 in replays  # decodes of 3 sequences (padded to 4) replayed the LoRA graphs' path
+
+
+def test_lora_modules_are_loaded_at_start(lora_setup) -> None:
+    base, adapters = lora_setup
+    llm = LLM(base, lora_modules=[f"sql={adapters[0]}", f"chat={adapters[1]}"], num_kv_blocks=16)
+    slots = llm.engine.runner.executor.lora
+    assert slots is not None and slots.loaded == [("sql", adapters[0]), ("chat", adapters[1])]
+    assert llm.engine.info.max_loras == 4 and llm.engine.info.max_lora_rank == 16
