@@ -135,9 +135,22 @@ def rms_norm(
     return weight * h.to(x.dtype), x
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x @ weight.T accumulated in fp32 and rounded once to `out_dtype` (x's dtype by default)."""
-    return F.linear(x.float(), weight.float()).to(out_dtype or x.dtype)
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+    scale: torch.Tensor | None = None,
+    x_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x @ weight.T accumulated in fp32 and rounded once to `out_dtype` (x's dtype by default);
+    `scale` ([N]): output column n times scale[n] (FP8 weights' per-channel scales); `x_scale`
+    ([M] or [M, 1], x of shape [M, K]): output row m times x_scale[m] (FP8 rows of x)."""
+    out = F.linear(x.float(), weight.float())
+    if scale is not None:
+        out = out * scale.float()
+    if x_scale is not None:
+        out = out * x_scale.float().reshape(-1, 1)
+    return out.to(out_dtype or x.dtype)
 
 
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -148,7 +161,9 @@ def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] -> (q [M, K] float8_e4m3fn, scale [M, 1] fp32): each row's own scale,
     amax(|row|) / 448, so that x ≈ q * scale (per-token dynamic quantization)."""
     x2 = x.reshape(-1, x.shape[-1]).float()
-    scale = (x2.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    # Times the fp32 reciprocal, not / 448: torch divides by a scalar that way on CUDA but not on
+    # the CPU, and the kernel must have one definition to match on both.
+    scale = (x2.abs().amax(dim=-1, keepdim=True) * (1.0 / FP8_MAX)).clamp(min=FP8_MIN_SCALE)
     q = (x2 / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale
 

@@ -25,12 +25,17 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker_svc.models.fp8 import fp8_linear, fp8_skinny_linear
 from worker_svc.models.parallel_layers import ShardedLinear, linear_fp32_out
+
+if TYPE_CHECKING:
+    from kernels.triton.skinny_gemm import SkinnyConfig
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +46,13 @@ _ROWS = 1  # timed at batch 1 (the sweep's best config was the same from 1 to 16
 
 # (layers of one shape, output in fp32) -> {candidate name: microseconds per call}
 Timer = Callable[[list[ShardedLinear], bool], dict[str, float]]
+_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 
 
-def candidates() -> dict[str, object]:
-    """The configs that won a cell of benchmarks/skinny_gemm.py's 24-config sweep on an H100."""
+def candidates(fp8: bool = True) -> dict[str, object]:
+    """The configs that won a cell of benchmarks/skinny_gemm.py's 24-config sweep on an H100,
+    and for FP8 weights (fp8=True adds them) the same tiles twice as deep: a byte an element,
+    so a tile of the same bytes."""
     from kernels.triton.skinny_gemm import SkinnyConfig
 
     configs = [
@@ -52,6 +60,11 @@ def candidates() -> dict[str, object]:
         SkinnyConfig(block_n=32, block_k=512, num_warps=4, num_stages=4),
         SkinnyConfig(block_n=64, block_k=256, num_warps=4, num_stages=4),
     ]
+    if fp8:
+        configs += [
+            SkinnyConfig(block_n=32, block_k=1024, num_warps=4, num_stages=3),
+            SkinnyConfig(block_n=64, block_k=512, num_warps=4, num_stages=4),
+        ]
     return {str(c): c for c in configs}
 
 
@@ -61,7 +74,7 @@ def choose_decode_gemms(
     cache_dir: str | None = None,
     timer: Timer | None = None,
 ) -> list[str]:
-    """Set `decode_gemm` on every bf16/fp16 linear layer of `models`; one line per shape.
+    """Set `decode_gemm` on every bf16/fp16/fp8 linear layer of `models`; one line per shape.
 
     Off CUDA nothing is chosen (unless a `timer` is given: the tests' way in). Choices found in
     `cache_dir`'s file are reused; new ones are timed and added to it."""
@@ -72,7 +85,7 @@ def choose_decode_gemms(
     groups: dict[tuple, list[ShardedLinear]] = {}
     for model in models:
         for layer in model.modules():
-            if isinstance(layer, ShardedLinear) and layer.weight.dtype in (torch.bfloat16, torch.float16):
+            if isinstance(layer, ShardedLinear) and layer.weight.dtype in _WEIGHT_DTYPES:
                 fp32_out = layer.out_fp32()
                 groups.setdefault((tuple(layer.weight.shape), layer.weight.dtype, fp32_out), []).append(layer)
     if not groups:
@@ -117,7 +130,7 @@ def _key(device: torch.device, shape: tuple, dtype: torch.dtype, fp32_out: bool)
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     weights = str(dtype).removeprefix("torch.")
-    out = "float32" if fp32_out else weights
+    out = "float32" if fp32_out else "bfloat16" if dtype == torch.float8_e4m3fn else weights
     versions = f"torch {torch.__version__}|triton {triton.__version__}"
     return f"{gpu}|{versions}|{shape[1]}->{shape[0]}|{weights} -> {out}"
 
@@ -153,36 +166,49 @@ def _write(path: str, choices: dict[str, str]) -> None:
 
 
 def _time_candidates(layers: list[ShardedLinear], fp32_out: bool) -> dict[str, float]:
-    """Microseconds per call of cuBLAS and of each candidate that runs on this GPU."""
+    """Microseconds per call of cuBLAS and of each candidate that runs on this GPU.
+
+    FP8 layers: "cuBLAS" is their eager path (activations quantized per token, `_scaled_mm`),
+    a skinny GEMM the same math on its FP8 tensor-core tiles (the quantization timed with it)."""
     from kernels.triton.skinny_gemm import skinny_gemm
 
-    weights = [layer.weight for layer in layers]
-    n, k = weights[0].shape
-    x = torch.randn(_ROWS, k, dtype=weights[0].dtype, device=weights[0].device)
+    weight = layers[0].weight
+    n, k = weight.shape
+    fp8 = layers[0].weight_scale is not None
+    x = torch.randn(_ROWS, k, dtype=torch.bfloat16 if fp8 else weight.dtype, device=weight.device)
     out_dtype = torch.float32 if fp32_out else None
 
-    def cublas(w: torch.Tensor) -> None:
-        linear_fp32_out(x, w) if fp32_out else F.linear(x, w)
+    def cublas(layer: ShardedLinear) -> None:
+        if layer.weight_scale is not None:
+            fp8_linear(x, layer.weight, layer.weight_scale, None, out_dtype or x.dtype)
+        else:
+            linear_fp32_out(x, layer.weight) if fp32_out else F.linear(x, layer.weight)
 
-    times = {CUBLAS: _time_us(cublas, weights)}
-    for name, cfg in candidates().items():
+    def skinny(layer: ShardedLinear, cfg: SkinnyConfig) -> None:
+        if layer.weight_scale is not None:
+            fp8_skinny_linear(x, layer.weight, layer.weight_scale, out_dtype or x.dtype, cfg)
+        else:
+            skinny_gemm(x, layer.weight, out_dtype, cfg)
+
+    times = {CUBLAS: _time_us(cublas, layers)}
+    for name, cfg in candidates(fp8).items():
         try:
-            times[name] = _time_us(lambda w, c=cfg: skinny_gemm(x, w, out_dtype, c), weights)
+            times[name] = _time_us(lambda layer, c=cfg: skinny(layer, c), layers)
         except Exception as e:  # noqa: BLE001 - a config this GPU cannot run (shared memory...)
             log.debug("skinny GEMM %s refused for %s: %s", name, (n, k), e)
     return times
 
 
-def _time_us(op: Callable[[torch.Tensor], object], weights: list[torch.Tensor]) -> float:
-    """Microseconds per call of `op`, in a CUDA graph that calls it once per weight (median of 5)."""
-    reps = max(len(weights), 4)
-    for w in weights[:2]:  # compile / pick the algorithm outside the capture
-        op(w)
+def _time_us(op: Callable[[ShardedLinear], object], layers: list[ShardedLinear]) -> float:
+    """Microseconds per call of `op`, in a CUDA graph that calls it once per layer (median of 5)."""
+    reps = max(len(layers), 4)
+    for layer in layers[:2]:  # compile / pick the algorithm outside the capture
+        op(layer)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(reps):
-            op(weights[i % len(weights)])
+            op(layers[i % len(layers)])
     graph.replay()
     times = []
     for _ in range(5):

@@ -29,6 +29,7 @@ def _quantize_fp8_rows_kernel(
     stride_q,
     n_cols,
     fp8_max,
+    inv_fp8_max,
     min_scale,
     BLOCK_N: tl.constexpr,
 ):
@@ -38,13 +39,17 @@ def _quantize_fp8_rows_kernel(
         offs = start + tl.arange(0, BLOCK_N)
         x = tl.load(x_ptr + row * stride_x + offs, mask=offs < n_cols, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0) / fp8_max, min_scale)
+    # The scale is amax times the fp32 reciprocal of 448 (what torch computes for a division by
+    # a scalar on CUDA), and x / scale an IEEE division (div_rn, torch's tensor / tensor):
+    # Triton's `/` on fp32 is approximate, and a last-bit difference moves a value across one of
+    # e4m3's rounding points (the twin's result is the definition).
+    scale = tl.maximum(tl.max(amax, axis=0) * inv_fp8_max, min_scale)
     tl.store(scale_ptr + row, scale)
     for start in range(0, n_cols, BLOCK_N):
         offs = start + tl.arange(0, BLOCK_N)
         mask = offs < n_cols
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-        q = tl.clamp(x / scale, -fp8_max, fp8_max)
+        q = tl.clamp(tl.div_rn(x, scale), -fp8_max, fp8_max)
         # Round to e4m3's grid here, to nearest even, so that the cast below is exact: the
         # hardware's cast would round the same, but Triton's interpreter (the CPU tests) rounds
         # half up and drops a carry into the exponent (127.4 became 64). Normal values keep 3 of
@@ -81,6 +86,7 @@ def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q.stride(0),
         n,
         FP8_MAX,
+        1.0 / FP8_MAX,
         MIN_SCALE,
         BLOCK_N=block_n,
         num_warps=min(max(block_n // 256, 1), 8),

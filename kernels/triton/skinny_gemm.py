@@ -50,6 +50,10 @@ def _skinny_gemm_kernel(
     stride_xm,
     stride_wn,
     stride_om,
+    scale_ptr,
+    x_scale_ptr,
+    HAS_SCALE: tl.constexpr,
+    HAS_X_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -71,10 +75,16 @@ def _skinny_gemm_kernel(
         x = tl.load(x_rows + ks[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         if DOT_FP32:  # the interpreter's dot reads 16-bit floats as garbage: exact fp32 instead
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        elif DOT:
+        elif DOT and HAS_SCALE and not HAS_X_SCALE:  # FP8 W, 16-bit x: W widened
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        elif DOT:  # same dtypes (FP8 x FP8 included: Hopper's FP8 tensor cores)
             acc += tl.dot(x.to(w.dtype), tl.trans(w))
         else:  # BLOCK_M == 1: [1, K] * [N, K] summed over K
             acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+    if HAS_SCALE:  # the weight's per-output-channel scales, applied once to the fp32 sums
+        acc *= tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+    if HAS_X_SCALE:  # FP8 rows of x: each row's own scale
+        acc *= tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
     out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -84,10 +94,16 @@ def skinny_gemm(
     weight: torch.Tensor,
     out_dtype: torch.dtype | None = None,
     config: SkinnyConfig | None = None,
+    scale: torch.Tensor | None = None,
+    x_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [..., K] @ weight[N, K].T -> [..., N] in `out_dtype` (x's by default), fp32 accumulation.
 
     For few rows (the body pads them to BLOCK_M): meant for M <= 16; any M is computed right.
+    `scale` ([N] fp32): FP8 weights' per-output-channel scales (W8A16: x is not quantized, the
+    GEMM only streams the weight's bytes, one per element), output column n times scale[n].
+    `x_scale` ([M] or [M, 1] fp32): x is FP8 too, quantized per row (W8A8, the FP8 tensor
+    cores), output row m times x_scale[m]; `out_dtype` must then be given.
     """
     cfg = config or SkinnyConfig()
     n, k = weight.shape
@@ -112,11 +128,16 @@ def skinny_gemm(
         rows.stride(0),
         weight.stride(0),
         out.stride(0),
+        scale if scale is not None else out,
+        x_scale if x_scale is not None else out,
+        HAS_SCALE=scale is not None,
+        HAS_X_SCALE=x_scale is not None,
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         DOT=dot,
-        DOT_FP32=dot and (is_interpreted(x.device) or weight.dtype == torch.float32),
+        DOT_FP32=dot
+        and (is_interpreted(x.device) or x.dtype == torch.float32 or weight.dtype == torch.float32),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_svc.models.fp8 import fp8_linear
+from worker_svc.models.fp8 import fp8_linear, fp8_skinny_linear
 from worker_svc.parallel import TensorParallel
 
 if TYPE_CHECKING:
@@ -128,15 +128,19 @@ class ShardedLinear(nn.Module):
         SKINNY_MAX_ROWS rows goes through the skinny GEMM chosen for this shape; everywhere
         else, cuBLAS. Launched eagerly, a Triton kernel costs more host time than cuBLAS, and
         eager small batches are bound by the host."""
-        if self.weight_scale is not None:
-            out_dtype = torch.float32 if fp32_out else x.dtype
-            return fp8_linear(x, self.weight, self.weight_scale, bias, out_dtype)
         cfg = self.decode_gemm
         if cfg is not None and _DECODE_GRAPH.active and x.numel() <= SKINNY_MAX_ROWS * x.shape[-1]:
             from kernels.triton.skinny_gemm import skinny_gemm
 
-            out = skinny_gemm(x, self.weight, torch.float32 if fp32_out else None, cfg)
+            if self.weight_scale is not None:
+                out_dtype = torch.float32 if fp32_out else x.dtype
+                out = fp8_skinny_linear(x, self.weight, self.weight_scale, out_dtype, cfg)
+            else:
+                out = skinny_gemm(x, self.weight, torch.float32 if fp32_out else None, cfg)
             return out if bias is None else out + bias
+        if self.weight_scale is not None:
+            out_dtype = torch.float32 if fp32_out else x.dtype
+            return fp8_linear(x, self.weight, self.weight_scale, bias, out_dtype)
         if fp32_out:
             out = linear_fp32_out(x, self.weight)
             return out if bias is None else out + bias

@@ -39,3 +39,34 @@ def test_quantize_fp8_rows_scales_each_row_and_keeps_leading_dims_flat() -> None
     rel = ((q.float() * scale).view_as(x) - x).abs().amax(-1) / x.abs().amax(-1)
     assert rel.max() <= 2**-4  # half of e4m3's 3-bit mantissa step
     assert quantize_fp8_rows(torch.empty(0, 32))[0].shape == (0, 32)
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("dot", [True, False])
+def test_skinny_gemm_with_fp8_weights_matches_twin(m: int, dot: bool) -> None:
+    """The decode graphs' GEMM over FP8 weights (W8A16): the weight widened, the scales applied
+    once to the fp32 sums."""
+    from kernels.triton.skinny_gemm import SkinnyConfig, skinny_gemm
+    from worker_svc.models.fp8 import quantize_weight_fp8
+
+    x = torch.randn(m, 200)
+    wq, scale = quantize_weight_fp8(torch.randn(72, 200) / 10)
+    cfg = SkinnyConfig(block_n=32, block_k=64, dot=dot)
+    for out_dtype in (torch.float32, None):
+        out = skinny_gemm(x, wq, out_dtype, cfg, scale=scale)
+        expected = reference.linear(x, wq, out_dtype, scale=scale)
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("m", [1, 5])
+def test_skinny_gemm_with_fp8_rows_and_weights_matches_twin(m: int) -> None:
+    """W8A8 in the decode graphs: x quantized per row, both scales applied to the fp32 sums."""
+    from kernels.triton.skinny_gemm import SkinnyConfig, skinny_gemm
+    from worker_svc.models.fp8 import quantize_weight_fp8
+
+    xq, xs = reference.quantize_fp8_rows(torch.randn(m, 200))
+    wq, scale = quantize_weight_fp8(torch.randn(72, 200) / 10)
+    out = skinny_gemm(xq, wq, torch.float32, SkinnyConfig(block_n=32, block_k=64), scale=scale, x_scale=xs)
+    expected = reference.linear(xq, wq, torch.float32, scale=scale, x_scale=xs)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
