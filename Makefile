@@ -9,7 +9,7 @@ STUBS := llmesh/v1/generation_pb2.py
 PROTOS := $(wildcard protos/llmesh/v1/*.proto)
 ARGS ?=
 
-.PHONY: setup run test lint bench clean stubs model system-deps
+.PHONY: setup run test lint bench clean stubs model system-deps images test-images
 
 setup: system-deps $(STAMP) stubs model
 
@@ -51,3 +51,13 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) llmesh/v1 .pytest_cache
+
+# The container images (deploy/build-images.sh: podman, or docker where a daemon runs; a Debian base
+# made with mmdebstrap where no registry is reachable). IMAGES_ARGS: --cuda, --no-cache, --prune.
+IMAGES_ARGS ?=
+images:
+	deploy/build-images.sh $(IMAGES_ARGS)
+
+# The compose stack on those images, with podman-compose (slow: minutes; skipped by plain `make test`).
+test-images: setup images
+	LLMESH_TEST_IMAGES=1 $(PY) -m pytest -q -p no:cacheprovider -s tests/images $(ARGS)
