@@ -78,6 +78,24 @@ def test_the_openai_client_through_the_gateway(mesh):
     assert out.choices[0].text and out.usage.completion_tokens == 8
 
 
+def test_prompt_logprobs_and_embeddings_through_the_api_processes(mesh):
+    """What travels only in CoreDelta's newer fields: the echoed prompt's logprobs and a vector."""
+    if mesh.gateway is None:
+        pytest.skip("the gateway's dependencies are not installed")
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://{mesh.gateway.address}/v1", api_key="unused", max_retries=0)
+    out = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=PROMPTS[0], echo=True, logprobs=1, max_tokens=0
+    )
+    lp = out.choices[0].logprobs.token_logprobs
+    assert out.choices[0].text == PROMPTS[0] and lp[0] is None
+    assert len(lp) > 2 and all(v is not None and v <= 0 for v in lp[1:])
+    emb = client.embeddings.create(model="SmolLM2-135M-Instruct", input=PROMPTS[:2]).data
+    assert len(emb) == 2 and all(sum(v * v for v in e.embedding) == pytest.approx(1, rel=1e-4) for e in emb)
+    wait_blocks_free(mesh.scheduler.address)
+
+
 def test_a_killed_api_process_is_restarted_and_the_other_keeps_serving(mesh, reference):  # noqa: F811
     victim = api_processes(mesh)[0]
     os.kill(victim, signal.SIGKILL)
