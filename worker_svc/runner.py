@@ -190,14 +190,17 @@ class ModelRunner:
         self._prompt_lp_ids: set[str] = set()
         # Pooling sequences (embeddings): their steps run eagerly and pool instead of sampling.
         self._pooling_ids: set[str] = set()
-        self.pooler = Pooler(default_pooling(self.model_path, getattr(config, "pooling_type", None)))
+        self.pooler = Pooler(default_pooling(self.model_path, config.pooling_type))
         self.max_num_seqs = config.resolved_max_num_seqs()
         # vLLM's token budget for this device: a suggestion to schedulers that set none (WorkerInfo).
         self.suggested_batched_tokens = default_batch_limits(self.device)[1]
         self._tables = BlockTableRows(self.max_blocks_per_seq, rows=self.max_num_seqs)
         self._eos = list(mc.eos_token_ids)
         ex.capture_graphs()  # last, as the other ranks do: their capture's collectives match
-        log.info("model runner ready", extra={"blocks": self.num_kv_blocks, "device": str(self.device)})
+        log.info(
+            "model runner ready",
+            extra={"blocks": self.num_kv_blocks, "device": str(self.device), "pooling": self.pooler.default},
+        )
 
     @property
     def _graphs(self):  # type: ignore[no-untyped-def]
