@@ -161,7 +161,7 @@ class FakeMesh:
         self.submitted: list[tuple[str, SamplingParams]] = []
         self.aborted: list[str] = []
 
-    def submit(self, request_id, prompt, params, priority, queue, group="", cache_salt=""):
+    def submit(self, request_id, prompt, params, priority, queue, group="", cache_salt="", **lora):
         exc = self.fail_on.get(len(self.submitted))
         if exc is not None:
             raise exc
