@@ -445,9 +445,10 @@ class Planner:
         req = self.requests.get(chunk.seq_id)
         if req is None or req.prompt_logprobs is None or req.prompt_logprobs_sent:
             return
-        held = req.prompt_logprobs
+        held, prompt = req.prompt_logprobs, req.prompt_token_ids
         for pos, entry in enumerate(chunk.entries, start=chunk.first):
-            if 0 < pos < len(held) and held[pos] is None:
+            # Only answers for this prompt's own tokens are filed (a confused worker's are dropped).
+            if 0 < pos < len(held) and held[pos] is None and entry.token_id == prompt[pos]:
                 held[pos] = entry
 
     def delta(self, req: Request, num_new: int) -> RequestDelta:

@@ -28,6 +28,19 @@ def test_sampling_params_round_trip_and_range():
         sampling_params_from_proto(msg)
 
 
+def test_pooling_round_trip_and_unknown_values():
+    for kind in (None, "default", "last", "mean", "cls"):
+        assert (
+            sampling_params_from_proto(sampling_params_to_proto(SamplingParams(pooling=kind))).pooling == kind
+        )
+    with pytest.raises(SamplingParamsError, match="^pooling: "):
+        sampling_params_from_proto(generation_pb2.SamplingParams(pooling=99))
+    with pytest.raises(SamplingParamsError, match="^pooling: "):
+        sampling_params_from_proto(
+            generation_pb2.SamplingParams(pooling=generation_pb2.POOLING_MEAN, logprobs=1)
+        )
+
+
 def test_step_result_chunks_and_whole_prompt_round_trip():
     entries = [TokenLogprobs(7, -1.5, 2, [3, 7], [-0.5, -1.5]), TokenLogprobs(9, -0.25, 1, [], [])]
     result = StepResult(step_id=4, prompt_logprobs=[PromptLogprobs("s", 3, entries)])
