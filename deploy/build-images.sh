@@ -24,12 +24,13 @@ SLIM=docker.io/library/python:3.11-slim-bookworm
 targets=(light cpu)
 no_cache=()
 prune=0
+only=0
 while [ $# -gt 0 ]; do
     case $1 in
         --cuda) targets+=(cuda) ;;
         --no-cache) no_cache=(--no-cache) ;;
         --prune) prune=1 ;;
-        --only) shift; targets=(); IFS=', ' read -r -a targets <<<"$1" ;;
+        --only) shift; only=1; targets=(); IFS=', ' read -r -a targets <<<"$1" ;;
         -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
         *) echo "unknown argument: $1" >&2; exit 2 ;;
     esac
@@ -109,7 +110,7 @@ fi
 
 # -- the images ---------------------------------------------------------------------------------
 # Redis too where no registry gives one (compose's LLMESH_REDIS_IMAGE).
-if [ "$BASE" = "$BASE_TAG" ] && [[ " ${targets[*]} " != *" redis "* ]] && ! $ENGINE image inspect redis:7-alpine >/dev/null 2>&1; then
+if [ "$only" = 0 ] && [ "$BASE" = "$BASE_TAG" ] && ! $ENGINE image inspect redis:7-alpine >/dev/null 2>&1; then
     targets+=(redis)
 fi
 tag_of() { if [ "$1" = redis ]; then echo llmesh-redis:bookworm; else echo "llmesh:$1"; fi; }
