@@ -51,6 +51,11 @@ class RouterConfig(ServerConfig):
         30.0, gt=0, help="a registered shard unreachable this long is forgotten (it may register again)"
     )
     load_interval_ms: int = option(100, ge=10, help="how often idle shards report their load")
+    reuse_port: bool = option(
+        False,
+        help="share --port with other router processes on this host (SO_REUSEPORT: the kernel spreads "
+        "connections over them); each keeps its own index and load view, fed by the same shards",
+    )
     api_key: str | None = option(
         None,
         secret=True,

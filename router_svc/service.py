@@ -46,7 +46,10 @@ async def run(config: RouterConfig) -> None:
     # The public API takes the API key (or the internal key); ShardRegistry and Registry only the latter.
     keys = {"llmesh.v1.Scheduler": config.api_key}
     try:
-        await serve(services, config, on_started=on_started, set_serving=False, public_keys=keys)
+        await serve(
+            services, config, on_started=on_started, set_serving=False, public_keys=keys,
+            reuse_port=config.reuse_port,
+        )  # fmt: skip
     finally:
         await pool.close()
 

@@ -1,0 +1,354 @@
+"""Scale-out across scheduler shards: one shard alone against N shards behind the router tier.
+
+    .venv/bin/python benchmarks/shard_scaling.py [--shards 4] [--workers-per-shard 2]
+        [--streams-per-shard 256] [--requests-per-shard 1024] [--prompt-len 128] [--output-len 128]
+        [--stream-interval 1] [--api-server-count 4] [--client-procs-per-shard 4]
+        [--router-procs N] [--router-reuse-port] [--router-policy index] [--one-via-router]
+        [--cpus-per-shard C]
+    .venv/bin/python benchmarks/shard_scaling.py --smoke    # seconds, 2-core machine (make test)
+
+Issue 30's must-show "8 null workers over 4 shards >= 3.5x one shard", in one run and one table.
+Every shard is a real scheduler service (`--api-server-count` API processes in front of its core)
+with `--workers-per-shard` null workers (`null_worker.py`: every plan answered at once), driven
+by streaming gRPC clients in several processes (prompt 128, output 128, stream interval 1):
+
+  * `1 shard`: the clients talk to shard 0 directly (scheduler_bound.py's setting), with
+    `--streams-per-shard` streams and `--client-procs-per-shard` client processes;
+  * `1 shard + router` (`--one-via-router`): the same, through the router tier (its cost per token);
+  * `N shards + router`: N shards behind `--router-procs` router processes (`llmesh router`),
+    N times the streams, requests and client processes.
+
+The router relays every response message, so at stream interval 1 it carries each token of the
+cluster once more: one process would be the ceiling, so the router tier is several processes,
+each with every shard (each subscribes to every shard's KV events and load). By default each
+router process has its own port and client process i talks to router i mod R (an even spread);
+`--router-reuse-port` puts them on one port (`llmesh router --reuse-port`, SO_REUSEPORT) and
+lets the kernel spread the client connections (one per client process: an uneven spread with few).
+
+CPU budget: by default every row runs on the whole host (the table's `procs` column counts the
+processes of the row, `cpus` the cores they share). `--cpus-per-shard C` pins each row's
+processes (shards, API processes, workers, routers, clients) to its first C x shards cores: the
+1-shard row gets C cores, the N-shard row N x C: scale-out with the resources, not a smaller
+share of a fixed host. Shards not in a row are started but idle (no request reaches them).
+
+Reported per row: out tok/s, failed (errors other than RESOURCE_EXHAUSTED) and refused, TTFT
+and ITL, and the ratio of the N-shard row to the 1-shard row. Exit 1 when any request failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from null_worker import VOCAB  # noqa: E402
+from serving import RequestStats, make_prompts, report, run_clients  # noqa: E402
+
+from services.launcher import free_port, grpc_serving, wait_until  # noqa: E402
+
+HOST = "127.0.0.1"
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# ----- CPU pinning: a row's processes (and every thread of each) share its cores -----
+def _tree(pid: int) -> list[int]:
+    """`pid` and its descendants (a scheduler's API processes)."""
+    out = [pid]
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                for child in f.read().split():
+                    out += _tree(int(child))
+    except OSError:
+        pass
+    return out
+
+
+def pin(pids: list[int], cpus: set[int] | None) -> None:
+    """Every thread of `pids` and their children onto `cpus` (threads started later inherit it)."""
+    if cpus is None:
+        return
+    for pid in {p for root in pids for p in _tree(root)}:
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except OSError:  # the thread ended meanwhile
+                pass
+
+
+def _client_process(target, prompts, output_len, concurrency, timeout, start_at, cpus):
+    """One client process (spawned): its share of streams against one address, from `start_at`."""
+    if cpus is not None:
+        pin([os.getpid()], set(cpus))
+    time.sleep(max(0.0, start_at - time.time()))
+    results, end = asyncio.run(run_clients("grpc", target, prompts, output_len, concurrency, timeout))
+    return [asdict(r) for r in results], end
+
+
+def _warm(_: int) -> int:
+    import grpc  # noqa: F401 - what a client imports, done before the first row
+
+    from llmesh.v1 import generation_pb2_grpc  # noqa: F401
+
+    return os.getpid()
+
+
+def drive(
+    pool, targets: list[str], procs: int, prompts, output_len: int, streams: int, timeout: float, cpus
+) -> tuple[list[RequestStats], float]:
+    """`streams` streams in `procs` client processes, process i against targets[i % len]."""
+    procs = max(1, min(procs, streams))
+    start_at = time.time() + 1.0
+    futures = [
+        pool.submit(
+            _client_process, targets[i % len(targets)], prompts[i::procs], output_len,
+            streams // procs + (i < streams % procs), timeout, start_at,
+            sorted(cpus) if cpus is not None else None,
+        )
+        for i in range(procs)
+    ]  # fmt: skip
+    parts = [f.result() for f in futures]
+    results = [RequestStats(**r) for part, _ in parts for r in part]
+    return results, max(end for _, end in parts) - start_at
+
+
+# ----- the mesh -----
+@dataclass
+class Shard:
+    address: str
+    procs: list[subprocess.Popen]  # the scheduler (its API processes are its children), its workers
+
+
+class Mesh:
+    def __init__(self, args: argparse.Namespace, logs: str) -> None:
+        self.args, self.logs = args, logs
+        self.procs: list[subprocess.Popen] = []
+        self.shards: list[Shard] = []
+        self.routers: list[subprocess.Popen] = []
+        self.router_addresses: list[str] = []
+
+    def spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
+        with open(os.path.join(self.logs, f"{name}.log"), "wb") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        return proc
+
+    def start_shards(self, n: int) -> None:
+        a = self.args
+        limits = ["--max-num-seqs", str(a.max_num_seqs), "--max-num-batched-tokens", "16384"]
+        limits += ["--stream-interval", str(a.stream_interval), "--api-server-count", str(a.api_server_count)]
+        for s in range(n):
+            address = f"{HOST}:{free_port(HOST)}"
+            procs = [self.spawn(f"shard{s}", [
+                sys.executable, "-m", "scheduler_svc.service", "--host", HOST,
+                "--port", address.rsplit(":", 1)[1], "--no-tokenizer", "--shard-id", f"shard{s}", *limits,
+            ])]  # fmt: skip
+            for w in range(a.workers_per_shard):
+                procs.append(self.spawn(f"shard{s}-worker{w}", [
+                    sys.executable, os.path.join(HERE, "null_worker.py"), "--host", HOST,
+                    "--port", str(free_port(HOST)), "--scheduler", address,
+                    "--worker-id", f"null-{s}-{w}", "--max-num-seqs", str(a.max_num_seqs),
+                ]))  # fmt: skip
+            self.shards.append(Shard(address, procs))
+        for shard in self.shards:
+            wait_until(lambda s=shard: grpc_serving(s.address), f"shard {shard.address}", self.procs, 180)
+            wait_until(
+                lambda s=shard: workers_in(s.address) >= a.workers_per_shard,
+                f"the null workers of {shard.address}", self.procs, 180,
+            )  # fmt: skip
+
+    def start_routers(self, shards: list[Shard]) -> None:
+        """The router tier in front of `shards` (replacing any before)."""
+        self.stop(self.routers)
+        self.routers, self.router_addresses = [], []
+        a = self.args
+        shared_port = free_port(HOST) if a.router_reuse_port else None
+        for r in range(a.router_procs):
+            port = shared_port or free_port(HOST)
+            cmd = [sys.executable, "-m", "router_svc.service", "--host", HOST, "--port", str(port),
+                   "--shards", ",".join(s.address for s in shards), "--policy", a.router_policy,
+                   "--load-interval-ms", "20", *(["--reuse-port"] if shared_port else [])]  # fmt: skip
+            self.routers.append(self.spawn(f"router{len(shards)}-{r}", cmd))
+            if f"{HOST}:{port}" not in self.router_addresses:
+                self.router_addresses.append(f"{HOST}:{port}")
+        # On a shared port each health check reaches one process (a new connection, spread by the
+        # kernel): every one is SERVING (it has a ready shard) once many checks in a row say so.
+        checks = 4 * a.router_procs if shared_port else 1
+        for router in self.router_addresses:
+            every = lambda r=router: all(grpc_serving(r) for _ in range(checks))  # noqa: E731
+            wait_until(every, f"router {router}", self.procs, 180)
+
+    @staticmethod
+    def stop(procs: list[subprocess.Popen]) -> None:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def shard_stats(address: str):
+    from llmesh.v1 import worker_pb2, worker_pb2_grpc
+    from services.grpc_server import open_sync_channel
+
+    with open_sync_channel(address) as channel:
+        return worker_pb2_grpc.RegistryStub(channel).GetStats(worker_pb2.GetStatsRequest(), timeout=10)
+
+
+def workers_in(address: str) -> int:
+    return sum(w.connected for w in shard_stats(address).workers)
+
+
+def idle(shards: list[Shard]) -> bool:
+    return all(shard_stats(s.address).active_requests == 0 for s in shards)
+
+
+# ----- the run -----
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shards", type=int, default=4, help="shards of the scaled row")
+    ap.add_argument("--workers-per-shard", type=int, default=2)
+    ap.add_argument("--streams-per-shard", type=int, default=256)
+    ap.add_argument("--requests-per-shard", type=int, default=1024)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--stream-interval", type=int, default=1, help="every shard's --stream-interval")
+    ap.add_argument("--max-num-seqs", type=int, default=256, help="every worker's and shard's")
+    ap.add_argument("--api-server-count", type=int, default=4, help="every shard's API processes")
+    ap.add_argument("--client-procs-per-shard", type=int, default=4)
+    ap.add_argument(
+        "--router-procs", type=int, default=None, help="router processes of the N-shard row (default: N)"
+    )
+    ap.add_argument(
+        "--router-reuse-port",
+        action="store_true",
+        help="the router processes share one port (SO_REUSEPORT); default: a port each, clients spread",
+    )
+    ap.add_argument("--router-policy", default="index", choices=["index", "load", "round-robin"])
+    ap.add_argument("--one-via-router", action="store_true", help="also 1 shard through the router tier")
+    ap.add_argument(
+        "--cpus-per-shard",
+        type=int,
+        default=0,
+        help="pin a row of n shards (and its clients, routers) to its first n x C cores (0: no pinning)",
+    )
+    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--smoke", action="store_true", help="1 vs 2 shards, a few tiny requests (make test)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.shards, args.workers_per_shard, args.streams_per_shard, args.requests_per_shard = 2, 1, 4, 8
+        args.prompt_len, args.output_len, args.max_num_seqs, args.api_server_count = 8, 4, 8, 0
+        args.client_procs_per_shard, args.router_procs, args.router_reuse_port = 1, 2, True
+        args.timeout = 60.0
+    if args.router_procs is None:
+        args.router_procs = args.shards
+    ncpu = os.cpu_count() or 1
+    if args.cpus_per_shard and args.cpus_per_shard * args.shards > ncpu:
+        ap.error(f"--cpus-per-shard {args.cpus_per_shard} x {args.shards} shards > {ncpu} cores")
+
+    # (label, shards in the row, through the router)
+    plan = [("1 shard", 1, False)]
+    if args.one_via_router:
+        plan.append(("1 shard + router", 1, True))
+    plan.append((f"{args.shards} shards + router", args.shards, True))
+
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    max_clients = args.client_procs_per_shard * args.shards
+    rows = []
+    with (
+        tempfile.TemporaryDirectory() as logs,
+        ProcessPoolExecutor(max_clients, mp_context=mp.get_context("spawn")) as pool,
+    ):
+        list(pool.map(_warm, range(max_clients)))
+        mesh = Mesh(args, logs)
+        try:
+            mesh.start_shards(args.shards)
+            for label, n, routed in plan:
+                shards = mesh.shards[:n]
+                cpus = set(range(args.cpus_per_shard * n)) if args.cpus_per_shard else None
+                if routed:
+                    mesh.start_routers(shards)
+                    targets = mesh.router_addresses
+                    # One router's address per client process: processes spread over every address.
+                    router_procs = len(mesh.routers)
+                else:
+                    mesh.stop(mesh.routers)
+                    mesh.routers, targets, router_procs = [], [shards[0].address], 0
+                pin([p.pid for s in shards for p in s.procs] + [p.pid for p in mesh.routers], cpus)
+                wait_until(lambda s=shards: idle(s), "the shards to drain", mesh.procs, 120)
+                streams = args.streams_per_shard * n
+                prompts = make_prompts(args.requests_per_shard * n, args.prompt_len, VOCAB, seed=n)
+                clients = args.client_procs_per_shard * n
+                results, wall = drive(
+                    pool, targets, clients, prompts, args.output_len, streams, args.timeout, cpus
+                )
+                row = report(label, streams, results, wall)
+                per_shard = 1 + args.api_server_count + args.workers_per_shard
+                row.update(
+                    shards=n, procs=n * per_shard + router_procs + min(clients, streams),
+                    cpus=len(cpus) if cpus else ncpu, router_procs=router_procs,
+                )  # fmt: skip
+                rows.append(row)
+                print(
+                    f"{label}: {row['tok_s']:,.0f} out tok/s, {row['failed']} failed, "
+                    f"{row['refused']} refused of {row['requests']}",
+                    flush=True,
+                )
+        except BaseException:
+            for name in sorted(os.listdir(logs)):  # the services' own words on why
+                with open(os.path.join(logs, name), errors="replace") as f:
+                    print(f"--- {name} (last lines)\n" + "".join(f.readlines()[-20:]), file=sys.stderr)
+            raise
+        finally:
+            mesh.stop(mesh.procs)
+
+    print()
+    print(
+        f"null workers, prompt {args.prompt_len}, output {args.output_len}, stream interval "
+        f"{args.stream_interval}; per shard: {args.workers_per_shard} null workers, "
+        f"{args.api_server_count} API processes, {args.streams_per_shard} streams, "
+        f"{args.requests_per_shard} requests, {args.client_procs_per_shard} client processes; "
+        f"router: {args.router_policy}, "
+        + ("one port (SO_REUSEPORT)" if args.router_reuse_port else "a port per process")
+        + f"; host: {ncpu} cores"
+    )
+    print(
+        f"{'row':<22}{'streams':>8}{'reqs':>7}{'failed':>7}{'refused':>8}{'out tok/s':>11}{'vs 1':>7}"
+        f"{'TTFT p50':>10}{'ITL p50':>9}{'ITL p99':>9}{'routers':>8}{'procs':>6}{'cpus':>5}"
+    )
+    base = rows[0]["tok_s"]
+    for r in rows:
+        print(
+            f"{r['path']:<22}{r['concurrency']:>8}{r['requests']:>7}{r['failed']:>7}{r['refused']:>8}"
+            f"{r['tok_s']:>11,.0f}{r['tok_s'] / base if base else 0:>6.2f}x"
+            f"{r['ttft_p50_ms']:>8.1f}ms{r['itl_p50_ms']:>7.2f}ms{r['itl_p99_ms']:>7.2f}ms"
+            f"{r['router_procs']:>8}{r['procs']:>6}{r['cpus']:>5}"
+        )
+        if r["errors"]:
+            print(f"    errors: {r['errors']}")
+    last = rows[-1]
+    print(
+        f"\n{last['path']} / 1 shard: {last['tok_s'] / base if base else 0:.2f}x out tok/s; failed "
+        f"{sum(r['failed'] for r in rows)} of {sum(r['requests'] for r in rows)} requests"
+    )
+    return 1 if any(r["failed"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
