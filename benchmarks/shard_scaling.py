@@ -88,6 +88,21 @@ def pin(pids: list[int], cpus: set[int] | None) -> None:
                 pass
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process (every thread), from /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def busy(pids: list[int], before: dict[int, float], wall: float) -> list[float]:
+    """Each process's share of one core over the last `wall` seconds (1.0: a core all the time)."""
+    return [(cpu_seconds(p) - before.get(p, 0.0)) / wall for p in pids]
+
+
 def _client_process(target, prompts, output_len, concurrency, timeout, start_at, cpus):
     """One client process (spawned): its share of streams against one address, from `start_at`."""
     if cpus is not None:
@@ -190,8 +205,9 @@ class Mesh:
             every = lambda r=router: all(grpc_serving(r) for _ in range(checks))  # noqa: E731
             wait_until(every, f"router {router}", self.procs, 180)
 
-    @staticmethod
-    def stop(procs: list[subprocess.Popen]) -> None:
+    def stop(self, procs: list[subprocess.Popen]) -> None:
+        procs = list(procs)
+        self.procs = [p for p in self.procs if p not in procs]  # an ended one is no early exit
         for p in procs:
             p.terminate()
         for p in procs:
@@ -262,9 +278,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # (label, shards in the row, through the router)
     plan = [("1 shard", 1, False)]
-    if args.one_via_router:
+    if args.one_via_router and args.shards > 1:
         plan.append(("1 shard + router", 1, True))
-    plan.append((f"{args.shards} shards + router", args.shards, True))
+    plan.append((f"{args.shards} shard{'s' if args.shards > 1 else ''} + router", args.shards, True))
 
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
@@ -295,12 +311,19 @@ def main(argv: list[str] | None = None) -> int:
                 streams = args.streams_per_shard * n
                 prompts = make_prompts(args.requests_per_shard * n, args.prompt_len, VOCAB, seed=n)
                 clients = args.client_procs_per_shard * n
+                # The router processes' and the shards' cores' CPU over the row: is one the ceiling?
+                watched = [p.pid for p in mesh.routers] + [s.procs[0].pid for s in shards]
+                before = {p: cpu_seconds(p) for p in watched}
                 results, wall = drive(
                     pool, targets, clients, prompts, args.output_len, streams, args.timeout, cpus
                 )
                 row = report(label, streams, results, wall)
                 per_shard = 1 + args.api_server_count + args.workers_per_shard
+                loads = busy(watched, before, wall + 1.0)  # the clients start 1 s after `before`
+                router_load, core_load = loads[: len(mesh.routers)], loads[len(mesh.routers) :]
                 row.update(
+                    router_busy=max(router_load, default=0.0), core_busy=max(core_load),
+                    router_us_tok=1e6 * sum(router_load) * (wall + 1.0) / max(row["tok_s"] * wall, 1),
                     shards=n, procs=n * per_shard + router_procs + min(clients, streams),
                     cpus=len(cpus) if cpus else ncpu, router_procs=router_procs,
                 )  # fmt: skip
@@ -330,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"{'row':<22}{'streams':>8}{'reqs':>7}{'failed':>7}{'refused':>8}{'out tok/s':>11}{'vs 1':>7}"
-        f"{'TTFT p50':>10}{'ITL p50':>9}{'ITL p99':>9}{'routers':>8}{'procs':>6}{'cpus':>5}"
+        f"{'TTFT p50':>10}{'ITL p50':>9}{'ITL p99':>9}{'routers':>8}{'router':>8}{'us/tok':>7}{'core':>6}"
+        f"{'procs':>6}{'cpus':>5}"
     )
     base = rows[0]["tok_s"]
     for r in rows:
@@ -338,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['path']:<22}{r['concurrency']:>8}{r['requests']:>7}{r['failed']:>7}{r['refused']:>8}"
             f"{r['tok_s']:>11,.0f}{r['tok_s'] / base if base else 0:>6.2f}x"
             f"{r['ttft_p50_ms']:>8.1f}ms{r['itl_p50_ms']:>7.2f}ms{r['itl_p99_ms']:>7.2f}ms"
-            f"{r['router_procs']:>8}{r['procs']:>6}{r['cpus']:>5}"
+            f"{r['router_procs']:>8}{100 * r['router_busy']:>7.0f}%{r['router_us_tok']:>7.1f}"
+            f"{100 * r['core_busy']:>5.0f}%{r['procs']:>6}{r['cpus']:>5}"
         )
         if r["errors"]:
             print(f"    errors: {r['errors']}")
