@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import logging
 import socket
 import time
@@ -23,7 +25,8 @@ from llmesh.v1 import generation_pb2, generation_pb2_grpc, router_pb2, router_pb
 from router_svc.config import RouterConfig
 from router_svc.core import Router, Shard, ShardLoad
 from router_svc.index import Batch
-from services.grpc_server import ChannelSecurity, open_channel
+from services.auth import bearer_metadata
+from services.grpc_server import ChannelSecurity, default_security, open_channel
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +40,9 @@ class ShardLink:
     scheduler: generation_pb2_grpc.SchedulerStub
     registry: worker_pb2_grpc.RegistryStub
     events: router_pb2_grpc.KVEventsStub
-    generate: grpc.aio.UnaryStreamMultiCallable  # Scheduler.Generate, responses as raw bytes
+    # Scheduler.Generate, responses as raw bytes, on a channel of its own (see `relay_generate`).
+    generate: functools.partial
+    relay: grpc.aio.Channel
     task: asyncio.Task | None = None
 
 
@@ -51,6 +56,24 @@ def load_of(msg: router_pb2.ShardLoad) -> ShardLoad:
         msg.backlog,
         msg.max_backlog,
     )
+
+
+def relay_generate(
+    address: str, security: ChannelSecurity | None, keepalive_s: float
+) -> tuple[grpc.aio.Channel, functools.partial]:
+    """A channel without client interceptors, and Generate on it with the key as plain metadata.
+
+    A grpc.aio client interceptor (the key, services/auth.py) wraps each streamed response in one
+    more async iterator: one more event-loop hop per token relayed, the router's hot path (at
+    stream interval 1 it relays every token of its shards). The key goes with the call instead."""
+    security = default_security() if security is None else security
+    channel = open_channel(address, dataclasses.replace(security, key=None), keepalive_s=keepalive_s)
+    call = channel.unary_stream(
+        "/llmesh.v1.Scheduler/Generate",
+        request_serializer=generation_pb2.GenerateRequest.SerializeToString,
+        response_deserializer=None,
+    )
+    return channel, functools.partial(call, metadata=bearer_metadata(security.key) if security.key else None)
 
 
 class ShardPool:
@@ -73,17 +96,15 @@ class ShardPool:
         shard = self.router.add_shard(shard_id, address, registered)
         if link is None:
             channel = open_channel(address, self.security, keepalive_s=self.config.keepalive_s)
+            relay, generate = relay_generate(address, self.security, self.config.keepalive_s)
             link = ShardLink(
                 shard,
                 channel,
                 generation_pb2_grpc.SchedulerStub(channel),
                 worker_pb2_grpc.RegistryStub(channel),
                 router_pb2_grpc.KVEventsStub(channel),
-                channel.unary_stream(
-                    "/llmesh.v1.Scheduler/Generate",
-                    request_serializer=generation_pb2.GenerateRequest.SerializeToString,
-                    response_deserializer=None,
-                ),
+                generate,
+                relay,
             )
             self.links[shard_id] = link
             link.task = asyncio.get_running_loop().create_task(self._follow(link), name=f"shard-{shard_id}")
@@ -119,6 +140,7 @@ class ShardPool:
             while link.shard.inflight > 0:
                 await asyncio.sleep(1.0)
             await link.channel.close()
+            await link.relay.close()
         finally:
             self._closing.discard(asyncio.current_task())  # type: ignore[arg-type]
 
@@ -136,6 +158,7 @@ class ShardPool:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await link.task
             await link.channel.close()
+            await link.relay.close()
         self.links.clear()
 
     def _changed(self) -> None:
