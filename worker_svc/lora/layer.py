@@ -31,9 +31,19 @@ class LoRABatch:
 
 
 class BatchRef:
-    """The batch every layer of a model reads (None: no row uses an adapter; the layers do nothing)."""
+    """The batch every layer of a model reads (None: no row uses an adapter; the layers do nothing),
+    and the side stream the layers' shrinks run on (CUDA)."""
 
     batch: LoRABatch | None = None
+    # Off: each shrink runs on the current stream, after its GEMM (as before the side stream).
+    overlap: bool = True
+    _streams: dict[torch.device, torch.cuda.Stream]
+
+    def side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        streams = self.__dict__.setdefault("_streams", {})
+        if device not in streams:
+            streams[device] = torch.cuda.Stream(device)
+        return streams[device]
 
 
 class LoRALayer:
@@ -56,6 +66,28 @@ class LoRALayer:
         self.max_seg_n = max(sizes)
         self.a = torch.zeros(num_slots, len(self.segments) * rank, in_local, dtype=dtype, device=device)
         self.b = torch.zeros(num_slots, out_local, rank, dtype=dtype, device=device)
+        self._pending: tuple[torch.Tensor, torch.cuda.Stream] | None = None  # (y, its stream)
+
+    def before(self, x: torch.Tensor) -> None:
+        """Start the shrink (x @ A[slot].T) ahead of the base GEMM, on a side stream: it reads
+        only x, so it runs beside the GEMM (memory-bound, it leaves SMs to spare) instead of
+        after it, and a decode step no longer waits for a shrink launch per projection. In a
+        CUDA graph the fork and join are edges of the graph. `__call__` joins it."""
+        batch = self.ref.batch
+        self._pending = None
+        if batch is None or not x.is_cuda or not self.ref.overlap:
+            return
+        from kernels.triton import lora as kt
+
+        x2 = x.reshape(-1, x.shape[-1])
+        # Allocated on the current stream, which frees it after the expand (past the join).
+        y = kt.shrink_output(x2, self.a, batch.max_rows)
+        main = torch.cuda.current_stream(x.device)
+        side = self.ref.side_stream(x.device)
+        side.wait_stream(main)  # x is written
+        with torch.cuda.stream(side):
+            kt.lora_shrink(x2, self.a, batch.perm, batch.starts, batch.max_rows, y=y)
+        self._pending = (y, side)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` (the base GEMM's output for `x`) plus each adapter row's low-rank product, in place."""
@@ -67,10 +99,14 @@ class LoRALayer:
         if x2.is_cuda:
             from kernels.triton import lora as kt
 
-            y = kt.lora_shrink(x2, self.a, batch.perm, batch.starts, batch.max_rows)
-            kt.lora_expand(
-                y, self.b, out2, batch.perm, batch.starts, self.seg_starts, batch.max_rows, self.max_seg_n
-            )
+            pending, self._pending = self._pending, None
+            if pending is None:
+                y = kt.lora_shrink(x2, self.a, batch.perm, batch.starts, batch.max_rows)
+            else:
+                y, side = pending
+                torch.cuda.current_stream(x.device).wait_stream(side)
+            rows = batch.perm.shape[0]  # the expand's grid: all the adapter rows (its blocks mix slots)
+            kt.lora_expand(y, self.b, out2, batch.perm, batch.starts, self.seg_starts, rows, self.max_seg_n)
         else:
             y = lora_reference.lora_shrink(x2, self.a, batch.perm, batch.starts)
             lora_reference.lora_expand(y, self.b, out2, batch.perm, batch.starts, self.seg_starts)

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +72,15 @@ def decode_graph_gemms() -> Iterator[None]:
         _DECODE_GRAPH.active = before
 
 
+class LoRAHook(Protocol):
+    """A layer's LoRA (worker_svc.lora.layer.LoRALayer): `before(x)` ahead of the GEMM (it may
+    start work that reads only x, beside the GEMM), then `(x, out)` adds the delta to `out`."""
+
+    def before(self, x: torch.Tensor) -> None: ...
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor: ...
+
+
 class ShardedLinear(nn.Module):
     """A linear layer whose weight is split along `dim` (0: output rows, 1: input columns)
     into segments of full sizes `segments`; this rank holds 1/size of each."""
@@ -102,7 +111,7 @@ class ShardedLinear(nn.Module):
         self.decode_gemm: SkinnyConfig | None = None
         # LoRA adapters (worker_svc.lora.layer.LoRALayer, set when the worker serves them): adds
         # each adapter row's low-rank product to this rank's GEMM output. None: nothing to add.
-        self.lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self.lora: LoRAHook | None = None
         # FP8 weights (worker_svc.models.fp8): the weight is float8_e4m3fn and this holds its
         # per-output-channel scales, [1, out] fp32; None: the weight is used as it is.
         self.weight_scale: torch.Tensor | None
@@ -114,8 +123,10 @@ class ShardedLinear(nn.Module):
         self.weight_scale = scale.reshape(1, -1).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._gemm(x, self.bias)
-        return out if self.lora is None else self.lora(x, out)
+        if self.lora is None:
+            return self._gemm(x, self.bias)
+        self.lora.before(x)
+        return self.lora(x, self._gemm(x, self.bias))
 
     def out_fp32(self) -> bool:
         """Whether `forward` returns fp32 above bf16/fp16 weights (it then rounds nothing)."""
@@ -240,6 +251,8 @@ class RowParallelLinear(ShardedLinear):
         rounding at both sizes, 13.5-13.7 tokens and none over the rule. It costs ~0.6 % of a
         batch-1 decode step (cuBLAS writing fp32); prefill moved within its noise.
         """
+        if self.lora is not None:
+            self.lora.before(x)
         if self.tp.size == 1 and not self.out_fp32():
             out = self._gemm(x, self.bias)  # fp32 weights: nothing to widen, keep the fused bias
             return out if self.lora is None else self.lora(x, out)

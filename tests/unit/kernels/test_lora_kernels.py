@@ -75,3 +75,24 @@ def test_split_k_shrink_adds_its_partial_sums() -> None:
             ref.lora_shrink(x, a, perm, starts), b, torch.zeros(len(slots), 16), perm, starts, seg
         )
         torch.testing.assert_close(out, want_out, atol=1e-4, rtol=1e-4)
+
+
+def test_expand_blocks_that_mix_slots_and_a_given_shrink_output() -> None:
+    """The expand's m-blocks are runs of `perm` whatever their slots: 16-row blocks over 5 slots
+    of uneven counts (a slot ends mid-block, one spans blocks, one has no rows); the shrink
+    writes the planes of a `y` handed to it (as the layer's side-stream shrink does)."""
+    gen = torch.Generator().manual_seed(3)
+    slots = torch.randint(-1, 5, (40,), generator=gen)
+    slots[slots == 3] = 4  # slot 3 unused
+    perm, starts = _batch(slots.tolist(), 5)
+    x = torch.randn(40, 96, generator=gen)
+    a = torch.randn(5, 2 * 8, 96, generator=gen) / 8
+    b = torch.randn(5, 30, 8, generator=gen) / 4
+    seg = torch.tensor([0, 18, 30], dtype=torch.int32)
+    y = kt.lora_shrink(x, a, perm, starts, y=torch.full((2, 40, 16), float("nan")))
+    assert y.shape[0] == 2
+    base = torch.randn(40, 30, generator=gen)
+    got = kt.lora_expand(y, b, base.clone(), perm, starts, seg, block_m=16, block_n=16)
+    want = ref.lora_expand(ref.lora_shrink(x, a, perm, starts), b, base.clone(), perm, starts, seg)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(got[slots < 0], base[slots < 0])
