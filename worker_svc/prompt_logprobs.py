@@ -26,6 +26,8 @@ import torch
 from services.sampling_params import SamplingParams
 from services.step import PromptLogprobs, TokenLogprobs
 
+_SLICE = 1024  # prompt rows per log-softmax
+
 
 class PromptSequence(Protocol):
     """What is read of a sequence (`runner.SequenceState`), before its step is counted in."""
@@ -74,21 +76,32 @@ class PromptLogprobsPending:
         """`logits`: [len(rows.rows), vocab], the raw logits of those rows."""
         self.spans = rows.spans
         self.targets = rows.targets
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        target = torch.tensor(rows.targets, dtype=torch.int64, device=lp.device)
-        tok_lp = lp.gather(1, target[:, None])
         self.k_max = max(k for _, _, _, k in rows.spans)
-        parts = [tok_lp[:, 0], (lp > tok_lp).sum(dim=-1).to(torch.float32) + 1]
-        if self.k_max:
-            top_lp, top_ids = lp.topk(self.k_max, dim=-1)
-            parts += [top_lp, top_ids.to(torch.float32)]  # ids < 2**24 are exact in fp32
+        target = torch.tensor(rows.targets, dtype=torch.int64, device=logits.device)
+        # In slices of rows: a long prompt chunk's fp32 log-softmax is rows x vocab x 4 bytes,
+        # and each slice's is freed before the next.
+        packed = torch.cat(
+            [
+                self._rows(logits[i : i + _SLICE], target[i : i + _SLICE])
+                for i in range(0, len(target), _SLICE)
+            ]
+        )
         # Read back with the step's results: one non-blocking copy, no sync here.
-        packed = torch.cat([p.reshape(len(rows.targets), -1) for p in parts], dim=1)
         self._host = packed.to("cpu", non_blocking=True)
         self._done = None
         if packed.is_cuda:
             self._done = torch.cuda.Event()
             self._done.record()
+
+    def _rows(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """[rows, 2 + 2 k_max] fp32: the target's logprob, its rank, the top logprobs, their ids."""
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        tok_lp = lp.gather(1, target[:, None])
+        parts = [tok_lp, (lp > tok_lp).sum(dim=-1, keepdim=True).to(torch.float32) + 1]
+        if self.k_max:
+            top_lp, top_ids = lp.topk(self.k_max, dim=-1)
+            parts += [top_lp, top_ids.to(torch.float32)]  # ids < 2**24 are exact in fp32
+        return torch.cat(parts, dim=1)
 
     def wait(self) -> list[PromptLogprobs]:
         if self._done is not None:
