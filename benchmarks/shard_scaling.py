@@ -32,7 +32,12 @@ processes (shards, API processes, workers, routers, clients) to its first C x sh
 share of a fixed host. Shards not in a row are started but idle (no request reaches them).
 
 Reported per row: out tok/s, failed (errors other than RESOURCE_EXHAUSTED) and refused, TTFT
-and ITL, and the ratio of the N-shard row to the 1-shard row. Exit 1 when any request failed.
+and ITL, and the ratio of the N-shard row to the 1-shard row; and where the CPU went (from
+/proc, over the row): `rtr busy` the busiest router process (100 %: one core all the time, that
+process is the ceiling), `rtr us/t` the router tier's CPU per output token, `core busy` the
+busiest shard core (its planning loop is single-threaded), `row us/t` every process of the row
+(shards, API processes, workers, routers, clients) per output token: a host of C cores carries
+at most C / `row us/t` tokens a second, whatever the sharding. Exit 1 when any request failed.
 """
 
 from __future__ import annotations
@@ -291,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         tempfile.TemporaryDirectory() as logs,
         ProcessPoolExecutor(max_clients, mp_context=mp.get_context("spawn")) as pool,
     ):
-        list(pool.map(_warm, range(max_clients)))
+        client_pids = set(pool.map(_warm, range(max_clients)))
         mesh = Mesh(args, logs)
         try:
             mesh.start_shards(args.shards)
@@ -314,16 +319,23 @@ def main(argv: list[str] | None = None) -> int:
                 # The router processes' and the shards' cores' CPU over the row: is one the ceiling?
                 watched = [p.pid for p in mesh.routers] + [s.procs[0].pid for s in shards]
                 before = {p: cpu_seconds(p) for p in watched}
+                # Every process of the row (idle client processes add nothing): the row's CPU per token.
+                everything = [p for s in shards for root in s.procs for p in _tree(root.pid)]
+                everything += [p.pid for p in mesh.routers] + sorted(client_pids)
+                before_all = {p: cpu_seconds(p) for p in everything}
                 results, wall = drive(
                     pool, targets, clients, prompts, args.output_len, streams, args.timeout, cpus
                 )
                 row = report(label, streams, results, wall)
                 per_shard = 1 + args.api_server_count + args.workers_per_shard
                 loads = busy(watched, before, wall + 1.0)  # the clients start 1 s after `before`
+                row_cpu = sum(busy(everything, before_all, 1.0))  # CPU seconds of the whole row
+                tokens = max(row["tok_s"] * wall, 1)
                 router_load, core_load = loads[: len(mesh.routers)], loads[len(mesh.routers) :]
                 row.update(
                     router_busy=max(router_load, default=0.0), core_busy=max(core_load),
-                    router_us_tok=1e6 * sum(router_load) * (wall + 1.0) / max(row["tok_s"] * wall, 1),
+                    router_us_tok=1e6 * sum(router_load) * (wall + 1.0) / tokens,
+                    row_us_tok=1e6 * row_cpu / tokens,
                     shards=n, procs=n * per_shard + router_procs + min(clients, streams),
                     cpus=len(cpus) if cpus else ncpu, router_procs=router_procs,
                 )  # fmt: skip
@@ -353,8 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"{'row':<22}{'streams':>8}{'reqs':>7}{'failed':>7}{'refused':>8}{'out tok/s':>11}{'vs 1':>7}"
-        f"{'TTFT p50':>10}{'ITL p50':>9}{'ITL p99':>9}{'routers':>8}{'router':>8}{'us/tok':>7}{'core':>6}"
-        f"{'procs':>6}{'cpus':>5}"
+        f"{'TTFT p50':>10}{'ITL p50':>9}{'ITL p99':>9}{'routers':>8}{'rtr busy':>9}{'rtr us/t':>9}"
+        f"{'core busy':>10}{'row us/t':>9}{'procs':>6}{'cpus':>5}"
     )
     base = rows[0]["tok_s"]
     for r in rows:
@@ -362,8 +374,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['path']:<22}{r['concurrency']:>8}{r['requests']:>7}{r['failed']:>7}{r['refused']:>8}"
             f"{r['tok_s']:>11,.0f}{r['tok_s'] / base if base else 0:>6.2f}x"
             f"{r['ttft_p50_ms']:>8.1f}ms{r['itl_p50_ms']:>7.2f}ms{r['itl_p99_ms']:>7.2f}ms"
-            f"{r['router_procs']:>8}{100 * r['router_busy']:>7.0f}%{r['router_us_tok']:>7.1f}"
-            f"{100 * r['core_busy']:>5.0f}%{r['procs']:>6}{r['cpus']:>5}"
+            f"{r['router_procs']:>8}{100 * r['router_busy']:>8.0f}%{r['router_us_tok']:>9.1f}"
+            f"{100 * r['core_busy']:>9.0f}%{r['row_us_tok']:>9.1f}{r['procs']:>6}{r['cpus']:>5}"
         )
         if r["errors"]:
             print(f"    errors: {r['errors']}")
