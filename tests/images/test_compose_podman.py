@@ -198,6 +198,8 @@ def test_a_worker_killed_mid_stream_loses_no_stream_and_is_restarted(stack) -> N
     for t in threads:
         t.join(timeout=600)
     print(f"\nkilled {victim}; every stream done {time.monotonic() - killed_at:.0f} s later")
+    survivors = [name for name in workers if name != victim]
+    print("RSS after the streams (MB): " + ", ".join(f"{n} {_rss_mb(n, env):.0f}" for n in survivors))
     failed = [r for r in results if not isinstance(r, tuple)]
     if failed:
         _print_logs(env)
