@@ -23,12 +23,13 @@ from services.grpc_server import ChannelSecurity, host_port
 from services.launcher import grpc_serving, http_ok
 from services.tls import TLSConfig
 
-SERVICES = ("scheduler", "worker", "gateway", "kvstore")
+SERVICES = ("scheduler", "worker", "gateway", "kvstore", "router")
 SERVICE_MODULES = {
     "scheduler_svc.service": "scheduler",
     "worker_svc.service": "worker",
     "gateway.service": "gateway",
     "kvstore_svc.service": "kvstore",
+    "router_svc.service": "router",
 }
 DEFAULT_PORTS = {"gateway": 8000}  # the others default to 0 (any free port): a probe needs --port
 

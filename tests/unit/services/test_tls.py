@@ -116,3 +116,11 @@ async def test_llmesh_health_probes_a_tls_server_from_a_command_line_and_env(cer
         await server.stop(0)
     gateway = target_of_command(["/usr/bin/python", "-m", "gateway.service"], {"LLMESH_GATEWAY_PORT": "9"})
     assert gateway.http and gateway.address == "127.0.0.1:9"
+
+
+def test_llmesh_health_reads_a_router_command_line() -> None:
+    """The router's probe in the TLS component is `llmesh health` on its own command line."""
+    router = target_of_command(["llmesh", "router", "--host", "0.0.0.0", "--port", "50051"], {})
+    assert router.address == "127.0.0.1:50051" and not router.http
+    by_module = target_of_command(["python3", "-m", "router_svc.service"], {"LLMESH_ROUTER_PORT": "7"})
+    assert by_module.address == "127.0.0.1:7"
