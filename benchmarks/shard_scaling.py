@@ -1,9 +1,9 @@
 """Scale-out across scheduler shards: one shard alone against N shards behind the router tier.
 
     .venv/bin/python benchmarks/shard_scaling.py [--shards 4] [--workers-per-shard 2]
-        [--streams-per-shard 256] [--requests-per-shard 1024] [--prompt-len 128] [--output-len 128]
-        [--stream-interval 1] [--api-server-count 4] [--client-procs-per-shard 4]
-        [--router-procs N] [--router-reuse-port] [--router-policy index] [--one-via-router]
+        [--streams-per-shard 256] [--requests-per-shard 2048] [--prompt-len 128] [--output-len 128]
+        [--stream-interval 1] [--api-server-count 6] [--client-procs-per-shard 8]
+        [--router-procs 2N] [--router-reuse-port] [--router-policy index] [--one-via-router]
         [--cpus-per-shard C]
     .venv/bin/python benchmarks/shard_scaling.py --smoke    # seconds, 2-core machine (make test)
 
@@ -244,15 +244,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shards", type=int, default=4, help="shards of the scaled row")
     ap.add_argument("--workers-per-shard", type=int, default=2)
     ap.add_argument("--streams-per-shard", type=int, default=256)
-    ap.add_argument("--requests-per-shard", type=int, default=1024)
+    ap.add_argument("--requests-per-shard", type=int, default=2048)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--stream-interval", type=int, default=1, help="every shard's --stream-interval")
     ap.add_argument("--max-num-seqs", type=int, default=256, help="every worker's and shard's")
-    ap.add_argument("--api-server-count", type=int, default=4, help="every shard's API processes")
-    ap.add_argument("--client-procs-per-shard", type=int, default=4)
     ap.add_argument(
-        "--router-procs", type=int, default=None, help="router processes of the N-shard row (default: N)"
+        "--api-server-count",
+        type=int,
+        default=6,
+        help="every shard's API processes (6: one shard's best on the 16-core host, docs/benchmarks.md)",
+    )
+    ap.add_argument("--client-procs-per-shard", type=int, default=8, help="(8: as that best run)")
+    ap.add_argument(
+        "--router-procs",
+        type=int,
+        default=None,
+        help="router processes (default: 2 per shard of the N-shard row: at stream interval 1 a router "
+        "process relays ~90 us of CPU per token on the 2-core dev machine)",
     )
     ap.add_argument(
         "--router-reuse-port",
@@ -276,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         args.client_procs_per_shard, args.router_procs, args.router_reuse_port = 1, 2, True
         args.timeout = 60.0
     if args.router_procs is None:
-        args.router_procs = args.shards
+        args.router_procs = 2 * args.shards
     ncpu = os.cpu_count() or 1
     if args.cpus_per_shard and args.cpus_per_shard * args.shards > ncpu:
         ap.error(f"--cpus-per-shard {args.cpus_per_shard} x {args.shards} shards > {ncpu} cores")
