@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,13 +15,9 @@ from worker_svc.loader import load_model
 from worker_svc.models.fp8 import fp8_linear, quantize_weight_fp8
 from worker_svc.models.parallel_layers import ShardedLinear
 
-TEXT = (
-    "The river runs past the old mill, where the miller's daughter keeps the ledger of every sack "
-    "of grain brought in from the hills. In spring the water rises and the wheel turns faster; in "
-    "late summer it slows, and the farmers wait their turn on the bench by the door, trading news "
-    "of the weather, the prices at the market in town, and the new bridge the council has promised "
-    "for three years running. Nobody believes it will be built before the winter."
-)
+# ~670 tokens of plain prose: a short text's perplexity swings by percents when a handful of
+# activations land one e4m3 step apart (8 of 9.3M codes moved a 90-token text's by 2 %).
+TEXT = (Path(__file__).parents[2] / "data" / "prose.txt").read_text(encoding="utf-8")
 
 
 def test_weight_quantization_keeps_each_channel_within_half_a_step() -> None:
@@ -92,7 +89,7 @@ def test_fp8_smollm2_perplexity_stays_near_the_full_precision_model(smollm2_dir:
     ppl_full, ppl_fp8 = math.exp(nll_full), math.exp(nll_fp8)
     agree = sum(a == b for a, b in zip(greedy_full[0], greedy_fp8[0], strict=True))
     print(f"SmolLM2 perplexity fp32 {ppl_full:.3f} fp8 {ppl_fp8:.3f}; greedy tokens agreeing {agree}/4")
-    assert ppl_fp8 / ppl_full <= 1.06
+    assert ppl_fp8 / ppl_full <= 1.05  # measured 1.015-1.022 as the scale moves by its last bit
     assert greedy_fp8 == greedy_full
 
 
