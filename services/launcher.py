@@ -274,11 +274,21 @@ def _start_router_and_shards(
     for i, address in enumerate(addresses):
         args = [*sched_args, "--port", address.rsplit(":", 1)[1], "--shard-id", f"scheduler-{i}"]
         shards.append(_start_child(f"scheduler-{i}", address, "scheduler_svc.service", args, env, log_dir))
-    port = router_addr.rsplit(":", 1)[1]
-    args = ["--host", host, "--port", port, "--shards", ",".join(addresses), *(router_args or [])]
-    return LocalMesh(
-        _start_child("router", router_addr, "router_svc.service", args, env, log_dir), shards=shards
-    )
+    return LocalMesh(start_router(router_addr, addresses, router_args, env, log_dir), shards=shards)
+
+
+def start_router(
+    address: str,
+    shards: list[str],
+    args: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    log_dir: str | None = None,
+) -> Child:
+    """A router (router_svc) at `address` (host:port) in front of the scheduler shards at `shards`;
+    not waited for (`child_ready`)."""
+    host, port = address.rsplit(":", 1)
+    argv = ["--host", host, "--port", port, "--shards", ",".join(shards), *(args or [])]
+    return _start_child("router", address, "router_svc.service", argv, {**os.environ, **(env or {})}, log_dir)
 
 
 def _start_kvstore(host: str, port: int, args: list[str], env: dict[str, str], log_dir: str | None) -> Child:

@@ -29,8 +29,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from llmesh.cli import build_parser, up_kwargs
 from llmesh.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.grpc_server import PLAINTEXT, ChannelSecurity, open_sync_channel
-from services.launcher import LocalMesh, gateway_available, start_mesh
+from services.launcher import (
+    LocalMesh,
+    child_ready,
+    gateway_available,
+    start_mesh,
+    start_router,
+    wait_until,
+)
 from services.mesh_secret import ENV_KEY, ENV_KEY_FILE
+from services.ports import free_port
 from tests.integration.conftest import service_logs
 
 PROTOS = pathlib.Path(__file__).resolve().parents[2] / "protos" / "llmesh" / "v1"
@@ -66,8 +74,22 @@ def mesh(tmp_path_factory) -> Iterator[LocalMesh]:
         except Exception as e:
             raise RuntimeError(f"the zero-trust mesh did not start: {e}\n{service_logs(log_dir)}") from e
     m.log_dir = log_dir  # type: ignore[attr-defined]
-    yield m
-    m.stop()
+    # A router in front of the scheduler (as `llmesh up --schedulers N` puts one in front of
+    # shards): its own RPCs (ShardRegistry) are internal, its public API takes the API key.
+    router = start_router(
+        f"127.0.0.1:{free_port('127.0.0.1')}",
+        [m.scheduler.address],
+        env={**m.scheduler.env, "LLMESH_ROUTER_API_KEY": API_KEY},
+        log_dir=str(log_dir),
+    )
+    m.router = router  # type: ignore[attr-defined]
+    try:
+        wait_until(lambda: child_ready(router), "router", [router.proc], 60)
+        yield m
+    finally:
+        router.proc.kill()
+        router.proc.wait()
+        m.stop()
 
 
 def mesh_key(mesh: LocalMesh) -> ChannelSecurity:
@@ -98,6 +120,8 @@ def hosts(mesh: LocalMesh) -> dict[str, str]:
         "llmesh.v1.SchedulerCore": mesh.scheduler.address,
         "llmesh.v1.Worker": mesh.workers[0].address,
         "llmesh.v1.KVStore": mesh.kvstore.address,
+        "llmesh.v1.KVEvents": mesh.scheduler.address,
+        "llmesh.v1.ShardRegistry": mesh.router.address,  # type: ignore[attr-defined]
     }
 
 
@@ -115,7 +139,9 @@ def call_empty(address: str, method: MethodDescriptor, security: ChannelSecurity
             reply = rpc(arg, timeout=TIMEOUT)
             if method.server_streaming:
                 for _ in reply:
-                    pass
+                    if not method.client_streaming:  # a feed (KVEvents) never ends: its first
+                        reply.cancel()  # message says the call got in
+                        return grpc.StatusCode.OK
         except grpc.RpcError as e:
             return e.code()
     return grpc.StatusCode.OK
@@ -142,6 +168,8 @@ def test_the_enumeration_covers_every_rpc_of_the_protos(mesh: LocalMesh) -> None
         "llmesh.v1.SchedulerCore",
         "llmesh.v1.Worker",
         "llmesh.v1.KVStore",
+        "llmesh.v1.KVEvents",
+        "llmesh.v1.ShardRegistry",
     }
     # The .proto text and the descriptors agree on the number of RPCs: nothing is skipped.
     in_text = sum(line.lstrip().startswith("rpc ") for p in PROTOS.glob("*.proto") for line in p.open())
