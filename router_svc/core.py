@@ -28,21 +28,9 @@ from typing import Literal
 from router_svc.index import Batch, PrefixIndex, ShardFeed
 from services.lora_config import lora_cache_root
 from services.prefix_hash import extend_block_keys, root_key, short_key
+from services.shard_load import ShardLoad
 
 Policy = Literal["index", "load", "round-robin"]
-
-
-@dataclass
-class ShardLoad:
-    """What a shard reported of its pool (router.proto ShardLoad)."""
-
-    queued_tokens: int = 0
-    running: int = 0
-    waiting: int = 0
-    num_workers: int = 0
-    num_blocks: int = 0
-    backlog: int = 0
-    max_backlog: int = 0
 
 
 @dataclass

@@ -23,24 +23,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.prefix_hash import short_key
+from services.shard_load import ShardLoad
 
 # Batches a subscriber may have queued before it counts as behind (and loses them).
 MAX_QUEUED_BATCHES = 1024
 # How often the load is recomputed at most (it walks every request of the pool).
 LOAD_REFRESH_S = 0.01
-
-
-@dataclass
-class Load:
-    """How busy the pool is (router.proto ShardLoad)."""
-
-    queued_tokens: int = 0
-    running: int = 0
-    waiting: int = 0
-    num_workers: int = 0
-    num_blocks: int = 0
-    backlog: int = 0
-    max_backlog: int = 0
 
 
 @dataclass
@@ -83,7 +71,7 @@ class WorkerKeys:
 
 
 class KVEventLog:
-    def __init__(self, shard_id: str = "", load: Callable[[], Load] | None = None) -> None:
+    def __init__(self, shard_id: str = "", load: Callable[[], ShardLoad] | None = None) -> None:
         self.shard_id = shard_id
         self.epoch = uuid.uuid4().hex  # this process: a restarted shard is told apart by it
         self.holders: dict[int, int] = {}  # key -> workers of the pool holding it
@@ -94,7 +82,7 @@ class KVEventLog:
         self._flush_scheduled = False
         self.subscriptions: set[Subscription] = set()
         self._load_fn = load
-        self._load = Load()
+        self._load = ShardLoad()
         self._load_at = 0.0
         self.num_events = 0  # keys stored + removed, published (netted within a batch)
         self.num_batches = 0
@@ -184,7 +172,7 @@ class KVEventLog:
     def unsubscribe(self, sub: Subscription) -> None:
         self.subscriptions.discard(sub)
 
-    def load(self) -> Load:
+    def load(self) -> ShardLoad:
         now = time.monotonic()
         if self._load_fn is not None and now - self._load_at >= LOAD_REFRESH_S:
             self._load = self._load_fn()

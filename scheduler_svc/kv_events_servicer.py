@@ -14,8 +14,9 @@ import weakref
 import grpc
 
 from llmesh.v1 import router_pb2, router_pb2_grpc
-from scheduler_svc.kv_events import CLOSED, KVEventLog, Load
+from scheduler_svc.kv_events import CLOSED, KVEventLog
 from scheduler_svc.mesh import Mesh
+from services.shard_load import ShardLoad
 
 DEFAULT_LOAD_INTERVAL_MS = 100
 
@@ -34,10 +35,10 @@ def _uncached(planner, req) -> int:
     return max(req.num_tokens - max(req.num_computed_tokens, cached), 0)
 
 
-def pool_load(mesh: Mesh) -> Load:
+def pool_load(mesh: Mesh) -> ShardLoad:
     """Prefill tokens still to compute (cached ones are no work), requests running and waiting, over
     the pool's workers."""
-    load = Load(max_backlog=mesh.config.max_waiting_requests)
+    load = ShardLoad(max_backlog=mesh.config.max_waiting_requests)
     for slot in mesh.workers.values():
         planner = slot.planner
         for req in planner.waiting:
@@ -52,7 +53,7 @@ def pool_load(mesh: Mesh) -> Load:
     return load
 
 
-def _load_msg(load: Load) -> router_pb2.ShardLoad:
+def _load_msg(load: ShardLoad) -> router_pb2.ShardLoad:
     return router_pb2.ShardLoad(
         queued_tokens=load.queued_tokens,
         running=load.running,
