@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.cache_salt import API_KEY_SCOPE, effective_salt
-from gateway.errors import APIError
+from gateway.errors import APIError, bad_request
 from gateway.generation import ChoiceDelta, Generation, TokenLogprob, merge
 from gateway.protocol import SamplingRequest
 from gateway.state import GatewayState
@@ -52,6 +52,19 @@ class ChoiceResult:
         self.logprobs.extend(d.logprobs)
         if d.finish_reason is not None:
             self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
+
+
+def raw_prompts(value: Any, name: str) -> list[str | list[int]]:
+    """A prompt field as sent (`prompt`, `input`: a text, texts, token ids or token-id lists) as
+    one list of texts or token-id lists, none tokenized yet."""
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise bad_request(name, "must not be empty")
+    # The schema admits only homogeneous lists: the first item tells which (no walk over a million ids).
+    if isinstance(value[0], int):
+        return [value]
+    return list(value)
 
 
 def usage(gens: list[Generation]) -> dict[str, Any]:

@@ -20,25 +20,12 @@ from gateway.params import (
     sampling_params,
 )
 from gateway.protocol import LOGPROB_FLOOR, CompletionRequest
-from gateway.serving_base import ChoiceResult, Run, cache_salt_of, usage
+from gateway.serving_base import ChoiceResult, Run, cache_salt_of, raw_prompts, usage
 from gateway.state import GatewayState, ServedModel
 from gateway.streaming import dumps, sse
 from gateway.structured import structured_outputs
 from gateway.tokenizer import Tokenizer
 from services.step import TokenLogprobs
-
-
-def _raw_prompts(req: CompletionRequest) -> list[str | list[int]]:
-    """The prompts as sent: texts or token-id lists (none tokenized yet)."""
-    p = req.prompt
-    if isinstance(p, str):
-        return [p]
-    if not p:
-        raise bad_request("prompt", "must not be empty")
-    # The schema admits only homogeneous lists: the first item tells which (no walk over a million ids).
-    if isinstance(p[0], int):
-        return [p]  # type: ignore[list-item]
-    return list(p)  # type: ignore[arg-type]
 
 
 async def _encode_prompts(
@@ -161,7 +148,7 @@ async def create_completion(state: GatewayState, req: CompletionRequest, request
     max_tokens = 1 if prompt_only else req.max_tokens
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options", "is only allowed with stream=true")
-    raw = _raw_prompts(req)
+    raw = raw_prompts(req.prompt, "prompt")
     check_batch(len(raw), req.n, limits)
     salt = cache_salt_of(state, req, request)
     base = sampling_params(

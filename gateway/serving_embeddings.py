@@ -23,24 +23,12 @@ from gateway.errors import APIError, bad_request
 from gateway.generation import Generation
 from gateway.params import Limits, check_prompt_chars, check_token_ids, resolve_max_tokens
 from gateway.protocol_embeddings import EmbeddingRequest
-from gateway.serving_base import ChoiceResult, Run
+from gateway.serving_base import ChoiceResult, Run, raw_prompts
 from gateway.state import GatewayState, ServedModel
 from services.embeddings import check_dimensions, finish_embedding
 from services.sampling_params import SamplingParams
 
 _POOLING = SamplingParams(pooling="default", max_tokens=None)
-
-
-def _inputs(req: EmbeddingRequest) -> list[str | list[int]]:
-    """The inputs as sent: texts or token-id lists (none tokenized yet)."""
-    x = req.input
-    if isinstance(x, str):
-        return [x]
-    if not x:
-        raise bad_request("input", "must not be empty")
-    if isinstance(x[0], int):
-        return [x]  # type: ignore[list-item]
-    return list(x)  # type: ignore[arg-type]
 
 
 async def _encode(
@@ -85,7 +73,7 @@ async def create_embeddings(state: GatewayState, req: EmbeddingRequest, request:
             "model", "embeddings with a LoRA adapter are not supported", code="unsupported_parameter"
         )
     limits = state.limits()
-    prompts = await _encode(req, _inputs(req), model, limits)
+    prompts = await _encode(req, raw_prompts(req.input, "input"), model, limits)
     gens = [
         Generation(
             state.client,
