@@ -2,6 +2,9 @@
 
 One program per token copies all of its KV heads (Hkv * D elements, a few KiB) for both K
 and V: contiguous rows in, contiguous rows out, so it is a pure bandwidth kernel.
+
+An fp8 cache (float8_e4m3fn) stores x * (1 / scale) rounded to e4m3, saturated at +-448, with
+the layer's K and V scales (`kernels.reference.unit_kv_scale` documents the [4] vector).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ def _kv_write_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    kv_scale_ptr,  # fp32 [4]: k_scale, v_scale, 1 / k_scale, 1 / v_scale (read when QUANT)
     stride_kt,
     stride_kh,
     stride_vt,
@@ -32,6 +36,7 @@ def _kv_write_kernel(
     BLOCK_SIZE: tl.constexpr,
     H_PAD: tl.constexpr,
     D_PAD: tl.constexpr,
+    QUANT: tl.constexpr,  # the cache is fp8: scale, saturate and round to e4m3 by hand
 ):
     tok = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
@@ -49,8 +54,22 @@ def _kv_write_kernel(
 
     tok64 = tok.to(tl.int64)
     k = tl.load(k_ptr + tok64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     v = tl.load(v_ptr + tok64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    if QUANT:
+        # K and V as one [2, ...] pass: row 0 keys, row 1 values, each times its reciprocal
+        # scale. Rounded to e4m3's grid by hand, to nearest even, as kernels/triton/fp8_quant.py
+        # does (Triton's interpreter casts half up and loses carries); the cast is then exact.
+        x = tl.join(
+            k.to(tl.float32) * tl.load(kv_scale_ptr + 2), v.to(tl.float32) * tl.load(kv_scale_ptr + 3)
+        )
+        x = tl.clamp(x, -448.0, 448.0)
+        a = tl.abs(x)
+        small = a < 0.015625
+        bits = tl.where(small, a + 0.015625, a).to(tl.uint32, bitcast=True)
+        a = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+        a = tl.where(small, a - 0.015625, a)
+        k, v = tl.split(tl.where(x < 0, -a, a))
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
@@ -61,11 +80,16 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
     """Scatter new K/V [T, Hkv, D] into `kv_cache` [2, num_blocks, block_size, Hkv, D] at `slot_mapping` [T].
 
-    Slots < 0 are skipped (padding tokens). Values are cast to the cache's dtype.
+    Slots < 0 are skipped (padding tokens). Values are cast to the cache's dtype; an fp8 cache
+    quantizes them with `kv_scale` (fp32 [4] on k's device; None = every scale 1.0).
     """
     num_tokens, num_kv_heads, head_dim = k.shape
     assert v.shape == k.shape, (v.shape, k.shape)
@@ -77,12 +101,16 @@ def write_kv_cache(
     k = _last_dim_contiguous(k)
     v = _last_dim_contiguous(v)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
+    quant = kv_cache.dtype == torch.float8_e4m3fn
+    if quant and kv_scale is None:
+        kv_scale = torch.ones(4, dtype=torch.float32, device=k.device)
     _kv_write_kernel[(num_tokens,)](
         k,
         v,
         key_cache,
         value_cache,
         slot_mapping,
+        kv_scale if quant else slot_mapping,  # any pointer when unused
         k.stride(0),
         k.stride(1),
         v.stride(0),
@@ -95,5 +123,6 @@ def write_kv_cache(
         BLOCK_SIZE=kv_cache.shape[2],
         H_PAD=triton.next_power_of_2(num_kv_heads),
         D_PAD=triton.next_power_of_2(head_dim),
+        QUANT=quant,
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )

@@ -7,6 +7,10 @@ k end as `kernels.reference.rotary_embedding` returns them) and stores the rotat
 the values at the token's cache slot. A negative slot (a padding row of a CUDA-graph batch)
 rotates but writes no cache. At batch 1 this saves a launch per layer; in a prefill it saves
 reading k back.
+
+An fp8 cache (float8_e4m3fn) stores the rotated keys (rounded to k's dtype first, as the
+unfused path does) and the values times their reciprocal scales, rounded to e4m3 and
+saturated at +-448 (`kernels.reference.unit_kv_scale` documents the scales vector).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ def _rotary_kv_write_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    kv_scale_ptr,  # fp32 [4]: k_scale, v_scale, 1 / k_scale, 1 / v_scale (read when QUANT)
     stride_qt,
     stride_qh,
     stride_kt,
@@ -45,6 +50,7 @@ def _rotary_kv_write_kernel(
     H_PAD: tl.constexpr,
     HKV_PAD: tl.constexpr,
     HALF_PAD: tl.constexpr,
+    QUANT: tl.constexpr,  # the cache is fp8: scale, saturate and round to e4m3 by hand
 ):
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + tok).to(tl.int64)
@@ -81,11 +87,26 @@ def _rotary_kv_write_kernel(
         block = slot // BLOCK_SIZE
         offset = slot % BLOCK_SIZE
         dst = block * stride_cb + offset * stride_cbs + offs_h[:, None] * stride_ch + offs_d[None, :]
-        tl.store(k_cache_ptr + dst, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(k_cache_ptr + dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
         at = v_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
         v1 = tl.load(at, mask=mask, other=0.0)
         v2 = tl.load(at + HALF, mask=mask, other=0.0)
+        if QUANT:
+            # The four halves as one [H, HALF, 2, 2] pass, rounded to e4m3's grid by hand to
+            # nearest even as kernels/triton/fp8_quant.py does (Triton's interpreter casts half
+            # up and loses carries), so that the cast below is exact.
+            kk = tl.join(k1.to(tl.float32), k2.to(tl.float32)) * tl.load(kv_scale_ptr + 2)
+            vv = tl.join(v1.to(tl.float32), v2.to(tl.float32)) * tl.load(kv_scale_ptr + 3)
+            x = tl.clamp(tl.join(kk, vv), -448.0, 448.0)
+            a = tl.abs(x)
+            small = a < 0.015625
+            bits = tl.where(small, a + 0.015625, a).to(tl.uint32, bitcast=True)
+            a = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+            a = tl.where(small, a - 0.015625, a)
+            kk, vv = tl.split(tl.where(x < 0, -a, a))
+            k1, k2 = tl.split(kk)
+            v1, v2 = tl.split(vv)
+        tl.store(k_cache_ptr + dst, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_cache_ptr + dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + dst, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -98,11 +119,13 @@ def rotary_and_write_kv(
     cos_sin_cache: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
     """Rotate q [T, H, D] and k [T, Hkv, D] in place by `positions` [T], then write the rotated
     k and v [T, Hkv, D] into `kv_cache` [2, num_blocks, block_size, Hkv, D] at `slot_mapping`
     [T] (slots < 0 are skipped). q, k and v may be strided views (slices of a fused qkv output)
-    with a contiguous head_dim. cos_sin_cache: [max_pos, D], cos then sin (fp32).
+    with a contiguous head_dim. cos_sin_cache: [max_pos, D], cos then sin (fp32). An fp8 cache
+    quantizes with `kv_scale` (fp32 [4] on q's device; None = every scale 1.0).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -118,6 +141,9 @@ def rotary_and_write_kv(
     cos_sin = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     half = head_dim // 2
+    quant = kv_cache.dtype == torch.float8_e4m3fn
+    if quant and kv_scale is None:
+        kv_scale = torch.ones(4, dtype=torch.float32, device=q.device)
     _rotary_kv_write_kernel[(num_tokens,)](
         positions,
         q,
@@ -127,6 +153,7 @@ def rotary_and_write_kv(
         key_cache,
         value_cache,
         slot_mapping,
+        kv_scale if quant else slot_mapping,  # any pointer when unused
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -144,5 +171,6 @@ def rotary_and_write_kv(
         H_PAD=triton.next_power_of_2(num_heads),
         HKV_PAD=triton.next_power_of_2(num_kv_heads),
         HALF_PAD=triton.next_power_of_2(half),
+        QUANT=quant,
         num_warps=4 if num_heads * head_dim >= 2048 else 1,
     )

@@ -33,11 +33,14 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         rotary: RotaryInputs | None = None,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Write k and v into the cache at `meta.slot_mapping`, then attend.
 
         With `rotary` (positions [T], the [max_pos, D] cos|sin table), q and k are first rotated
         (NeoX rotate-half): the backend may do it in the same kernel as the write, and may
-        rotate q and k in place.
+        rotate q and k in place. An fp8 cache (float8_e4m3fn) is written and read with
+        `kv_scale`, the layer's fp32 [4] (k_scale, v_scale, 1 / k_scale, 1 / v_scale) on q's
+        device (`kernels.reference.unit_kv_scale`; None = every scale 1.0).
         """
         ...

@@ -26,12 +26,15 @@ class TritonPagedBackend:
         meta: AttentionMetadata,
         scale: float,
         rotary: RotaryInputs | None = None,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # Write first, then attend: the new tokens must see themselves (and a sequence may
         # read a prefix block another sequence of this step just wrote).
         if rotary is not None:  # one kernel rotates q and k in place and writes the cache
             positions, cos_sin = rotary
-            triton_kernels.rotary_and_write_kv(positions, q, k, v, cos_sin, kv_cache, meta.slot_mapping)
+            triton_kernels.rotary_and_write_kv(
+                positions, q, k, v, cos_sin, kv_cache, meta.slot_mapping, kv_scale
+            )
         else:
-            triton_kernels.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        return triton_kernels.paged_attention(q, kv_cache, meta, scale)
+            triton_kernels.write_kv_cache(k, v, kv_cache, meta.slot_mapping, kv_scale)
+        return triton_kernels.paged_attention(q, kv_cache, meta, scale, kv_scale=kv_scale)
