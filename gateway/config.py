@@ -41,6 +41,13 @@ class GatewayConfig(RequestLimits, TLSConfig):
     )
     http_backlog: int = option(4096, ge=1, help="connections the listening socket queues before accept()")
     scheduler: str = option("127.0.0.1:50051", help="scheduler host:port (llmesh.v1.Scheduler)")
+    direct_to_shards: bool = option(
+        False,
+        help="--scheduler is a router (llmesh router): ask it which shard runs each request "
+        "(llmesh.v1.ShardPicker.Route, with the internal key) and stream from that shard directly, "
+        "instead of through the router; the gateway must reach the shards at the addresses they "
+        "registered with the router (a plain scheduler there: relayed as without the flag)",
+    )
     keepalive_s: float = option(
         DEFAULT_KEEPALIVE_S, ge=1, help="idle seconds between HTTP/2 pings to the scheduler (>= 1)"
     )

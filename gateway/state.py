@@ -44,7 +44,10 @@ class GatewayState:
     def __init__(self, config: GatewayConfig, client: SchedulerClient | None = None) -> None:
         self.config = config
         self.client = client or SchedulerClient(
-            config.scheduler, config.keepalive_s, ChannelSecurity.of(config, config.scheduler_key)
+            config.scheduler,
+            config.keepalive_s,
+            ChannelSecurity.of(config, config.scheduler_key),
+            direct=config.direct_to_shards,
         )
         self.metrics = GatewayMetrics()
         self.loras = LoRARegistry(config.lora_modules)

@@ -13,6 +13,10 @@ global index can do), "round-robin" (across shards). Shards that are not ready (
 link down, draining, no worker) get nothing; shards that refused a request (full) or failed before
 it started are excluded for its retry.
 
+A request picked for a caller that streams from the shard itself (ShardPicker.Route) is booked
+(`book`): its prefill tokens and one running request count on that shard until the shard's next
+load report, which includes it; this router never sees it start or end.
+
 Session affinity: a request with a session key goes where the session's last request went, unless
 that shard is gone or costs `session_slack_tokens` more than the best one (then the session moves).
 """
@@ -52,6 +56,10 @@ class Shard:
     # prefill tokens of its requests that started, its requests that ended.
     started_since_report: int = 0
     ended_since_report: int = 0
+    # Requests picked here for callers that stream from the shard themselves (`book`): this router
+    # never sees them start or end, so they count until the shard's next report, which has them.
+    booked_tokens: int = 0
+    booked_requests: int = 0
     down_since: float | None = None
 
     @property
@@ -120,6 +128,7 @@ class Router:
         if load is not None:
             shard.load = load
             shard.started_since_report = shard.ended_since_report = 0
+            shard.booked_tokens = shard.booked_requests = 0
         return shard.feed.receive(batch)
 
     def set_connected(self, shard: Shard, connected: bool) -> None:
@@ -197,7 +206,8 @@ class Router:
         # The report, less what this router knows has changed since, or this router's own count
         # (fresher, but blind to other routers' requests), whichever is more.
         queued = max(load.queued_tokens - shard.started_since_report, shard.pending_tokens)
-        running = max(load.running - shard.ended_since_report, shard.inflight)
+        queued += shard.booked_tokens
+        running = max(load.running - shard.ended_since_report, shard.inflight) + shard.booked_requests
         own = self.config.prefix_weight * (prompt_tokens - cached)
         return int(own) + queued + self.config.running_cost_tokens * running
 
@@ -229,6 +239,16 @@ class Router:
         self.num_prompt_tokens += prompt_tokens
         self.num_prefix_tokens += cached
         return Ticket(shard, prefill, cached)
+
+    def book(self, shard: Shard, prompt_tokens: int, cached: int) -> None:
+        """A request picked for a caller that streams from the shard itself (ShardPicker.Route):
+        an optimistic bump of the shard's load, replaced by its next report."""
+        shard.booked_tokens += max(prompt_tokens - cached, 0)
+        shard.booked_requests += 1
+        shard.routed += 1
+        self.num_routed += 1
+        self.num_prompt_tokens += prompt_tokens
+        self.num_prefix_tokens += cached
 
     def started(self, ticket: Ticket) -> None:
         if not ticket.started and not ticket.done:

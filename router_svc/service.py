@@ -8,6 +8,7 @@ import sys
 from llmesh.v1 import router_pb2_grpc, worker_pb2_grpc
 from router_svc.config import RouterConfig
 from router_svc.core import Router
+from router_svc.picker import ShardPickerServicer
 from router_svc.servicer import (
     RouterRegistryServicer,
     RouterServicer,
@@ -40,10 +41,13 @@ async def run(config: RouterConfig) -> None:
         Service.of("llmesh.v1.Scheduler", add_router_to_server, RouterServicer(router, pool)),
         Service.of("llmesh.v1.ShardRegistry", router_pb2_grpc.add_ShardRegistryServicer_to_server,
                    ShardRegistryServicer(pool)),
+        Service.of("llmesh.v1.ShardPicker", router_pb2_grpc.add_ShardPickerServicer_to_server,
+                   ShardPickerServicer(router)),
         Service.of("llmesh.v1.Registry", worker_pb2_grpc.add_RegistryServicer_to_server,
                    RouterRegistryServicer(pool)),
     ]  # fmt: skip
-    # The public API takes the API key (or the internal key); ShardRegistry and Registry only the latter.
+    # The public API takes the API key (or the internal key); ShardRegistry, ShardPicker and Registry
+    # only the latter (Route names the shards' addresses: the mesh's topology).
     keys = {"llmesh.v1.Scheduler": config.api_key}
     try:
         await serve(

@@ -248,6 +248,8 @@ def start_mesh(
         wait_until(lambda: child_ready(mesh.scheduler), mesh.scheduler.name, procs, timeout)
         if gateway_port is not None:
             args = [*model_args, *(gateway_args or [])]
+            if mesh.shards:  # the router picks a shard (ShardPicker.Route), the gateway streams from it
+                args = ["--direct-to-shards", *args]
             mesh.gateway = _start_gateway(host, gateway_port, sched_addr, args, env, log_dir)
             wait_until(lambda: http_ok(mesh.gateway.address), "gateway", [mesh.gateway.proc], timeout)
     except BaseException:

@@ -13,6 +13,7 @@ from llmesh.local_link import LocalWorkerLink
 from llmesh.v1 import generation_pb2_grpc, router_pb2_grpc, worker_pb2_grpc
 from router_svc.config import RouterConfig
 from router_svc.core import Router
+from router_svc.picker import ShardPickerServicer
 from router_svc.servicer import (
     RouterRegistryServicer,
     RouterServicer,
@@ -127,6 +128,7 @@ async def start_router(addresses: list[str], policy: str = "index", **kw) -> Rou
     server = grpc.aio.server()
     add_router_to_server(servicer, server)
     router_pb2_grpc.add_ShardRegistryServicer_to_server(ShardRegistryServicer(pool), server)
+    router_pb2_grpc.add_ShardPickerServicer_to_server(ShardPickerServicer(router), server)
     worker_pb2_grpc.add_RegistryServicer_to_server(RouterRegistryServicer(pool), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

@@ -1,12 +1,13 @@
 """`llmesh up --schedulers 2 --workers 2`: a router in front of two scheduler shards with a real
 SmolLM2 worker each, a KV store and the gateway, as processes on loopback.
 
-The official `openai` client is served through the router unchanged; a long prefix repeated is
-served from cache whichever shard it lands on (the router alternates them here, round-robin: the
-shard that computed it has it in its GPU cache, the other loads it from the KV store); SIGKILL of
-one shard under 8 streams: the streams on the other shard finish, those on the dead one end with
-an error at once (none hangs), every request started afterwards succeeds, and the shard, started
-again as the supervisor would, rejoins the router.
+The official `openai` client is served through the router unchanged (the gateway asks the router for
+a shard and streams from that shard: a stream goes on with the router stopped); a long prefix
+repeated is served from cache whichever shard it lands on (the router alternates them here, round-
+robin: the shard that computed it has it in its GPU cache, the other loads it from the KV store);
+SIGKILL of one shard under 8 streams: the streams on the other shard finish, those on the dead one
+end with an error at once (none hangs), every request started afterwards succeeds, and the shard,
+started again as the supervisor would, rejoins the router.
 """
 
 from __future__ import annotations
@@ -86,6 +87,28 @@ def test_a_repeated_prefix_is_served_from_cache_on_either_shard(sharded: LocalMe
     assert all(c >= 2 * CHUNK_TOKENS for c in cached), cached
     per_worker = {w.worker_id: w.prefix_hits for w in stats(sharded.scheduler.address).workers}
     assert len(per_worker) == 2 and all(hits > 0 for hits in per_worker.values()), per_worker
+
+
+def test_the_gateway_streams_from_the_shard_not_through_the_router(sharded: LocalMesh, client):
+    """`llmesh up --schedulers N` starts the gateway with --direct-to-shards: the router only picks
+    (ShardPicker.Route). A stream that started goes on to its end with the router stopped."""
+    chunks = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": "Count slowly from one to one hundred."}],
+        max_tokens=48,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    stream = iter(chunks)
+    next(stream)
+    router = sharded.scheduler.proc
+    router.send_signal(signal.SIGSTOP)  # a relay would stall here
+    try:
+        rest = list(stream)
+    finally:
+        router.send_signal(signal.SIGCONT)
+    assert rest and rest[-1].choices[0].finish_reason == "length"
 
 
 def test_sigkill_of_a_shard_under_streams(sharded: LocalMesh, client):

@@ -122,6 +122,7 @@ def hosts(mesh: LocalMesh) -> dict[str, str]:
         "llmesh.v1.KVStore": mesh.kvstore.address,
         "llmesh.v1.KVEvents": mesh.scheduler.address,
         "llmesh.v1.ShardRegistry": mesh.router.address,  # type: ignore[attr-defined]
+        "llmesh.v1.ShardPicker": mesh.router.address,  # type: ignore[attr-defined]
     }
 
 
@@ -170,6 +171,7 @@ def test_the_enumeration_covers_every_rpc_of_the_protos(mesh: LocalMesh) -> None
         "llmesh.v1.KVStore",
         "llmesh.v1.KVEvents",
         "llmesh.v1.ShardRegistry",
+        "llmesh.v1.ShardPicker",
     }
     # The .proto text and the descriptors agree on the number of RPCs: nothing is skipped.
     in_text = sum(line.lstrip().startswith("rpc ") for p in PROTOS.glob("*.proto") for line in p.open())

@@ -8,6 +8,7 @@ from fastapi import FastAPI
 
 from gateway.middleware import GuardMiddleware
 from gateway.scheduler_client import SESSION_ID, SchedulerClient
+from services.grpc_server import PLAINTEXT
 
 
 def app() -> FastAPI:
@@ -41,7 +42,7 @@ async def test_generate_sends_it_as_metadata():
         def Generate(self, request, **kw):
             sent.update(kw)
 
-    client = SchedulerClient("127.0.0.1:1")
+    client = SchedulerClient("127.0.0.1:1", security=PLAINTEXT)  # no key: only the session's metadata
     client._scheduler = Stub()  # type: ignore[assignment]
     token = SESSION_ID.set("conv-7")
     try:
