@@ -4,7 +4,7 @@
         [--streams-per-shard 256] [--requests-per-shard 2048] [--prompt-len 128] [--output-len 128]
         [--stream-interval 1] [--api-server-count 6] [--client-procs-per-shard 8]
         [--router-procs 2N] [--router-reuse-port] [--router-policy index] [--one-via-router]
-        [--cpus-per-shard C]
+        [--cpus-per-shard C] [--rows one,relay,direct]
     .venv/bin/python benchmarks/shard_scaling.py --smoke    # seconds, 2-core machine (make test)
 
 Issue 30's must-show "8 null workers over 4 shards >= 3.5x one shard", in one run and one table.
@@ -16,12 +16,15 @@ by streaming gRPC clients in several processes (prompt 128, output 128, stream i
     `--streams-per-shard` streams and `--client-procs-per-shard` client processes;
   * `1 shard + router` (`--one-via-router`): the same, through the router tier (its cost per token);
   * `N shards + router`: N shards behind `--router-procs` router processes (`llmesh router`),
-    N times the streams, requests and client processes.
+    N times the streams, requests and client processes;
+  * `N shards + router (direct)`: the same, but the router only picks: each request asks it
+    (`ShardPicker.Route`) and streams from the chosen shard itself (gateway/shard_routing.py, what
+    the gateway does with --direct-to-shards). `--rows` picks the rows (default one,relay,direct).
 
-The router relays every response message, so at stream interval 1 it carries each token of the
-cluster once more: one process would be the ceiling, so the router tier is several processes,
-each with every shard (each subscribes to every shard's KV events and load). By default each
-router process has its own port and client process i talks to router i mod R (an even spread);
+In the relay rows the router relays every response message, so at stream interval 1 it carries
+each token of the cluster once more: one process would be the ceiling, so the router tier is
+several processes, each with every shard (each subscribes to every shard's KV events and load).
+By default each router process has its own port and client process i talks to router i mod R;
 `--router-reuse-port` puts them on one port (`llmesh router --reuse-port`, SO_REUSEPORT) and
 lets the kernel spread the client connections (one per client process: an uneven spread with few).
 
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import subprocess
 import sys
@@ -55,11 +59,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from null_worker import VOCAB  # noqa: E402
-from serving import RequestStats, make_prompts, report, run_clients  # noqa: E402
+from serving import RequestStats, grpc_request, make_prompts, report, run_clients  # noqa: E402
 
 from services.launcher import free_port, grpc_serving, wait_until  # noqa: E402
 
 HOST = "127.0.0.1"
+ROWS = {"one", "one-relay", "relay", "direct"}
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -108,13 +113,46 @@ def busy(pids: list[int], before: dict[int, float], wall: float) -> list[float]:
     return [(cpu_seconds(p) - before.get(p, 0.0)) / wall for p in pids]
 
 
-def _client_process(target, prompts, output_len, concurrency, timeout, start_at, cpus):
-    """One client process (spawned): its share of streams against one address, from `start_at`."""
+def _client_process(target, prompts, output_len, concurrency, timeout, start_at, cpus, direct=False):
+    """One client process (spawned): its share of streams against one address, from `start_at`;
+    `direct`: the address is a router, asked for a shard per request (route, then stream)."""
     if cpus is not None:
         pin([os.getpid()], set(cpus))
     time.sleep(max(0.0, start_at - time.time()))
-    results, end = asyncio.run(run_clients("grpc", target, prompts, output_len, concurrency, timeout))
+    run = run_direct_clients if direct else functools.partial(run_clients, "grpc")
+    results, end = asyncio.run(run(target, prompts, output_len, concurrency, timeout))
     return [asdict(r) for r in results], end
+
+
+async def run_direct_clients(
+    router: str, prompts: list[list[int]], output_len: int, concurrency: int, timeout: float
+) -> tuple[list[RequestStats], float]:
+    """`concurrency` streams that ask the router (ShardPicker.Route) for a shard and stream from it
+    (gateway/shard_routing.py, as the gateway with --direct-to-shards), over `prompts`."""
+    from gateway.shard_routing import ShardChannels, ShardRouter
+    from llmesh.v1 import router_pb2_grpc
+    from services.grpc_server import open_channel
+
+    class Stub:  # what serving.grpc_request calls
+        def __init__(self, routed: ShardRouter) -> None:
+            self.Generate = lambda request, timeout: routed.generate(request, timeout)  # noqa: N815
+
+    queue = list(reversed(prompts))
+    results: list[RequestStats] = []
+    channel = open_channel(router)  # Route is internal: this host's mesh key (services/mesh_secret.py)
+    channels = ShardChannels()
+    stub = Stub(ShardRouter(router_pb2_grpc.ShardPickerStub(channel), channels))
+
+    async def loop() -> None:
+        while queue:
+            results.append(await grpc_request(stub, queue.pop(), output_len, timeout))
+
+    try:
+        await asyncio.gather(*(loop() for _ in range(concurrency)))
+    finally:
+        await channels.close()
+        await channel.close()
+    return results, time.time()
 
 
 def _warm(_: int) -> int:
@@ -126,7 +164,15 @@ def _warm(_: int) -> int:
 
 
 def drive(
-    pool, targets: list[str], procs: int, prompts, output_len: int, streams: int, timeout: float, cpus
+    pool,
+    targets: list[str],
+    procs: int,
+    prompts,
+    output_len: int,
+    streams: int,
+    timeout: float,
+    cpus,
+    direct: bool = False,
 ) -> tuple[list[RequestStats], float]:
     """`streams` streams in `procs` client processes, process i against targets[i % len]."""
     procs = max(1, min(procs, streams))
@@ -135,7 +181,7 @@ def drive(
         pool.submit(
             _client_process, targets[i % len(targets)], prompts[i::procs], output_len,
             streams // procs + (i < streams % procs), timeout, start_at,
-            sorted(cpus) if cpus is not None else None,
+            sorted(cpus) if cpus is not None else None, direct,
         )
         for i in range(procs)
     ]  # fmt: skip
@@ -271,6 +317,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--router-policy", default="index", choices=["index", "load", "round-robin"])
     ap.add_argument("--one-via-router", action="store_true", help="also 1 shard through the router tier")
     ap.add_argument(
+        "--rows",
+        default="one,relay,direct",
+        help="rows, comma-separated: one (1 shard, no router), one-relay (1 shard through the router), "
+        "relay (N shards, the router relays every token), direct (N shards, the router picks: "
+        "ShardPicker.Route, each client streams from the shard)",
+    )
+    ap.add_argument(
         "--cpus-per-shard",
         type=int,
         default=0,
@@ -290,11 +343,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpus_per_shard and args.cpus_per_shard * args.shards > ncpu:
         ap.error(f"--cpus-per-shard {args.cpus_per_shard} x {args.shards} shards > {ncpu} cores")
 
-    # (label, shards in the row, through the router)
-    plan = [("1 shard", 1, False)]
-    if args.one_via_router and args.shards > 1:
-        plan.append(("1 shard + router", 1, True))
-    plan.append((f"{args.shards} shard{'s' if args.shards > 1 else ''} + router", args.shards, True))
+    # (label, shards in the row, how: "" straight to shard 0, "relay" through the router tier,
+    # "direct" the router picks and each client streams from the shard)
+    rows_wanted = set(args.rows.split(","))
+    if args.one_via_router:
+        rows_wanted.add("one-relay")
+    if rows_wanted - ROWS:
+        ap.error(f"--rows: unknown {sorted(rows_wanted - ROWS)}; choose from {sorted(ROWS)}")
+    many = f"{args.shards} shard{'s' if args.shards > 1 else ''} + router"
+    plan = [
+        (label, n, how)
+        for key, label, n, how in [
+            ("one", "1 shard", 1, ""),
+            ("one-relay", "1 shard + router", 1, "relay"),
+            ("relay", many, args.shards, "relay"),
+            ("direct", f"{many} (direct)", args.shards, "direct"),
+        ]
+        if key in rows_wanted and not (key == "one-relay" and args.shards == 1)
+    ]
 
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
@@ -309,10 +375,10 @@ def main(argv: list[str] | None = None) -> int:
         mesh = Mesh(args, logs)
         try:
             mesh.start_shards(args.shards)
-            for label, n, routed in plan:
+            for label, n, how in plan:
                 shards = mesh.shards[:n]
                 cpus = set(range(args.cpus_per_shard * n)) if args.cpus_per_shard else None
-                if routed:
+                if how:
                     mesh.start_routers(shards)
                     targets = mesh.router_addresses
                     # One router's address per client process: processes spread over every address.
@@ -333,8 +399,9 @@ def main(argv: list[str] | None = None) -> int:
                 everything += [p.pid for p in mesh.routers] + sorted(client_pids)
                 before_all = {p: cpu_seconds(p) for p in everything}
                 results, wall = drive(
-                    pool, targets, clients, prompts, args.output_len, streams, args.timeout, cpus
-                )
+                    pool, targets, clients, prompts, args.output_len, streams, args.timeout, cpus,
+                    direct=how == "direct",
+                )  # fmt: skip
                 row = report(label, streams, results, wall)
                 per_shard = 1 + args.api_server_count + args.workers_per_shard
                 loads = busy(watched, before, wall + 1.0)  # the clients start 1 s after `before`
@@ -373,14 +440,14 @@ def main(argv: list[str] | None = None) -> int:
         + f"; host: {ncpu} cores"
     )
     print(
-        f"{'row':<22}{'streams':>8}{'reqs':>7}{'failed':>7}{'refused':>8}{'out tok/s':>11}{'vs 1':>7}"
+        f"{'row':<28}{'streams':>8}{'reqs':>7}{'failed':>7}{'refused':>8}{'out tok/s':>11}{'vs 1':>7}"
         f"{'TTFT p50':>10}{'ITL p50':>9}{'ITL p99':>9}{'routers':>8}{'rtr busy':>9}{'rtr us/t':>9}"
         f"{'core busy':>10}{'row us/t':>9}{'procs':>6}{'cpus':>5}"
     )
-    base = rows[0]["tok_s"]
+    base = rows[0]["tok_s"] if rows[0]["shards"] == 1 else 0.0
     for r in rows:
         print(
-            f"{r['path']:<22}{r['concurrency']:>8}{r['requests']:>7}{r['failed']:>7}{r['refused']:>8}"
+            f"{r['path']:<28}{r['concurrency']:>8}{r['requests']:>7}{r['failed']:>7}{r['refused']:>8}"
             f"{r['tok_s']:>11,.0f}{r['tok_s'] / base if base else 0:>6.2f}x"
             f"{r['ttft_p50_ms']:>8.1f}ms{r['itl_p50_ms']:>7.2f}ms{r['itl_p99_ms']:>7.2f}ms"
             f"{r['router_procs']:>8}{100 * r['router_busy']:>8.0f}%{r['router_us_tok']:>9.1f}"
