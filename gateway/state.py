@@ -135,8 +135,15 @@ class GatewayState:
 
 
 def _load_tokenizer(source: str | None, cache_dir: str | None):
-    from services.model_files import load_tokenizer
+    # A model folder (what the scheduler names in a compose stack or a cluster) loads with the
+    # tokenizers library alone: the gateway's image has no transformers or numpy. Anything else
+    # (the embedded GGUF, a .gguf path) is resolved, and converted once, by services.model_files.
+    from gateway import fast_tokenizer
+
+    if source is not None and os.path.isfile(os.path.join(source, "config.json")):
+        return fast_tokenizer.load(source)
+    from services.model_files import resolve_model
 
     if source is not None and not os.path.exists(source):
         log.warning("model path not found here; trying it as given", extra={"model": source})
-    return load_tokenizer(source, cache_dir)
+    return fast_tokenizer.load(resolve_model(source, cache_dir))
