@@ -15,6 +15,7 @@ single steps synchronously; they must not be mixed with `submit()`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import threading
 import time
@@ -87,6 +88,7 @@ class LLMEngine:
                 config.kv_store,
                 shared_memory=config.worker.kv_store_shared_memory,
                 segment_bytes=config.worker.kv_store_segment_bytes,
+                transfer=config.worker.kv_store_transfer,
             )
             if config.kv_store is not None
             else None
@@ -107,10 +109,14 @@ class LLMEngine:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="llmesh-engine", daemon=True)
         self._thread.start()
-        # At garbage collection or exit: cancel the loop's tasks, then stop it (no "Task was destroyed").
-        weakref.finalize(self, _stop_loop, self._loop, self._thread)
         # Plans are launched one ahead of reading the previous one's sampled ids (StepPipeline).
-        link = LocalWorkerLink(StepPipeline(self.runner), info, self.runner.drop_all)
+        self._link = link = LocalWorkerLink(StepPipeline(self.runner), info, self.runner.drop_all)
+        # `close()`, or garbage collection, or exit: the same shutdown, once. It holds what it stops,
+        # never the engine, so that `del llm` collects the engine and frees its GPU memory at once.
+        owned_store = self.kv_store if isinstance(config.kv_store, str) else None
+        self._shutdown = weakref.finalize(
+            self, _shutdown, self.mesh, self._loop, self._thread, link, self.runner, owned_store
+        )
         self._slot = self.call(lambda: self.mesh.add_worker(LOCAL_WORKER, info, link))
         self._num_sync_steps = 0
 
@@ -124,6 +130,10 @@ class LLMEngine:
         return self.wait(run())
 
     def wait(self, coro: Awaitable[T]) -> T:
+        if not self._shutdown.alive:
+            if asyncio.iscoroutine(coro):
+                coro.close()  # never awaited: no "coroutine was never awaited" warning
+            raise RuntimeError("this engine is closed")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()  # type: ignore[arg-type]
 
     @property
@@ -221,26 +231,65 @@ class LLMEngine:
         self.runner.kv_tiers.flush(max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
-        if self._loop.is_closed():
-            return
+        """Stop the engine's threads and free its device memory (idempotent); unusable after."""
+        self._shutdown()
 
-        async def shutdown() -> None:
-            await self.mesh.remove_worker(LOCAL_WORKER, reason="engine closed")
+    @property
+    def closed(self) -> bool:
+        return not self._shutdown.alive
 
-        try:
-            self.wait(shutdown())
-        finally:
-            _stop_loop(self._loop, self._thread)
-            self.runner.close()  # the other tensor-parallel ranks, if any
-            if isinstance(self.config.kv_store, str) and self.kv_store is not None:
-                self.runner.kv_tiers.close()
-                self.kv_store.close()  # opened here: its shared memory segments go with it
+    def check_open(self) -> None:
+        if not self._shutdown.alive:
+            raise RuntimeError("this engine is closed")
+        if self.runner.is_sleeping:
+            raise RuntimeError("this engine is asleep: call wake_up() first")
 
+    # ----- sleep (vLLM's LLM.sleep / wake_up) -----
+    def sleep(self, level: int = 1) -> None:
+        """Offload (level 1) or discard (level 2) the weights and discard the KV cache, between
+        steps; the prefix cache is forgotten with it. Only with no request running."""
+        if not self._shutdown.alive:
+            raise RuntimeError("this engine is closed")
+        if self.call(self.has_unfinished):
+            raise RuntimeError("sleep() with requests still running")
+        self.wait(self._link.run_between_steps(lambda: self.runner.sleep(level)))
+        self.call(self.blocks.reset_prefix_cache)  # their contents went with the KV cache
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what `sleep` put away: "weights", "kv_cache" or (None) both."""
+        if not self._shutdown.alive:
+            raise RuntimeError("this engine is closed")
+        self.wait(self._link.run_between_steps(lambda: self.runner.wake_up(tags)))
+
+
+def _shutdown(
+    mesh: Mesh,
+    loop: asyncio.AbstractEventLoop,
+    thread: threading.Thread,
+    link: LocalWorkerLink,
+    runner: ModelRunner,
+    owned_store: Any,
+) -> None:
+    """Detach the worker (its step thread stops after the step in flight), stop the loop, wait
+    for the step thread, then free the runner's device memory. From a thread of the engine's
+    own (a collection that happened to run there) it only stops them: freeing under a step
+    that is still running is not safe, and the memory goes once their references drop."""
+    if loop.is_running() and threading.current_thread() is not thread:
+        with contextlib.suppress(Exception):  # a broken mesh must not keep the memory
+            coro = mesh.remove_worker(LOCAL_WORKER, reason="engine closed")
+            asyncio.run_coroutine_threadsafe(coro, loop).result(timeout=30)
+    _stop_loop(loop, thread)
+    stopped = link.stop(timeout_s=30)
+    runner.close()  # the other tensor-parallel ranks, if any
+    if not stopped:
+        return  # the step thread still runs (or this is it): freeing under a step is not safe
+    runner.release()  # the worker's threads, every device tensor
+    if owned_store is not None:
+        owned_store.close()  # opened here: its shared memory segments go with it
 
 
 def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
-    """Cancel the loop's tasks, stop it, and wait for its thread: once this returns, nothing
-    holds the model runner any more (`del llm; gc.collect()` frees its GPU memory)."""
+    """Cancel the loop's tasks, stop it, wait for its thread and close it."""
 
     async def cancel_all() -> None:
         tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
@@ -253,3 +302,5 @@ def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> Non
         asyncio.run_coroutine_threadsafe(cancel_all(), loop)
     if thread is not threading.current_thread():
         thread.join(timeout=10)
+        if not thread.is_alive() and not loop.is_closed():
+            loop.close()

@@ -99,6 +99,7 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """`lora_request`: the LoRA adapter to run with (vLLM's), one for all prompts or one each."""
+        self.engine.check_open()
         batch = self._as_batch(prompts)
         params = self._params_for(batch, sampling_params)
         info = self.engine.info
@@ -214,6 +215,33 @@ class LLM:
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    # ----- lifetime -----
+    def close(self) -> None:
+        """Stop the engine's threads and free all of its device memory (weights, KV cache, CUDA
+        graphs); idempotent. `with LLM(...) as llm:` closes on leaving, `del llm` as well."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's: free the GPU memory between generations (RL loops). Level 1 offloads the
+        weights to host memory and discards the KV cache; level 2 discards both (`wake_up`
+        reloads the weights from the checkpoint). Only while no request runs."""
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's: bring back what `sleep` freed, "weights" and/or "kv_cache" (None: both);
+        generation resumes once both are back."""
+        self.engine.wake_up(tags)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.engine.runner.is_sleeping
 
     # ----- internals -----
     async def _run(

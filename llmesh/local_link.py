@@ -69,3 +69,14 @@ class LocalWorkerLink:
     async def close(self) -> None:
         self._closed = True
         self._steps.stop()
+
+    def stop(self, timeout_s: float = 30.0) -> bool:
+        """Stop the step thread once the work queued so far is done, and wait for it to end (the
+        runner is then free to be closed); False if it did not end in time, or this is it."""
+        self._closed = True
+        self._steps.stop()
+        return self._steps.join(timeout_s)
+
+    async def run_between_steps(self, fn: Callable[[], object]) -> object:
+        """Run `fn` on the step thread once every plan sent so far has completed."""
+        return await self._steps.call(fn)

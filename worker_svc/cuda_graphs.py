@@ -80,6 +80,17 @@ class DecodeGraphs:
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
 
+    def release(self) -> None:
+        """Reset every graph (their shared pool goes back to the allocator once the last is reset)
+        and drop the static buffers and the executor (a cycle: the executor holds these graphs)."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+        empty = torch.empty(0, device=self.i64.device)
+        self.i64 = self.seq_lens = self.query_start_loc = self.block_tables = empty
+        self.executor = None  # type: ignore[assignment]
+
     def padded_size(self, n: int) -> int:
         for b in self.sizes:
             if b >= n:

@@ -13,6 +13,7 @@ sampler's copy of the sampled ids.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import sys
@@ -28,8 +29,10 @@ from services.model_files import load_tokenizer, resolve_model
 from services.sampling_params import SamplingParams
 from services.step import NewSequence, StepPlan, StepResult, TokenLogprobs, WorkerInfo
 from worker_svc.config import WorkerConfig, default_batch_limits
+from worker_svc.device_memory import ExecutorSleep, free_cached_memory, release
 from worker_svc.executor import ModelExecutor
-from worker_svc.kv_cache import KVCacheSpec
+from worker_svc.kv_cache import ByteViews, KVCacheSpec
+from worker_svc.kv_scales import describe as describe_kv_scales
 from worker_svc.kv_shards import KVShardExchange
 from worker_svc.kv_tiers import KVStoreLink, WorkerKVTiers
 from worker_svc.loader import model_fingerprint
@@ -164,12 +167,17 @@ class ModelRunner:
         layout = f"{config.block_size}:{self.dtype}:{mc.num_layers}:{mc.num_kv_heads}:{mc.head_dim}"
         if config.quantization:  # other weights, other KV values: never shared with the model's dtype
             layout += f":{config.quantization}"
+        if ex.kv_scale_exponents is not None:  # e4m3 codes, meaningful only with their scales
+            layout += f":kv=fp8_e4m3:{describe_kv_scales(ex.kv_scale_exponents)}"
         self.fingerprint = hashlib.sha256(model_fingerprint(self.model_path) + layout.encode()).digest()
         if kv_store is not None and (config.kv_chunk_tokens < bs or config.kv_chunk_tokens % bs):
             raise ValueError(f"kv_chunk_tokens {config.kv_chunk_tokens} is not a multiple of block_size {bs}")
-        whole = KVCacheSpec.of(mc, bs, self.dtype)
+        whole = KVCacheSpec.of(mc, bs, ex.kv_cache_dtype)
+        tier_caches = self.kv_caches
+        if ex.kv_scale_exponents is not None:  # the tiers move an fp8 cache's blocks as bytes
+            whole, tier_caches = dataclasses.replace(whole, dtype=torch.uint8), ByteViews(self.kv_caches)
         self.kv_tiers = WorkerKVTiers(
-            self.kv_caches,
+            tier_caches,  # type: ignore[arg-type]
             whole,
             self.fingerprint,
             num_host_blocks=config.kv_offload_bytes // whole.bytes_per_block,
@@ -196,6 +204,7 @@ class ModelRunner:
         self.suggested_batched_tokens = default_batch_limits(self.device)[1]
         self._tables = BlockTableRows(self.max_blocks_per_seq, rows=self.max_num_seqs)
         self._eos = list(mc.eos_token_ids)
+        self._sleep: ExecutorSleep | None = None  # what `sleep` put away
         ex.capture_graphs()  # last, as the other ranks do: their capture's collectives match
         log.info(
             "model runner ready",
@@ -224,6 +233,43 @@ class ModelRunner:
         """Stop the other tensor-parallel ranks (nothing to do at size 1)."""
         if self.ranks is not None:
             self.ranks.close()
+            self.ranks = None
+
+    def release(self) -> None:
+        """Stop this worker's threads and let go of every device tensor (weights, KV cache,
+        graphs) for good: idempotent, the runner is unusable after. Only once no step runs
+        (its step thread has ended) and after `close`."""
+        if getattr(self, "executor", None) is None:
+            return  # released already, or `_build` failed before the executor existed
+        self.structured.close()
+        self.kv_tiers.close()
+        self.drop_all()
+        release(self.executor)
+        self.model = self.draft = self.executor = self._sleep = None  # type: ignore[assignment]
+        self.sampler = None  # type: ignore[assignment]
+        free_cached_memory(self.device)
+
+    # ----- sleep (vLLM's LLM.sleep / wake_up) -----
+    @property
+    def is_sleeping(self) -> bool:
+        return self._sleep is not None
+
+    def sleep(self, level: int = 1) -> None:
+        """Release the KV cache and the graphs, and offload (level 1) or discard (level 2) the
+        weights, until `wake_up` (worker_svc.device_memory). Forgets every sequence: the KV
+        cache's contents are gone."""
+        if self._sleep is not None:
+            return
+        self.drop_all()
+        self._sleep = ExecutorSleep.start(self.executor, level)
+        log.info("model runner asleep", extra={"level": level})
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore `tags` ("weights", "kv_cache"; default both); runs again once both are back."""
+        if self._sleep is not None and self._sleep.wake(tags):
+            self._sleep = None
+            self.model = self.executor.model
+            log.info("model runner awake")
 
     @property
     def info(self) -> WorkerInfo:
@@ -394,6 +440,8 @@ class ModelRunner:
         Apply the plan, prepare the inputs on the host (`step_inputs`), give them to the other
         ranks, run the forward (`ModelExecutor.forward`), then queue the sampling.
         """
+        if self._sleep is not None:
+            raise RuntimeError("the model runner is asleep: wake_up() first")
         order = self._apply(plan)
         result = StepResult(step_id=plan.step_id)
         if plan.kv:

@@ -115,7 +115,8 @@ class _DeviceWatcher:
     def __init__(self, report: queue.SimpleQueue) -> None:
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self._report = report
-        threading.Thread(target=self._work, name="llmesh-step-watch").start()  # not a daemon: as below
+        self.thread = threading.Thread(target=self._work, name="llmesh-step-watch")  # not a daemon: as below
+        self.thread.start()
 
     def _work(self) -> None:
         while True:
@@ -150,7 +151,8 @@ class StepLoop:
         self._watched: Any = None  # the event last handed to the watcher
         # Not a daemon: a daemon thread may still be inside torch while the interpreter tears
         # torch down, which aborts the process. It leaves when the main thread has ended.
-        threading.Thread(target=self._work, name="llmesh-step").start()
+        self._thread = threading.Thread(target=self._work, name="llmesh-step")
+        self._thread.start()
 
     # ----- from the event loop -----
     def submit(self, plan: StepPlan) -> asyncio.Future:
@@ -171,6 +173,19 @@ class StepLoop:
     def stop(self) -> None:
         """End the thread once the work queued so far is done (safe from any thread, or a finalizer)."""
         self._queue.put(_STOP)
+
+    def join(self, timeout_s: float = 30.0) -> bool:
+        """After `stop`: wait until the step thread and then its device watcher (which only the step
+        thread starts, and stops on leaving) have ended: nothing runs the stepper any more. False
+        if one is still running, or if this is one of them."""
+        watcher = self._watcher.thread if self._watcher is not None else None
+        if threading.current_thread() in (self._thread, watcher):
+            return False
+        self._thread.join(timeout_s)
+        if self._watcher is not None:
+            self._watcher.thread.join(timeout_s)
+            return not (self._thread.is_alive() or self._watcher.thread.is_alive())
+        return not self._thread.is_alive()
 
     # ----- the step thread -----
     def _work(self) -> None:

@@ -114,6 +114,7 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(compile_threads, thread_name_prefix="grammar")
         self._tokenizer: Future | None = None
+        self._tokenizer_pool: ThreadPoolExecutor | None = None
         self._executor: Any = None  # llguidance.LLExecutor: fills a batch's masks on its threads
 
     # -- compile (background) ---------------------------------------------------
@@ -122,9 +123,8 @@ class StructuredOutputManager:
         # Its own thread: compile tasks wait on it, so it must never queue behind them.
         with self._lock:
             if self._tokenizer is None:
-                self._tokenizer = ThreadPoolExecutor(1, thread_name_prefix="grammar-tok").submit(
-                    self._build_tokenizer
-                )
+                self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-tok")
+                self._tokenizer = self._tokenizer_pool.submit(self._build_tokenizer)
             return self._tokenizer
 
     def _build_tokenizer(self) -> Any:
@@ -210,4 +210,7 @@ class StructuredOutputManager:
         return mask
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the compile threads (a compile still running finishes first)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._tokenizer_pool is not None:
+            self._tokenizer_pool.shutdown(wait=True, cancel_futures=True)
