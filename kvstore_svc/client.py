@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 import grpc
 
 from kvstore_svc import shm
-from kvstore_svc.bulk import DEFAULT_CONNECTIONS, BulkClient, BulkError
+from kvstore_svc.bulk import DEFAULT_CONNECTIONS, Alloc, BulkClient, BulkError, Found
 from kvstore_svc.config import PIECE_BYTES
 from kvstore_svc.inplace_client import ArenaMap, InPlacePath
 from kvstore_svc.shared_client import Consume, Fence, SharedPath, SharedRefused, is_loopback, wants_shared
@@ -74,6 +74,8 @@ _TRANSIENT = frozenset(
 )
 # After the bulk path failed or the store had none, ask the store for its port again after this long.
 BULK_RETRY_S = 30.0
+# A worker's kv_store_transfer: which path its store client takes (the others stay fallbacks).
+TRANSFERS = ("auto", "bulk", "grpc", "shm")
 # Payloads above this are checksummed off the event loop by the async client.
 _INLINE_CHECK_BYTES = 1 << 20
 
@@ -132,6 +134,21 @@ def _bulk_key(security: ChannelSecurity | None) -> str | None:
     return None if security.credentials is not None else security.key
 
 
+def transfer_options(transfer: str, shared_memory: str = "auto") -> dict[str, str]:
+    """`KVStoreClient` keywords for a worker's `kv_store_transfer`: "auto" (the bulk path to a
+    store on another host, shared memory on this one), "bulk" (the bulk path even on loopback, no
+    shared memory: a store on this host measured as if it were on another), "grpc" (streams
+    only), "shm" (shared memory: the store's arena in place, or segments)."""
+    if transfer not in TRANSFERS:
+        raise ValueError(f"kv_store_transfer must be one of {', '.join(TRANSFERS)}, got {transfer!r}")
+    return {
+        "auto": {"shared_memory": shared_memory, "bulk": "auto"},
+        "bulk": {"shared_memory": "off", "bulk": "on"},
+        "grpc": {"shared_memory": "off", "bulk": "off"},
+        "shm": {"shared_memory": "on", "bulk": "off"},
+    }[transfer]
+
+
 def _host_of(address: str) -> str | None:
     """The host of a `host:port` / `[v6]:port` address; None for other targets (dns:///, unix:)."""
     host, sep, port = address.rpartition(":")
@@ -149,7 +166,8 @@ class KVStoreClient:
     in_place: read from the store's arena when it offers one (off: GetShared, for comparisons);
     bulk: "auto" (the store's bulk path when its address is not this host's), "on" (first, on
     any address, even where shared memory would serve) or "off"; bulk_connections: its TCP
-    connections.
+    connections; transfer: a worker's kv_store_transfer, which sets shared_memory and bulk
+    (`transfer_options`).
     """
 
     def __init__(
@@ -167,7 +185,11 @@ class KVStoreClient:
         in_place: bool = True,
         bulk: str = "auto",
         bulk_connections: int = DEFAULT_CONNECTIONS,
+        transfer: str | None = None,
     ) -> None:
+        if transfer is not None:  # a worker's kv_store_transfer decides both
+            options = transfer_options(transfer, shared_memory)
+            shared_memory, bulk = options["shared_memory"], options["bulk"]
         if bulk not in ("auto", "on", "off"):
             raise ValueError(f"bulk must be auto, on or off, got {bulk!r}")
         self.address = address
@@ -333,6 +355,31 @@ class KVStoreClient:
             except grpc.RpcError as e:
                 raise _error(e, "get") from None
         return done + self._stream_each(fingerprint, keys[done:], consume, timeout, fence)
+
+    @property
+    def uses_bulk(self) -> bool:
+        """Whether gets try the bulk path first (a store on another host, or bulk forced on)."""
+        return self.bulk_mode != "off" and self._bulk_key is not None
+
+    def get_into(
+        self, fingerprint: bytes, keys: Sequence[bytes], alloc: Alloc, *, timeout_s: float | None = None
+    ) -> list[Found | None] | None:
+        """Entries of `keys` over the bulk path, each payload received straight into the buffer
+        `alloc(index, header)` returns (a slice of the caller's pinned staging): (header, view of
+        that buffer) per key, None for a miss or an entry not received whole. None when there is no
+        bulk path (then call `get_each`). Headers are framed and checked against the request;
+        payload checksums are NOT checked here: the caller verifies each entry's keyed MAC, which
+        covers the bytes, where they land (the worker: on its device, kv_tiers.py)."""
+        if not keys or not self.uses_bulk:
+            return None
+        client = self._bulk_client(timeout_s or self.timeout_s)
+        if client is None:
+            return None
+        try:
+            return client.get_many(fingerprint, keys, alloc=alloc)
+        except BulkError as e:
+            self._drop_bulk(client, e)
+            return None
 
     def _bulk_client(self, timeout: float) -> BulkClient | None:
         """The bulk path's client, made once the store advertised a port; None: stream over gRPC."""

@@ -242,6 +242,7 @@ UP_ALIASES = {
         "gpu_memory_utilization": "--gpu-memory-utilization",
         "enforce_eager": "--enforce-eager",
         "kv_store_shared_memory": "--kv-store-shared-memory",
+        "kv_store_transfer": "--kv-store-transfer",
         "enable_lora": "--enable-lora",
         "max_loras": "--max-loras",
         "max_lora_rank": "--max-lora-rank",

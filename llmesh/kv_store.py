@@ -75,11 +75,14 @@ class ThreadedLookup:
         return await asyncio.to_thread(self.client.lookup, fingerprint, keys)
 
 
-def open_kv_store(spec: Any, *, shared_memory: str = "auto", segment_bytes: int = 128 << 20) -> Any:
+def open_kv_store(
+    spec: Any, *, shared_memory: str = "auto", segment_bytes: int = 128 << 20, transfer: str = "auto"
+) -> Any:
     """A store client from `LLM(kv_store=...)`'s value (see the module docstring).
 
-    For a service, `shared_memory` / `segment_bytes` are the client's (`KVStoreClient`): on its
-    own host the payloads go through shared memory segments.
+    For a service, `shared_memory` / `segment_bytes` / `transfer` are the client's
+    (`KVStoreClient`): on its own host the payloads go through shared memory segments, from
+    another host (or with transfer="bulk") over the store's bulk path.
     """
     if not isinstance(spec, str):
         return spec
@@ -88,4 +91,4 @@ def open_kv_store(spec: Any, *, shared_memory: str = "auto", segment_bytes: int 
         return InProcessKVStore(TieredKVStore(memory=MemoryTier(size)))
     from kvstore_svc.client import KVStoreClient  # gRPC only when a service is named
 
-    return KVStoreClient(spec, shared_memory=shared_memory, segment_bytes=segment_bytes)
+    return KVStoreClient(spec, shared_memory=shared_memory, segment_bytes=segment_bytes, transfer=transfer)

@@ -57,6 +57,14 @@ class WorkerConfig:
         "start: a put is one DMA into it, never an allocation on the step); a put that finds it full is "
         "dropped, which costs a later hit and nothing else",
     )
+    kv_store_transfer: Literal["auto", "bulk", "grpc", "shm"] = option(
+        "auto",
+        help="how KV payloads come from the store: auto = its bulk TCP path when the store is on "
+        "another host, shared memory when on this one; bulk = the bulk path even on loopback (no "
+        "shared memory: a store on this host measured as if on another); grpc = the Get stream "
+        "only; shm = shared memory (the store's arena in place, or segments). A path that fails "
+        "falls back to the Get stream",
+    )
     speculative_config: str | None = option(
         None,
         help='speculative decoding, as vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '

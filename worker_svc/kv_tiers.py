@@ -48,6 +48,7 @@ from services.kv_mac import KVMac
 from services.mesh_secret import client_key
 from services.step import KVTransfers, StoreLoad, StorePut, store_fingerprint
 from worker_svc.kv_cache import KVCacheSpec
+from worker_svc.kv_load_staging import LoadStaging
 from worker_svc.kv_put_staging import PutStaging
 
 if TYPE_CHECKING:
@@ -57,10 +58,19 @@ log = logging.getLogger(__name__)
 
 # Entry layout: chunk blocks outermost, so that a chunk is one contiguous run of whole blocks.
 LAYOUT = "blocks,layers,kv,block_size,kv_heads,head_dim"
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# uint8: an fp8 cache's blocks, moved as bytes (the worker's fingerprint names their encoding).
+DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.uint8: "uint8",
+}
 # Bytes of store puts waiting for the background sender (the worker's kv_store_put_bytes);
 # past this, new puts are dropped.
 DEFAULT_PUT_BYTES = 512 << 20
+# Pinned host memory that store loads over the bulk path land in (kv_load_staging); a larger load
+# goes in rounds. An 8k-token prefix of an 8B model is 1 GiB.
+DEFAULT_LOAD_BYTES = 1 << 30
 
 
 def wait_for_loads(events: list[torch.cuda.Event] | None, device: torch.device) -> None:
@@ -93,6 +103,7 @@ class KVTierCounters:
     store_get_seconds: float = 0.0  # of which waiting for the store's bytes
     host_loaded_bytes: int = 0
     store_loaded_bytes: int = 0
+    store_bulk_loads: int = 0  # store loads that went over the bulk path (into pinned staging)
 
 
 class WorkerKVTiers:
@@ -107,10 +118,12 @@ class WorkerKVTiers:
         shards: KVShardExchange | None = None,
         put_bytes: int = DEFAULT_PUT_BYTES,
         mac: KVMac | None = None,
+        load_bytes: int = DEFAULT_LOAD_BYTES,
     ) -> None:
         """`spec` describes whole blocks (every KV head); with tensor parallelism `kv_caches`
         holds this rank's heads and `shards` moves the others' to and from rank 0. `mac`: the
-        mesh's entry MAC (default: from the key a client told nothing carries, mesh_secret)."""
+        mesh's entry MAC (default: from the key a client told nothing carries, mesh_secret);
+        `load_bytes`: the pinned staging of store loads over the bulk path (CUDA)."""
         self.kv_caches = kv_caches
         self.shards = shards
         self.spec = spec
@@ -153,15 +166,19 @@ class WorkerKVTiers:
             # flag: the pages are never written from here), so in-place loads are one DMA each.
             store.on_arena(_page_lock_arena, _page_unlock_arena)
         self._preparing: threading.Thread | None = None
+        # Store loads over the bulk path land here (pinned on CUDA; on the CPU in the load's own buffer).
+        chunk_shape = (self.chunk_blocks, *block_shape)
+        bulk = store is not None and getattr(store, "uses_bulk", False)
+        self.load_staging = LoadStaging(chunk_shape, spec.dtype, load_bytes) if pin and bulk else None
+        # (blocks, bytes, seconds) of each store load since the last take_load_reports: the
+        # scheduler's load predictor learns each path's bandwidth from them (StepResult).
+        self._load_reports: list[tuple[int, int, float]] = []
         if store is not None and hasattr(store, "prepare"):
             # Map (and page-lock) the store's arena or segments while the engine starts: locking
             # 4 GiB took over a second on an H100 host, and the first load used to wait for it.
-            self._preparing = threading.Thread(
-                target=store.prepare, args=(self.store_fingerprint,), name="llmesh-kv-prepare", daemon=True
-            )
+            self._preparing = threading.Thread(target=self._prepare, name="llmesh-kv-prepare", daemon=True)
             self._preparing.start()
         self._puts: queue.Queue = queue.Queue()
-        chunk_shape = (self.chunk_blocks, *block_shape)
         self.staging = PutStaging(chunk_shape, spec.dtype, put_bytes if self.chunk_blocks else 0, pin)
         self._sender: threading.Thread | None = None
         if self.chunk_blocks:
@@ -202,12 +219,22 @@ class WorkerKVTiers:
             c.host_loaded_bytes += len(kv.load_block_ids) * self.spec.bytes_per_block
         failed: dict[str, int] = {}
         for load in kv.store_loads:
+            started = time.perf_counter()
+            blocks_before = c.store_loaded_blocks
             with self._timed(host=False):
                 first_missing = self._load_from_store(load)
+            # Wall time on this thread: through the MAC check, which waits for the bytes on the device.
+            n = c.store_loaded_blocks - blocks_before
+            self._load_reports.append((n, n * self.spec.bytes_per_block, time.perf_counter() - started))
             if first_missing is not None:
                 failed[load.seq_id] = block_index(load.seq_id, first_missing)
                 c.store_load_failures += 1
         return failed
+
+    def take_load_reports(self) -> list[tuple[int, int, float]]:
+        """(blocks, bytes, seconds) of each store load since the last call, in plan order."""
+        reports, self._load_reports = self._load_reports, []
+        return reports
 
     @property
     def verify_failures(self) -> int:
@@ -402,20 +429,27 @@ class WorkerKVTiers:
         load in place, so the forward's launches overlap the transfer as with the host tier. (A
         scatter per chunk launched 32 kernels a chunk: ~1,000 launches, ~30 ms of host time, for
         an 8k-token prefix of an 8B model.) On the CPU each chunk is scattered as it comes.
+        Over the bulk path (a store on another host) the chunks land in pinned staging and go
+        up in one DMA per round (`_fetch_bulk`), then are verified and scattered the same way.
         """
         c = self.chunk_blocks
         if not c or len(load.block_ids) != len(load.keys) * c:
             raise ValueError(f"store load for {load.seq_id!r}: {len(load.block_ids)} blocks, chunk size {c}")
         loaded = 0
         copy_seconds = 0.0
-        batched = self.device.type == "cuda"
-        staged = (
-            torch.empty((len(load.block_ids), *self.block_shape), dtype=self.spec.dtype, device=self.device)
-            if batched
-            else None
-        )
-
         headers = []  # of the chunks staged on the device, verified once they are all there
+        started = time.perf_counter()
+        bulk = self._fetch_bulk(load)
+        staged: torch.Tensor | None
+        if bulk is not None:  # over the bulk path: straight into (pinned) staging, then verified
+            loaded, headers, staged = bulk
+            self._counters.store_get_seconds += time.perf_counter() - started
+        elif self.device.type == "cuda":
+            staged = torch.empty(
+                (len(load.block_ids), *self.block_shape), dtype=self.spec.dtype, device=self.device
+            )
+        else:
+            staged = None
 
         def consume(key: bytes, header, payload) -> bool:
             nonlocal loaded, copy_seconds
@@ -434,10 +468,11 @@ class WorkerKVTiers:
             copy_seconds += time.perf_counter() - started
             return True
 
-        started = time.perf_counter()
         try:
             get_each = getattr(self.store, "get_each", None)
-            if get_each is not None:
+            if bulk is not None:
+                pass
+            elif get_each is not None:
                 fence = self._fence if self.device.type == "cuda" else None
                 get_each(self.store_fingerprint, list(load.keys), consume, fence=fence)
             elif self.store is not None:
@@ -446,7 +481,8 @@ class WorkerKVTiers:
                         break
         except Exception as e:  # the store is down or slow: compute the rest instead
             log.warning("kv store get failed", extra={"seq_id": load.seq_id, "error": repr(e)})
-        self._counters.store_get_seconds += time.perf_counter() - started - copy_seconds
+        if bulk is None:
+            self._counters.store_get_seconds += time.perf_counter() - started - copy_seconds
         if staged is not None and loaded:
             loaded = self._verified_prefix(load.keys[:loaded], headers, staged[: loaded * c])
             if loaded:
@@ -454,6 +490,74 @@ class WorkerKVTiers:
         if loaded == len(load.keys):
             return None
         return next((b for b in load.block_ids[loaded * c :] if b >= 0), None)
+
+    def _fetch_bulk(self, load: StoreLoad) -> tuple[int, list, torch.Tensor] | None:
+        """Fetch a load's chunks over the store's bulk path: (leading chunks received whole, their
+        headers, the buffer holding them: on the device, or on the CPU the host buffer itself);
+        None when the store has no bulk path (the caller takes the other paths).
+
+        Each payload is received by the transfer threads straight into a slot of the pinned
+        staging (`LoadStaging`), and each round of slots is one asynchronous DMA to the device:
+        no per-piece Python copy or join. Nothing here is trusted yet: the caller verifies every
+        chunk's MAC over the bytes on the device before any is scattered into the cache.
+        """
+        get_into = getattr(self.store, "get_into", None)
+        if get_into is None or not getattr(self.store, "uses_bulk", False):
+            return None
+        c, keys = self.chunk_blocks, list(load.keys)
+        chunk_shape = (c, *self.block_shape)
+        on_device = self.device.type == "cuda"
+        staged = torch.empty((len(keys) * c, *self.block_shape), dtype=self.spec.dtype, device=self.device)
+        rounds = self.load_staging.max_chunks if on_device and self.load_staging is not None else len(keys)
+        headers: list = []
+        loaded = 0
+        for first in range(0, len(keys), rounds):
+            part = keys[first : first + rounds]
+            if on_device and self.load_staging is not None:
+                host = self.load_staging.take()[: len(part)]
+            elif on_device:  # no staging (it could not be made): a pinned buffer of its own
+                host = torch.empty((len(part), *chunk_shape), dtype=self.spec.dtype, pin_memory=True)
+            else:
+                host = staged[first * c : (first + len(part)) * c].view(len(part), *chunk_shape)
+            rows = host.view(len(part), -1).view(torch.uint8)
+            chunk_bytes = rows.shape[1]
+
+            def alloc(i: int, header, rows=rows, chunk_bytes=chunk_bytes):
+                # An entry of another size is received into its own buffer and refused below.
+                if header.payload_length != chunk_bytes:
+                    return bytearray(header.payload_length)
+                return memoryview(rows[i].numpy())
+
+            got = get_into(self.store_fingerprint, part, alloc)
+            if got is None:
+                if first == 0:
+                    return None  # no bulk path after all (unreachable): the other paths
+                break
+            n = 0
+            for i, item in enumerate(got):
+                if item is None or not self._fits(item[0], part[i]) or item[1].nbytes != chunk_bytes:
+                    break
+                headers.append(item[0])
+                n += 1
+            if on_device and n:
+                staged[first * c : (first + n) * c].view(n, *chunk_shape).copy_(host[:n], non_blocking=True)
+                if self.load_staging is not None:
+                    done = torch.cuda.Event()
+                    done.record(torch.cuda.current_stream(self.device))
+                    self.load_staging.uploaded(done)
+            loaded += n
+            if n < len(part):
+                break
+        self._counters.store_bulk_loads += 1
+        return loaded, headers, staged
+
+    def _fits(self, header, key: bytes) -> bool:
+        """Whether an entry's header describes a chunk of this worker's cache layout."""
+        want = (self.chunk_blocks, *self.block_shape)
+        ok = tuple(header.shape) == want and header.dtype == DTYPE_NAMES.get(self.spec.dtype)
+        if not ok:
+            log.warning("kv store entry does not fit this worker's cache layout; computing instead")
+        return ok
 
     def _load_chunk(self, targets: list[int], chunk: torch.Tensor) -> None:
         """Copy loaded chunks ([n, layers, 2, ...]: a view of bytes valid only until this returns,
@@ -552,6 +656,13 @@ class WorkerKVTiers:
                 log.info("kv store put failed", extra={"error": repr(e)})
             finally:
                 self.staging.give_back(slot, tuple(data.shape))
+
+    def _prepare(self) -> None:
+        """Map (and page-lock) the store's arena or segments, and pin the bulk path's staging."""
+        assert self.store is not None
+        self.store.prepare(self.store_fingerprint)  # type: ignore[attr-defined]
+        if self.load_staging is not None:
+            self.load_staging.reserve()
 
     def wait_prepared(self, timeout_s: float = 30.0) -> bool:
         """Wait until the store's arena or segments are mapped (and page-locked): True once they

@@ -143,6 +143,7 @@ async def run(config: WorkerServiceConfig) -> None:
                 security=ChannelSecurity.of(config, config.internal_key),
                 shared_memory=config.kv_store_shared_memory,
                 segment_bytes=config.kv_store_segment_bytes,
+                transfer=config.kv_store_transfer,
             )
             if config.kvstore_address
             else None
