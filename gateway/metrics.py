@@ -122,6 +122,21 @@ class SchedulerStatsCollector(Collector):
         )
         backlog.add_metric([], float(stats.backlog))
         yield backlog
+        yield from pd_metrics(stats)
+
+
+def pd_metrics(stats: worker_pb2.SchedulerStats) -> Iterable[Metric]:
+    """Disaggregated prefill/decode (scheduler_svc/disaggregation.py): handovers and their cost."""
+    for name, value, doc in (
+        ("disaggregated", stats.pd_disaggregated, "Requests sent to a prefill worker"),
+        ("handovers", stats.pd_handovers, "Requests handed over from a prefill to a decode worker"),
+        ("handover_seconds", stats.pd_handover_seconds, "Seconds from first token to decode placement (sum)"),
+        ("fallbacks", stats.pd_fallbacks, "Handovers whose KV the decode worker partly recomputed"),
+        ("kept_whole", stats.pd_kept_whole, "Requests kept whole on a decode worker (short prompt)"),
+    ):
+        family = CounterMetricFamily(f"llmesh:pd_{name}", doc)
+        family.add_metric([], float(value))
+        yield family
 
 
 def multiprocess_dir() -> str | None:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.disaggregation import Disaggregation, Handover
 from scheduler_svc.kv_events import KVEventLog
 from scheduler_svc.kv_tiers import KVTierPlanner
 from scheduler_svc.lora import LoRAMirror, lora_key
@@ -166,6 +167,22 @@ class MeshConfig:
         "0 = no bound",
     )
 
+    # Disaggregated prefill/decode (scheduler_svc/disaggregation.py): with workers of --role prefill,
+    # a prompt this long goes there and its KV to a decode worker; shorter ones stay whole.
+    disaggregation_threshold: int = option(
+        512,
+        ge=0,
+        help="with prefill workers (--role prefill) in the pool: a request whose decode worker would "
+        "compute this many prompt tokens or more (not in its cache) is prefilled on a prefill "
+        "worker and handed over through the KV store; shorter ones run whole on a decode worker",
+    )
+    handover_timeout_s: float = option(
+        1.0,
+        ge=0,
+        help="a handover waits this long at most for the prompt's chunks to reach the KV store; then "
+        "the decode worker computes what is missing",
+    )
+
     def __post_init__(self) -> None:
         check_bounds(self)
 
@@ -224,6 +241,8 @@ class Mesh:
         self.on_workers_changed: list = []
         # The pool's KV events for the routers in front of this scheduler (kv_events.py); None: off.
         self.kv_events: KVEventLog | None = None
+        # Prefill-role workers and the KV handovers to decode workers.
+        self.pd = Disaggregation(config.disaggregation_threshold, config.handover_timeout_s)
 
     # ----- workers -----
     def add_worker(self, worker_id: str, info: WorkerInfo, link: WorkerLink) -> WorkerSlot:
@@ -447,6 +466,10 @@ class Mesh:
         if stream is None:
             return False
         stream.flush()
+        handover = self.pd.cancel(request_id)
+        if handover is not None and handover.task is not None:  # between the workers: on none
+            stream.queue.put_nowait(handover.aborted())
+            return True
         slot = self.workers.get(stream.worker_id)
         req = slot.planner.abort(request_id) if slot is not None else None
         if req is not None:
@@ -484,6 +507,7 @@ class Mesh:
             "streams": len(self.streams),
             "refused": self.num_refused,
             "backlog": self.num_backlog,
+            **{f"pd_{k}": v for k, v in dataclasses.asdict(self.pd.stats).items()},
         }
 
     # ----- internals -----
@@ -493,14 +517,23 @@ class Mesh:
 
     def _place(self, req: Request, queue: asyncio.Queue, exclude: str | None = None) -> None:
         # Connected workers first; a lone worker being re-dialled still queues requests for its return.
+        req = self.pd.restore(req)  # a prefill-side request moved: its caller's params again
         slots = [s for s in self.workers.values() if s.worker_id != exclude]
         connected = [s for s in slots if s.connected]
-        planners = {s.worker_id: s.planner for s in (connected or slots)}
+        decoders, prefillers = self.pd.pools(connected or slots)
+        planners = {s.worker_id: s.planner for s in decoders}
         margin = self.config.overload_margin
         choice = route(planners, req.all_token_ids, margin, req.cache_root, lora_key(req))
         if choice is None:
             raise NoWorkerAvailable("no worker is registered")
         slot = self.workers[choice.worker_id]
+        uncached = req.num_tokens - choice.cached_tokens
+        if prefillers and self.pd.wants(req, uncached, slot.info.kv_chunk_blocks, self.kv_store is not None):
+            planners = {s.worker_id: s.planner for s in prefillers}
+            pick = route(planners, req.all_token_ids, margin, req.cache_root, lora_key(req))
+            if pick is not None:
+                choice, slot = pick, self.workers[pick.worker_id]
+                self.pd.send_to_prefill(req, pick.worker_id)
         chunk_tokens = slot.info.kv_chunk_blocks * slot.info.block_size
         # Worth a lookup only if a whole chunk past what this worker's GPU cache holds may be there.
         wanted = chunk_tokens and req.num_tokens > choice.cached_tokens + chunk_tokens
@@ -685,6 +718,8 @@ class Mesh:
         stream = self.streams.get(delta.request_id)
         if stream is None:
             return
+        if delta.finished and delta.request_id in self.pd.pending:
+            self._hand_over(delta, stream)
         if delta.finished:
             del self.streams[delta.request_id]
             self._finished_at.append(time.monotonic())  # the drain rate (retry_after_s)
@@ -698,3 +733,39 @@ class Mesh:
             return
         stream.started = stream.started or bool(delta.new_token_ids)
         stream.queue.put_nowait(delta)
+
+    # ----- disaggregated prefill/decode (scheduler_svc/disaggregation.py) -----
+    def _hand_over(self, delta: RequestDelta, stream: _Stream) -> None:
+        """A prefill-side request sampled its first token: unless that ends it, the token streams
+        on (not as the end) and the request moves to a decode worker once its KV is in the store."""
+        slot = self.workers.get(stream.worker_id)
+        max_len = slot.planner.config.max_model_len if slot is not None else 0
+        h = self.pd.continues(delta.request_id, max_len)
+        if h is None:
+            return
+        delta.finish_reason = None
+        h.task = asyncio.get_running_loop().create_task(self._finish_handover(h))
+        self._lookups.add(h.task)
+
+    async def _finish_handover(self, h: Handover) -> None:
+        rid = h.request.request_id
+        try:
+            complete = False
+            slot = self.workers.get(h.prefill_worker)
+            if slot is not None and self.kv_store is not None:
+                alive = lambda: (s := self.workers.get(h.prefill_worker)) is not None and s.connected  # noqa: E731
+                complete = await self.pd.wait_for_kv(self.kv_store, slot.info, h.request, alive)
+            self.pd.pending.pop(rid, None)
+            stream = self.streams.pop(rid, None)
+            if stream is None:
+                return  # aborted meanwhile
+            stream.flush()
+            try:
+                self._place(self.pd.decode_request(h), stream.queue)
+            except (NoWorkerAvailable, RequestRejected) as e:
+                stream.queue.put_nowait(NoWorkerAvailable(f"no decode worker takes request {rid}: {e}"))
+                return
+            self.streams[rid].started = True
+            self.pd.placed(h, complete)
+        finally:
+            self._lookups.discard(asyncio.current_task())  # type: ignore[arg-type]

@@ -417,6 +417,7 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
             active_requests=stats["streams"],
             refused=stats["refused"],
             backlog=stats["backlog"],
+            **{k: v for k, v in stats.items() if k.startswith("pd_")},
         )
         for wid, w in stats["workers"].items():
             msg.workers.add(worker_id=wid, address=self.addresses.get(wid, ""), **w)

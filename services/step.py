@@ -208,6 +208,10 @@ class WorkerInfo:
     # this many distinct adapters on it.
     max_loras: int = 0
     max_lora_rank: int = 0  # the largest adapter rank its slots hold
+    # Its part in disaggregated serving (--role): "both" (or "" from an older worker) takes whole
+    # requests, "prefill" only prompts (their first token), "decode" the rest (scheduler_svc/
+    # disaggregation.py).
+    role: str = ""
 
 
 def store_fingerprint(fingerprint: bytes, chunk_blocks: int) -> bytes:

@@ -72,6 +72,14 @@ class WorkerConfig:
         '"num_speculative_tokens": 3, "num_layers": 8}\' (none = off)',
     )
     seed: int = 0
+    # Disaggregated prefill/decode (scheduler_svc/disaggregation.py): the scheduler sends long
+    # prompts to prefill workers and their decode, after the KV handover, to decode workers.
+    role: Literal["both", "prefill", "decode"] = option(
+        "both",
+        help="this worker's part in disaggregated serving: both = whole requests; prefill = prompts "
+        "and their first token (the KV goes to a decode worker through the KV store); decode = the "
+        "decode of handed-over requests and whole short ones",
+    )
     # Multi-LoRA (worker_svc/lora): PEFT adapters in `max_loras` device slots, loaded when a
     # sequence names one (least recently used out); --lora-modules are loaded at start.
     enable_lora: bool = option(False, help="serve LoRA adapters (on when --lora-modules is given)")

@@ -290,6 +290,7 @@ class ModelRunner:
             spec_drafts_ahead=self.proposer is not None,
             max_loras=self.executor.lora.max_loras if self.executor.lora is not None else 0,
             max_lora_rank=self.executor.lora.max_rank if self.executor.lora is not None else 0,
+            role=self.config.role,
         )
 
     @staticmethod

@@ -1,0 +1,250 @@
+"""Disaggregated prefill/decode on the Mesh, in process: real SmolLM2 runners behind LocalWorkerLinks,
+one prefill worker and one or two decode workers sharing an in-process KV store.
+
+Long prompts are prefilled on the prefill worker and decoded on a decode worker after the KV
+handover through the store; short ones run whole on a decode worker. Every greedy token equals
+the aggregated engine's; a transfer cut, a prefill worker lost and a decode worker lost end in a
+recompute, and every block goes back to the free pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import time
+
+import pytest
+
+from llmesh import LLM
+from llmesh.kv_store import ThreadedLookup, open_kv_store
+from llmesh.local_link import LocalWorkerLink
+from scheduler_svc.mesh import Connected, LinkBroken, Mesh, MeshConfig
+from scheduler_svc.planner import PlannerConfig
+from services.sampling_params import SamplingParams
+from services.step import StepResult
+from worker_svc.config import WorkerConfig
+from worker_svc.pipeline import StepPipeline
+from worker_svc.runner import ModelRunner
+
+CHUNK_TOKENS = 32
+LONG, SHORT = 150, 20  # 150 tokens: 4 whole 32-token chunks, the tail (22 tokens) computed by decode
+MAX_TOKENS = 8
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def make_prompts(seed: int) -> dict[str, list[int]]:
+    rng = random.Random(seed)
+    lengths = [LONG, SHORT, LONG, SHORT, LONG + 9, SHORT + 3]
+    return {f"r{seed}-{i}": [rng.randrange(100, 40000) for _ in range(n)] for i, n in enumerate(lengths)}
+
+
+SEEDS = (1, 2, 3, 4, 5)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, list[int]]:
+    llm = LLM(kv_cache_memory=32 << 20, enable_prefix_caching=False)
+    out = {}
+    for seed in SEEDS:
+        prompts = make_prompts(seed)
+        for rid, o in zip(prompts, llm.generate(list(prompts.values()), GREEDY, use_tqdm=False), strict=True):
+            out[rid] = o.outputs[0].token_ids
+    return out
+
+
+class StoreProxy:
+    """The shared in-process store as one worker sees it; `cut` makes its loads find nothing
+    ("missing") or a corrupt entry ("corrupt"), as a transfer cut short would."""
+
+    def __init__(self, store) -> None:
+        self.store, self.cut = store, ""
+
+    def lookup(self, fingerprint, keys):
+        return self.store.lookup(fingerprint, keys)
+
+    def put(self, fingerprint, entries):
+        return self.store.put(fingerprint, entries)
+
+    def get(self, fingerprint, keys):
+        entries = self.store.get(fingerprint, keys)
+        if self.cut == "missing" or not entries:
+            return []
+        if self.cut == "corrupt":
+            key, header, payload = entries[0]
+            wrong = dataclasses.replace(header, shape=(1, *header.shape))
+            return [(key, wrong, payload), *entries[1:]]
+        return entries
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """A prefill runner and two decode runners (real SmolLM2), one store behind them all."""
+    store = open_kv_store("memory:256000000")
+    runners = {}
+    for wid, role in (("prefill", "prefill"), ("decode-0", "decode"), ("decode-1", "decode")):
+        proxy = StoreProxy(store)
+        config = WorkerConfig(kv_cache_memory=32 << 20, kv_chunk_tokens=CHUNK_TOKENS, role=role)
+        runners[wid] = (ModelRunner(config, kv_store=proxy), proxy)
+    return store, runners
+
+
+class EmptyStore:
+    """A store whose lookups find nothing: a handover waits for its chunks until its timeout."""
+
+    def lookup(self, fingerprint, keys) -> int:
+        return 0
+
+
+class DyingLink(LocalWorkerLink):
+    """A worker that dies after `results` step results: its stream breaks and it never answers again."""
+
+    def __init__(self, runner: ModelRunner, results: int) -> None:
+        super().__init__(StepPipeline(runner), runner.info, runner.drop_all)
+        self.left, self.dead = results, False
+
+    async def connect(self, timeout_s: float = 10.0) -> Connected:
+        if self.dead:
+            raise LinkBroken("the worker is dead")
+        return await super().connect(timeout_s)
+
+    async def recv(self) -> StepResult:
+        self.left -= 1
+        if self.left < 0 or self.dead:
+            self.dead = True
+            raise LinkBroken("the worker died")
+        return await super().recv()
+
+
+def make_mesh(pool, decoders: int = 1, dies: dict[str, int] | None = None, **config) -> Mesh:
+    store, runners = pool
+    planner = PlannerConfig(max_num_seqs=8, max_num_batched_tokens=512)
+    kw = dict(
+        disaggregation_threshold=64, handover_timeout_s=5.0, failover_after_s=0.0, worker_dead_after_s=0.3
+    )
+    mesh = Mesh(MeshConfig(planner=planner, **{**kw, **config}), kv_store=ThreadedLookup(store))
+    for wid in ["prefill", *[f"decode-{i}" for i in range(decoders)]]:
+        runner, proxy = runners[wid]
+        proxy.cut = ""
+        link = DyingLink(runner, (dies or {}).get(wid, 1 << 30))
+        mesh.add_worker(wid, runner.info, link)
+    return mesh
+
+
+async def generate_all(mesh: Mesh, prompts: dict[str, list[int]]) -> dict[str, list[int] | Exception]:
+    async def one(rid: str, prompt: list[int]) -> list[int] | Exception:
+        tokens: list[int] = []
+        try:
+            async for delta in mesh.generate(rid, prompt, GREEDY):
+                tokens.extend(delta.new_token_ids)
+        except Exception as e:  # a clean failure (no worker left): the caller's error
+            return e
+        return tokens
+
+    outs = await asyncio.gather(*(one(rid, p) for rid, p in prompts.items()))
+    return dict(zip(prompts, outs, strict=True))
+
+
+async def settle(mesh: Mesh, timeout_s: float = 20.0) -> None:
+    """Until every worker's queued KV work ran and every handover is over."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not mesh.pd.pending and all(s.settled for s in mesh.workers.values()):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the mesh did not settle")
+
+
+def assert_no_leaks(mesh: Mesh) -> None:
+    for slot in mesh.workers.values():
+        blocks = slot.planner.blocks
+        blocks.check_invariants()
+        assert blocks.num_free_blocks == blocks.num_blocks, slot.worker_id
+    assert not mesh.streams and not mesh.pd.pending
+
+
+async def close(mesh: Mesh) -> None:
+    for wid in list(mesh.workers):
+        await mesh.remove_worker(wid)
+
+
+def flush_puts(pool) -> None:
+    for runner, _ in pool[1].values():
+        runner.kv_tiers.flush(10.0)
+
+
+async def test_prefill_and_decode_roles_give_the_aggregated_greedy_tokens(pool, reference):
+    prompts = make_prompts(1)
+    mesh = make_mesh(pool)
+    out = await generate_all(mesh, prompts)
+    assert out == {rid: reference[rid] for rid in prompts}
+    await settle(mesh)
+    stats = mesh.stats()
+    assert stats["pd_disaggregated"] == stats["pd_handovers"] == 3  # the three long prompts
+    assert stats["pd_kept_whole"] == 3 and stats["pd_fallbacks"] == 0
+    decode = stats["workers"]["decode-0"]
+    # The decode worker loaded every whole chunk of the long prompts, computed only the tails.
+    assert decode["store_hit_tokens"] == 3 * 4 * CHUNK_TOKENS
+    assert decode["failed_loads"] == 0
+    assert stats["workers"]["prefill"]["store_hit_tokens"] == 0
+    assert_no_leaks(mesh)
+    await close(mesh)
+
+
+@pytest.mark.parametrize("cut", ["missing", "corrupt"])
+async def test_a_cut_transfer_is_recomputed_by_the_decode_worker(pool, reference, cut):
+    prompts = make_prompts(2 if cut == "missing" else 3)
+    mesh = make_mesh(pool)
+    pool[1]["decode-0"][1].cut = cut
+    out = await generate_all(mesh, prompts)
+    assert out == {rid: reference[rid] for rid in prompts}
+    await settle(mesh)
+    stats = mesh.stats()
+    assert stats["pd_handovers"] == 3
+    assert stats["workers"]["decode-0"]["failed_loads"] == 3  # each long prompt's load failed
+    assert_no_leaks(mesh)
+    await close(mesh)
+
+
+async def test_a_prefill_worker_lost_mid_transfer_ends_in_a_recompute(pool, reference):
+    prompts = make_prompts(4)
+    # The prefill worker dies after its first step: some prompts mid-prefill, some handed over.
+    mesh = make_mesh(pool, dies={"prefill": 1})
+    out = await generate_all(mesh, prompts)
+    assert out == {rid: reference[rid] for rid in prompts}
+    await settle(mesh)
+    assert "prefill" not in mesh.workers
+    assert mesh.stats()["failovers"] + mesh.stats()["pd_fallbacks"] >= 1
+    assert_no_leaks(mesh)
+    await close(mesh)
+
+
+async def test_a_decode_worker_lost_moves_its_requests_to_another(pool, reference):
+    flush_puts(pool)
+    prompts = make_prompts(5)
+    mesh = make_mesh(pool, decoders=2, dies={"decode-0": 3})
+    out = await generate_all(mesh, prompts)
+    assert out == {rid: reference[rid] for rid in prompts}
+    await settle(mesh)
+    assert "decode-0" not in mesh.workers and mesh.stats()["failovers"] >= 1
+    assert_no_leaks(mesh)
+    await close(mesh)
+
+
+async def test_an_abort_between_the_workers_ends_the_stream(pool):
+    """A request aborted while its KV is on its way: the caller gets the end, nothing is left."""
+    prompts = make_prompts(6)
+    mesh = make_mesh(pool, handover_timeout_s=30.0)
+    mesh.kv_store = ThreadedLookup(EmptyStore())
+    rid, prompt = next(iter(prompts.items()))
+    queue = mesh.submit(rid, prompt, GREEDY)
+    first = await asyncio.wait_for(queue.get(), 60)
+    assert len(first.new_token_ids) == 1 and not first.finished
+    await asyncio.sleep(0.05)
+    assert mesh.pd.pending[rid].task is not None  # waiting for chunks that never come
+    assert mesh.abort(rid)
+    last = await asyncio.wait_for(queue.get(), 5)
+    assert last.finished and last.finish_reason == "abort"
+    await settle(mesh)
+    assert_no_leaks(mesh)
+    await close(mesh)
