@@ -325,6 +325,16 @@ def _add_up_flags(p: argparse.ArgumentParser) -> None:
     _add_model_flags(p)
     p.add_argument("--workers", type=int, default=1, help="number of worker processes")
     p.add_argument(
+        "--prefill-workers",
+        type=int,
+        default=0,
+        help="disaggregated prefill/decode: this many workers with --role prefill (long prompts' "
+        "prefill and first token) and --decode-workers with --role decode, instead of --workers",
+    )
+    p.add_argument(
+        "--decode-workers", type=int, default=0, help="workers with --role decode (with --prefill-workers)"
+    )
+    p.add_argument(
         "--schedulers",
         type=int,
         default=1,
@@ -448,8 +458,10 @@ def up_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if args.schedulers > 1 and "LLMESH_SCHEDULER_API_KEY" in env:  # the router's public API: the same key
         env["LLMESH_ROUTER_API_KEY"] = env["LLMESH_SCHEDULER_API_KEY"]
     env |= security_env(args)
+    roles = up_worker_roles(args)
     return {
-        "num_workers": args.workers,
+        "num_workers": len(roles) if roles else args.workers,
+        "worker_roles": roles,
         "model": _model_of(args),
         "host": args.host,
         "port": args.port,
@@ -464,6 +476,17 @@ def up_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "num_schedulers": args.schedulers,
         "router_args": [*own["router"], *_flatten(args.router_args)],
     }
+
+
+def up_worker_roles(args: argparse.Namespace) -> list[str] | None:
+    """Each worker's --role for --prefill-workers P --decode-workers D (None: --workers, all both)."""
+    if not (args.prefill_workers or args.decode_workers):
+        return None
+    if args.prefill_workers < 0 or args.decode_workers < 0:
+        raise SystemExit("--prefill-workers and --decode-workers must not be negative")
+    if not args.decode_workers:
+        raise SystemExit("--prefill-workers needs --decode-workers: prefill workers decode nothing")
+    return ["prefill"] * args.prefill_workers + ["decode"] * args.decode_workers
 
 
 def security_env(args: argparse.Namespace) -> dict[str, str]:

@@ -194,6 +194,7 @@ def start_mesh(
     timeout: float = 300.0,
     num_schedulers: int = 1,
     router_args: list[str] | None = None,
+    worker_roles: list[str] | None = None,
 ) -> LocalMesh:
     """Start scheduler + workers (+ gateway when `gateway_port` is not None) and wait until ready.
 
@@ -207,6 +208,8 @@ def start_mesh(
     num_schedulers > 1: a router (router_svc) takes `scheduler_port` and fronts that many
     scheduler shards (`mesh.shards`), worker i registering with shard i mod N; the gateway and
     gRPC clients dial the router as they would a scheduler. 1: no router (the usual topology).
+
+    worker_roles: worker i's --role (disaggregated prefill/decode: "prefill", "decode"); None: none.
     """
     # Secure by default: one fresh secret per mesh, in each child's environment (never argv).
     env, internal_key = with_mesh_secret({**os.environ, **(env or {})})
@@ -235,6 +238,8 @@ def start_mesh(
             shard = mesh.shards[i % len(mesh.shards)].address if mesh.shards else sched_addr
             args = ["--host", host, "--port", str(port), "--scheduler", shard, *kv_args]
             args += ["--worker-id", f"worker-{i}", *model_args, *(worker_args or [])]
+            if worker_roles:
+                args += ["--role", worker_roles[i]]
             mesh.workers.append(
                 _start_child(f"worker-{i}", f"{host}:{port}", "worker_svc.service", args, env, log_dir)
             )
@@ -498,6 +503,7 @@ def run_up(
     backoff: Backoff | None = None,
     num_schedulers: int = 1,
     router_args: list[str] | None = None,
+    worker_roles: list[str] | None = None,
 ) -> int:
     """Foreground `llmesh up`: start, print addresses, supervise until Ctrl-C / SIGTERM, stop all."""
     from services.logging_setup import setup_logging
@@ -532,6 +538,7 @@ def run_up(
             env=env,
             num_schedulers=num_schedulers,
             router_args=router_args,
+            worker_roles=worker_roles,
         )
     except KeyboardInterrupt:
         return 130
