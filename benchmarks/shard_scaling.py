@@ -30,8 +30,9 @@ lets the kernel spread the client connections (one per client process: an uneven
 
 CPU budget: by default every row runs on the whole host (the table's `procs` column counts the
 processes of the row, `cpus` the cores they share). `--cpus-per-shard C` pins each row's
-processes (shards, API processes, workers, routers, clients) to its first C x shards cores: the
-1-shard row gets C cores, the N-shard row N x C: scale-out with the resources, not a smaller
+processes (shards, API processes, workers, routers, clients) to its first C x shards CPUs, a
+core's hyperthreads side by side (`cpu_order`: a slice of the host's cores, not of its
+threads): the 1-shard row gets C CPUs, the N-shard row N x C: scale-out with the resources, not a smaller
 share of a fixed host. Shards not in a row are started but idle (no request reaches them).
 
 Reported per row: out tok/s, failed (errors other than RESOURCE_EXHAUSTED) and refused, TTFT
@@ -96,6 +97,33 @@ def pin(pids: list[int], cpus: set[int] | None) -> None:
                 os.sched_setaffinity(tid, cpus)
             except OSError:  # the thread ended meanwhile
                 pass
+
+
+def _cpu_list(text: str) -> list[int]:
+    """`0-2,8` -> [0, 1, 2, 8] (the kernel's CPU list format)."""
+    out: list[int] = []
+    for part in text.strip().split(","):
+        lo, _, hi = part.partition("-")
+        out += range(int(lo), int(hi or lo) + 1)
+    return out
+
+
+def cpu_order() -> list[int]:
+    """This process's CPUs with each core's hyperthreads side by side: the first k of them are
+    k / threads-per-core whole cores, whatever the host's numbering (siblings are often i and
+    i + cores). A row's slice of the host is then a slice of its cores, as a pod's would be."""
+    allowed = sorted(os.sched_getaffinity(0))
+    order: list[int] = []
+    for cpu in allowed:
+        if cpu in order:
+            continue
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+                siblings = _cpu_list(f.read())
+        except (OSError, ValueError):
+            siblings = [cpu]
+        order += [c for c in sorted(set(siblings) | {cpu}) if c in allowed and c not in order]
+    return order
 
 
 def cpu_seconds(pid: int) -> float:
@@ -235,13 +263,13 @@ class Mesh:
                 f"the null workers of {shard.address}", self.procs, 180,
             )  # fmt: skip
 
-    def start_routers(self, shards: list[Shard]) -> None:
-        """The router tier in front of `shards` (replacing any before)."""
+    def start_routers(self, shards: list[Shard], procs: int) -> None:
+        """The router tier of `procs` processes in front of `shards` (replacing any before)."""
         self.stop(self.routers)
         self.routers, self.router_addresses = [], []
         a = self.args
         shared_port = free_port(HOST) if a.router_reuse_port else None
-        for r in range(a.router_procs):
+        for r in range(procs):
             port = shared_port or free_port(HOST)
             cmd = [sys.executable, "-m", "router_svc.service", "--host", HOST, "--port", str(port),
                    "--shards", ",".join(s.address for s in shards), "--policy", a.router_policy,
@@ -251,7 +279,7 @@ class Mesh:
                 self.router_addresses.append(f"{HOST}:{port}")
         # On a shared port each health check reaches one process (a new connection, spread by the
         # kernel): every one is SERVING (it has a ready shard) once many checks in a row say so.
-        checks = 4 * a.router_procs if shared_port else 1
+        checks = 4 * procs if shared_port else 1
         for router in self.router_addresses:
             every = lambda r=router: all(grpc_serving(r) for _ in range(checks))  # noqa: E731
             wait_until(every, f"router {router}", self.procs, 180)
@@ -308,6 +336,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="router processes (default: 2 per shard of the N-shard row: at stream interval 1 a router "
         "process relays ~90 us of CPU per token on the 2-core dev machine)",
+    )
+    ap.add_argument(
+        "--direct-router-procs",
+        type=int,
+        default=1,
+        help="router processes of the direct row (a picker costs one call per request, not a relay "
+        "per token; every process ingests every shard's KV events, so more cost more)",
     )
     ap.add_argument(
         "--router-reuse-port",
@@ -377,9 +412,10 @@ def main(argv: list[str] | None = None) -> int:
             mesh.start_shards(args.shards)
             for label, n, how in plan:
                 shards = mesh.shards[:n]
-                cpus = set(range(args.cpus_per_shard * n)) if args.cpus_per_shard else None
+                cpus = set(cpu_order()[: args.cpus_per_shard * n]) if args.cpus_per_shard else None
                 if how:
-                    mesh.start_routers(shards)
+                    procs = args.direct_router_procs if how == "direct" else args.router_procs
+                    mesh.start_routers(shards, procs)
                     targets = mesh.router_addresses
                     # One router's address per client process: processes spread over every address.
                     router_procs = len(mesh.routers)
@@ -445,10 +481,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{'core busy':>10}{'row us/t':>9}{'procs':>6}{'cpus':>5}"
     )
     base = rows[0]["tok_s"] if rows[0]["shards"] == 1 else 0.0
+    vs = lambda r: f"{r['tok_s'] / base:>6.2f}x" if base else f"{'—':>7}"  # noqa: E731
     for r in rows:
         print(
             f"{r['path']:<28}{r['concurrency']:>8}{r['requests']:>7}{r['failed']:>7}{r['refused']:>8}"
-            f"{r['tok_s']:>11,.0f}{r['tok_s'] / base if base else 0:>6.2f}x"
+            f"{r['tok_s']:>11,.0f}{vs(r)}"
             f"{r['ttft_p50_ms']:>8.1f}ms{r['itl_p50_ms']:>7.2f}ms{r['itl_p99_ms']:>7.2f}ms"
             f"{r['router_procs']:>8}{100 * r['router_busy']:>8.0f}%{r['router_us_tok']:>9.1f}"
             f"{100 * r['core_busy']:>9.0f}%{r['row_us_tok']:>9.1f}{r['procs']:>6}{r['cpus']:>5}"
@@ -456,10 +493,8 @@ def main(argv: list[str] | None = None) -> int:
         if r["errors"]:
             print(f"    errors: {r['errors']}")
     last = rows[-1]
-    print(
-        f"\n{last['path']} / 1 shard: {last['tok_s'] / base if base else 0:.2f}x out tok/s; failed "
-        f"{sum(r['failed'] for r in rows)} of {sum(r['requests'] for r in rows)} requests"
-    )
+    ratio = f"{last['path']} / 1 shard: {last['tok_s'] / base:.2f}x out tok/s; " if base else ""
+    print(f"\n{ratio}failed {sum(r['failed'] for r in rows)} of {sum(r['requests'] for r in rows)} requests")
     return 1 if any(r["failed"] for r in rows) else 0
 
 
