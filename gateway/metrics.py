@@ -17,7 +17,7 @@ import os
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gateway.generation import Generation
@@ -55,6 +55,15 @@ class SchedulerStatsCollector(Collector):
             "kv_usage": ("llmesh:kv_cache_usage_perc", "Fraction of the worker's KV blocks in use (0-1)"),
             "free_blocks": ("llmesh:kv_cache_free_blocks", "Free KV blocks of the worker"),
             "num_blocks": ("llmesh:kv_cache_num_blocks", "KV blocks of the worker"),
+            # What the KV load predictor predicts from (scheduler_svc/load_predictor.py; 0 = not yet).
+            "kv_load_bytes_per_second": (
+                "llmesh:kv_load_bandwidth_bytes_per_second",
+                "Measured bandwidth of the worker's KV store loads",
+            ),
+            "kv_prefill_tokens_per_second": (
+                "llmesh:kv_prefill_tokens_per_second",
+                "Measured marginal prefill rate of the worker",
+            ),
         }
         counters = {
             "prefix_queries": ("llmesh:prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
@@ -78,6 +87,22 @@ class SchedulerStatsCollector(Collector):
             "kv_verify_failures": (
                 "llmesh:kv_store_verify_failures",
                 "KV store chunks refused because their MAC did not verify (forged, altered or swapped)",
+            ),
+            "kv_load_predictions": (
+                "llmesh:kv_load_predictions",
+                "KV store loads planned with a predicted time",
+            ),
+            "kv_load_predicted_seconds": (
+                "llmesh:kv_load_predicted_seconds",
+                "Seconds the planned KV store loads were predicted to take",
+            ),
+            "kv_load_skipped": (
+                "llmesh:kv_load_skipped",
+                "KV store hits computed instead of loaded: loading was predicted slower",
+            ),
+            "kv_load_skipped_tokens": (
+                "llmesh:kv_load_skipped_tokens",
+                "Prompt tokens held by the KV store but computed: loading them was predicted slower",
             ),
             # Speculative decoding, as vLLM's spec_decode counters.
             "spec_num_drafts": ("llmesh:spec_decode_num_drafts", "Verifications that carried draft tokens"),
@@ -103,6 +128,7 @@ class SchedulerStatsCollector(Collector):
             for pos, n in enumerate(w.spec_accepted_per_pos):
                 per_pos.add_metric([w.worker_id, str(pos)], float(n))
         yield per_pos
+        yield _load_error_histogram(stats)
         workers = GaugeMetricFamily("llmesh:num_workers", "Workers registered with the scheduler")
         workers.add_metric([], float(len(stats.workers)))
         yield workers
@@ -137,6 +163,25 @@ def pd_metrics(stats: worker_pb2.SchedulerStats) -> Iterable[Metric]:
         family = CounterMetricFamily(f"llmesh:pd_{name}", doc)
         family.add_metric([], float(value))
         yield family
+
+
+def _load_error_histogram(stats: worker_pb2.SchedulerStats) -> HistogramMetricFamily:
+    """|measured - predicted| seconds per KV store load, from the scheduler's bucket counts."""
+    fam = HistogramMetricFamily(
+        "llmesh:kv_load_prediction_error_seconds",
+        "Absolute error of the KV load predictor's load time, per store load",
+        labels=["worker"],
+    )
+    for w in stats.workers:
+        bounds, counts = list(w.kv_load_error_bounds), list(w.kv_load_error_counts)
+        if len(counts) != len(bounds) + 1:
+            continue  # a scheduler without the predictor
+        buckets, total = [], 0
+        for bound, n in zip([*map(str, bounds), "+Inf"], counts, strict=True):
+            total += n
+            buckets.append((bound, float(total)))
+        fam.add_metric([w.worker_id], buckets, sum_value=w.kv_load_error_seconds)
+    return fam
 
 
 def multiprocess_dir() -> str | None:

@@ -15,6 +15,10 @@ vanished or is corrupt, the store went down): the worker then computes those
 blocks itself in the same forward (it holds the tokens), so a miss costs time,
 never a wrong token or a failed request, and nothing here has to roll back.
 Loaded blocks are neither saved back nor put back.
+
+A store hit is loaded only as far as loading is predicted faster than computing it
+(scheduler_svc/load_predictor.py: the worker's measured load bandwidth against its measured
+prefill rate); the chunks past that are computed, as for a miss.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ from dataclasses import dataclass, field
 
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.host_cache import HostBlockIndex
+from scheduler_svc.load_predictor import ERROR_BOUNDS, LoadPredictor, error_bucket
 from scheduler_svc.request import Request
-from services.step import KVTransfers, StoreLoad, StorePut
+from services.step import KVTransfers, StepPlan, StepResult, StoreLoad, StorePut
 
 # Chunk keys remembered as already in the store (loaded from it or put to it), most recent last.
 KNOWN_CHUNKS = 1 << 16
@@ -39,6 +44,20 @@ class KVTierStats:
     stored_chunks: int = 0  # chunks put to the KV store
     failed_loads: int = 0  # sequences whose store loads failed (the worker computed them instead)
     kv_verify_failures: int = 0  # store chunks the worker refused: their MAC did not verify
+    # The load predictor (load_predictor.py): loads planned with a prediction, the seconds they
+    # were predicted to take, |measured - predicted| per load (a histogram: counts per bound of
+    # kv_load_error_bounds, the last one +Inf, and their sum), store hits left to compute because
+    # loading them was predicted slower (loads skipped whole, tokens not loaded), and the rates
+    # the predictions come from (0 until measured).
+    kv_load_predictions: int = 0
+    kv_load_predicted_seconds: float = 0.0
+    kv_load_error_bounds: list[float] = field(default_factory=lambda: list(ERROR_BOUNDS))
+    kv_load_error_counts: list[int] = field(default_factory=lambda: [0] * (len(ERROR_BOUNDS) + 1))
+    kv_load_error_seconds: float = 0.0
+    kv_load_skipped: int = 0
+    kv_load_skipped_tokens: int = 0
+    kv_load_bytes_per_second: float = 0.0
+    kv_prefill_tokens_per_second: float = 0.0
 
 
 @dataclass
@@ -49,14 +68,23 @@ class TierHit:
     host_slots: list[int] = field(default_factory=list)  # blocks n .. n+len-1 from host slots
     store_start: int = 0  # first block index loaded from the store
     store_end: int = 0  # one past the last
+    predicted_s: float | None = None  # the load's predicted seconds (None: no prediction)
+    skipped_blocks: int = 0  # blocks of the store hit left to compute (predicted slower to load)
 
     def num_blocks(self, num_gpu_blocks: int) -> int:
         return max(num_gpu_blocks + len(self.host_slots), self.store_end) - num_gpu_blocks
 
 
 class KVTierPlanner:
-    def __init__(self, blocks: BlockManager, num_host_blocks: int, chunk_blocks: int) -> None:
+    def __init__(
+        self,
+        blocks: BlockManager,
+        num_host_blocks: int,
+        chunk_blocks: int,
+        predictor: LoadPredictor | None = None,
+    ) -> None:
         self.blocks = blocks
+        self.predictor = predictor or LoadPredictor(blocks.block_size)
         self.host = HostBlockIndex(num_host_blocks)
         self.chunk_blocks = chunk_blocks
         blocks.chunk_blocks = chunk_blocks
@@ -73,6 +101,9 @@ class KVTierPlanner:
         self._in_store: OrderedDict[bytes, None] = OrderedDict()
         # Per plan in flight: host keys it assigned (forgotten if the plan is lost).
         self._assigned_by_step: dict[int, list[bytes]] = {}
+        # Predicted seconds of each store load of the plan being built / of each plan in flight.
+        self._predicted_now: list[float | None] = []
+        self._predicted_by_step: dict[int, list[float | None]] = {}
 
     @property
     def enabled(self) -> bool:
@@ -92,9 +123,19 @@ class KVTierPlanner:
         have = num_gpu_blocks + len(hit.host_slots)
         store_end = min(req.store_hit_blocks, max_blocks)
         if store_end > have:
-            hit.store_start, hit.store_end = have, store_end
+            hit.store_start, hit.store_end = have, self._worth_loading(hit, have, store_end)
         self.host.pin(hit.host_slots)
         return hit
+
+    def _worth_loading(self, hit: TierHit, start: int, end: int) -> int:
+        """Where the store load of blocks [start, end) should end: after the leading chunks
+        predicted faster to load than to compute (`start`: none of them)."""
+        c = self.chunk_blocks
+        first, last = start // c, -(-end // c)
+        wanted = [min(end, (k + 1) * c) - max(start, k * c) for k in range(first, last)]
+        decision = self.predictor.decide(c, wanted)
+        hit.predicted_s, hit.skipped_blocks = decision.predicted_seconds, decision.skipped_blocks
+        return start if decision.chunks == 0 else min(end, (first + decision.chunks) * c)
 
     def admit(self, req: Request, block_ids: list[int], num_gpu_blocks: int, hit: TierHit) -> None:
         """Add the loads of an admitted request (its blocks allocated) to the plan being built."""
@@ -113,9 +154,16 @@ class KVTierPlanner:
             targets = [block_ids[i] if start <= i < end else -1 for i in range(first * c, last * c)]
             chunk_keys = [keys[(k + 1) * c - 1] for k in range(first, last)]
             kv.store_loads.append(StoreLoad(req.request_id, chunk_keys, targets))
+            self._predicted_now.append(hit.predicted_s)
+            if hit.predicted_s is not None:
+                self.stats.kv_load_predictions += 1
+                self.stats.kv_load_predicted_seconds += hit.predicted_s
             self._remember(chunk_keys)
             self._loaded_now.update(block_ids[hit.store_start : hit.store_end])
             self.stats.store_hit_tokens += (hit.store_end - hit.store_start) * bs
+        if hit.skipped_blocks:
+            self.stats.kv_load_skipped += hit.store_end == hit.store_start
+            self.stats.kv_load_skipped_tokens += hit.skipped_blocks * bs
 
     # ----- the plan -----
     def finish_plan(self, step_id: int, keyed: list[tuple[int, bytes]]) -> KVTransfers:
@@ -124,6 +172,8 @@ class KVTierPlanner:
         `keyed`: the (block, key) pairs this plan made full, saved by the next plan.
         """
         kv, self._kv = self._kv, KVTransfers()
+        if self._predicted_now:
+            self._predicted_by_step[step_id], self._predicted_now = self._predicted_now, []
         assigned = []
         for block_id, key in self._pending_saves:
             slot = self.host.assign(key)
@@ -166,6 +216,28 @@ class KVTierPlanner:
         self.stats.failed_loads += len(failed_load_seq_ids)
         self.stats.kv_verify_failures += kv_verify_failures
 
+    def observe(self, plan: StepPlan, result: StepResult, busy_s: float) -> None:
+        """Feed the load predictor what a plan's execution measured: the worker's timing of each
+        store load, and `busy_s` (the scheduler's timing of the step) as a prefill sample when
+        the step computed prompt tokens and loaded nothing."""
+        p, st = self.predictor, self.stats
+        predicted = self._predicted_by_step.pop(plan.step_id, [])
+        reports = zip(result.kv_load_blocks, result.kv_load_bytes, result.kv_load_seconds, strict=False)
+        for i, (blocks, nbytes, seconds) in enumerate(reports):
+            p.observe_load(blocks, nbytes, seconds)
+            guess = predicted[i] if i < len(predicted) else None
+            if guess is not None and blocks:
+                error = abs(seconds - guess)
+                st.kv_load_error_counts[error_bucket(error)] += 1
+                st.kv_load_error_seconds += error
+        kv = plan.kv
+        if not kv.store_loads and not kv.load_block_ids:
+            prompt = sum(s.num_new_tokens for s in plan.new_seqs)
+            prompt += sum(s.num_new_tokens for s in plan.scheduled if s.num_new_tokens > 1)
+            p.observe_prefill(prompt, busy_s)
+        st.kv_load_bytes_per_second = p.bytes_per_second
+        st.kv_prefill_tokens_per_second = p.prefill_tokens_per_second
+
     def resync(self, last_executed_step_id: int | None) -> None:
         """The worker's link broke: plans after `last_executed_step_id` never ran (None: a new process)."""
         if last_executed_step_id is None:
@@ -175,6 +247,8 @@ class KVTierPlanner:
                 if step_id > last_executed_step_id:
                     self.host.forget(keys)
         self._assigned_by_step.clear()
+        self._predicted_by_step.clear()
+        self._predicted_now = []
         self._pending_saves.clear()
         self._pending_puts.clear()
         self._kv = KVTransfers()

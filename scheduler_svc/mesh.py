@@ -41,6 +41,7 @@ from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.disaggregation import Disaggregation, Handover
 from scheduler_svc.kv_events import KVEventLog
 from scheduler_svc.kv_tiers import KVTierPlanner
+from scheduler_svc.load_predictor import LoadPredictor
 from scheduler_svc.lora import LoRAMirror, lora_key
 from scheduler_svc.planner import Planner, PlannerConfig, RequestRejected
 from scheduler_svc.prefix_hash import extend_block_keys
@@ -146,6 +147,12 @@ class MeshConfig:
     )
     kv_lookup_timeout_s: float = option(
         0.2, help="a KV store lookup slower than this counts as a miss (the prefix is computed)"
+    )
+    kv_load_predictor: bool = option(
+        True,
+        help="load a store hit only as far as loading is predicted faster than computing it, from "
+        "the worker's measured load bandwidth and prefill rate (scheduler_svc/load_predictor.py); "
+        "--no-kv-load-predictor: load every hit",
     )
     # Larger values cut the per-token messages (one gRPC write, one SSE event each) that cost the
     # host more than the GPU at high concurrency, at the price of burstier streams.
@@ -259,7 +266,8 @@ class Mesh:
         )
         if self.kv_events is not None:  # the routers in front hear of every key it holds
             blocks.listener = self.kv_events.worker(worker_id, info.block_size, info.fingerprint)
-        tiers = KVTierPlanner(blocks, info.num_host_blocks, info.kv_chunk_blocks)
+        predictor = LoadPredictor(info.block_size, self.config.kv_load_predictor)
+        tiers = KVTierPlanner(blocks, info.num_host_blocks, info.kv_chunk_blocks, predictor)
         spec = SpecDecodePolicy(
             info.num_speculative_tokens, info.spec_disable_by_batch_size, info.spec_drafts_ahead
         )
@@ -681,6 +689,7 @@ class Mesh:
         planner = slot.planner
         depth = 2 if self.config.async_scheduling else 1
         inflight: deque[tuple[StepPlan, float]] = deque()
+        last_result_at = 0.0  # a step's busy time starts at its send or at the result before it
         while True:
             while len(inflight) < depth and planner.has_work_for_worker():
                 if inflight and planner.waits_for_result():
@@ -699,7 +708,10 @@ class Mesh:
             slot.num_inflight = len(inflight)
             if result.step_id != plan.step_id:
                 raise LinkBroken(f"worker {slot.worker_id}: result {result.step_id} for plan {plan.step_id}")
-            slot.step_seconds += time.perf_counter() - sent_at
+            now = time.perf_counter()
+            slot.step_seconds += now - sent_at
+            planner.tiers.observe(plan, result, now - max(sent_at, last_result_at))  # the load predictor
+            last_result_at = now
             slot.num_steps += 1
             slot.breaks_without_progress = 0
             for delta in planner.update(plan, result):

@@ -411,6 +411,9 @@ def step_result_to_proto(result: StepResult) -> worker_pb2.StepResult:
         kv_verify_failures=result.kv_verify_failures,
         prompt_logprobs=[prompt_chunk_to_proto(c) for c in result.prompt_logprobs],
         pooled=[worker_pb2.PooledOutput(seq_id=p.seq_id, values=p.values) for p in result.pooled],
+        kv_load_blocks=result.kv_load_blocks,
+        kv_load_bytes=result.kv_load_bytes,
+        kv_load_seconds=result.kv_load_seconds,
     )
     if len(result.draft_seq_ids) != len(result.num_draft_tokens):
         raise ValueError("StepResult: draft_seq_ids and num_draft_tokens differ in length")
@@ -440,6 +443,9 @@ def step_result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
         kv_verify_failures=msg.kv_verify_failures,
         prompt_logprobs=[prompt_chunk_from_proto(c) for c in msg.prompt_logprobs],
         pooled=[PooledOutput(p.seq_id, list(p.values)) for p in msg.pooled],
+        kv_load_blocks=list(msg.kv_load_blocks),
+        kv_load_bytes=list(msg.kv_load_bytes),
+        kv_load_seconds=list(msg.kv_load_seconds),
     )
 
 

@@ -175,6 +175,11 @@ class StepResult:
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     # Pooling sequences whose prompt this step completed (they sample nothing).
     pooled: list[PooledOutput] = field(default_factory=list)
+    # Each store load of the plan, in order: blocks written, bytes, wall seconds on the worker
+    # (the scheduler's load predictor learns the path's bandwidth from them).
+    kv_load_blocks: list[int] = field(default_factory=list)
+    kv_load_bytes: list[int] = field(default_factory=list)
+    kv_load_seconds: list[float] = field(default_factory=list)
 
 
 @dataclass

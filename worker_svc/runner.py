@@ -342,6 +342,10 @@ class ModelRunner:
         """Do the plan's KV moves; a sequence whose store chunks could not be had computes them now."""
         refused = self.kv_tiers.verify_failures
         failed = self.kv_tiers.apply(plan.kv, lambda seq_id, block: self.seqs[seq_id].block_ids.index(block))
+        for blocks, nbytes, seconds in self.kv_tiers.take_load_reports():  # the load predictor's samples
+            result.kv_load_blocks.append(blocks)
+            result.kv_load_bytes.append(nbytes)
+            result.kv_load_seconds.append(seconds)
         if not failed:
             return order
         result.kv_verify_failures = self.kv_tiers.verify_failures - refused

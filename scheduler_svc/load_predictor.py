@@ -1,0 +1,159 @@
+"""Whether loading a prefix from the KV store beats computing it again, from what was measured.
+
+A store load runs before the forward that would otherwise compute those tokens, so it pays off
+only if it takes less time than their prefill. Both sides are measured per worker, on the path
+that worker actually uses (in place, shared memory, the bulk path from another host, gRPC):
+
+- loads: each store load's blocks and wall seconds, as the worker reports them in its StepResult
+  (through its MAC check, which waits for the bytes on the device), fitted as
+  `seconds = overhead + blocks * seconds_per_block` over the last `WINDOW` loads;
+- recompute: the scheduler's own timing of each step that computes prompt tokens and loads
+  nothing (result arrival minus the later of its send and the previous result: the worker's
+  busy time for it), fitted as `seconds = fixed + tokens * seconds_per_token`; a load saves the
+  marginal part, `tokens * seconds_per_token` (the step and its suffix run either way).
+
+The decision (`decide`) loads the first k chunks of a hit, the k that saves the most predicted
+time, or none: partial loads are allowed, the rest is computed in the same forward. The start is
+conservative. A path not measured yet is never trusted with a whole prefix: a load is one chunk
+(a probe, whose timing is the first sample). With no prefill measured yet there is nothing to
+compare against, and the hit is loaded as before. While loads are skipped, every
+`PROBE_EVERY`-th skip still loads one chunk, so a path that got faster is noticed.
+
+The prediction and its error are counted (KVTierStats -> WorkerStats -> the gateway's /metrics:
+llmesh:kv_load_predicted_seconds, llmesh:kv_load_prediction_error_seconds, llmesh:kv_load_skipped).
+Context length is not modelled: attention makes late tokens dearer to compute, which this
+underestimates, so the predictor errs towards recomputing.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+WINDOW = 64  # samples each fit keeps (the latest)
+PROBE_EVERY = 16  # skipped loads in a row before one chunk is loaded anyway, to measure the path again
+# Steps computing fewer prompt tokens than this say little about the prefill rate (decode-bound).
+MIN_PREFILL_TOKENS = 32
+# Bounds (seconds) of the prediction error histogram (|measured - predicted| per load).
+ERROR_BOUNDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class LinearFit:
+    """y = a + b * x by least squares over the last `window` samples (a >= 0, b > 0)."""
+
+    def __init__(self, window: int = WINDOW) -> None:
+        self.samples: deque[tuple[float, float]] = deque(maxlen=window)
+
+    def add(self, x: float, y: float) -> None:
+        if x > 0 and y >= 0:
+            self.samples.append((float(x), float(y)))
+
+    @property
+    def measured(self) -> bool:
+        return bool(self.samples)
+
+    def coefficients(self) -> tuple[float, float] | None:
+        """(a, b); None before the first sample. With no spread in x: a line through 0."""
+        n = len(self.samples)
+        if not n:
+            return None
+        sx = sum(x for x, _ in self.samples)
+        sy = sum(y for _, y in self.samples)
+        mx, my = sx / n, sy / n
+        var = sum((x - mx) ** 2 for x, _ in self.samples)
+        through_zero = (0.0, sy / sx)
+        if var <= 1e-9 * max(mx * mx, 1.0) * n:
+            return through_zero
+        b = sum((x - mx) * (y - my) for x, y in self.samples) / var
+        a = my - b * mx
+        if b <= 0:  # noise swamps the slope: the mean rate
+            return through_zero
+        if a < 0:  # no negative overhead: the slope through the origin
+            return (0.0, sum(x * y for x, y in self.samples) / sum(x * x for x, _ in self.samples))
+        return (a, b)
+
+
+@dataclass
+class LoadDecision:
+    chunks: int  # leading chunks to load (0: compute them all)
+    predicted_seconds: float | None = None  # of loading them; None: nothing to predict from
+    skipped_blocks: int = 0  # blocks of the hit computed instead of loaded
+
+
+class LoadPredictor:
+    def __init__(self, block_size: int, enabled: bool = True) -> None:
+        self.block_size = block_size
+        self.enabled = enabled
+        self.loads = LinearFit()  # x: blocks loaded, y: seconds
+        self.prefill = LinearFit()  # x: prompt tokens computed, y: seconds
+        self.bytes_per_block = 0.0
+        self._skips_in_a_row = 0
+
+    # ----- measurements -----
+    def observe_load(self, blocks: int, nbytes: int, seconds: float) -> None:
+        if blocks > 0:
+            self.loads.add(blocks, seconds)
+            self.bytes_per_block = nbytes / blocks
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens >= MIN_PREFILL_TOKENS:
+            self.prefill.add(tokens, seconds)
+
+    def load_seconds(self, blocks: int) -> float | None:
+        fit = self.loads.coefficients()
+        return None if fit is None else fit[0] + fit[1] * blocks
+
+    def compute_seconds(self, tokens: int) -> float | None:
+        """The prefill time `tokens` more prompt tokens add to a step (its marginal cost)."""
+        fit = self.prefill.coefficients()
+        return None if fit is None else fit[1] * tokens
+
+    @property
+    def bytes_per_second(self) -> float:
+        fit = self.loads.coefficients()
+        return self.bytes_per_block / fit[1] if fit is not None and fit[1] > 0 else 0.0
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        fit = self.prefill.coefficients()
+        return 1.0 / fit[1] if fit is not None and fit[1] > 0 else 0.0
+
+    # ----- the decision -----
+    def decide(self, chunk_blocks: int, wanted: list[int]) -> LoadDecision:
+        """How many leading chunks of a store hit to load. `wanted[i]`: the blocks chunk i fills
+        (its first may hold fewer: blocks the GPU or host tier already has)."""
+        n = len(wanted)
+        total = sum(wanted)
+        if not n:
+            return LoadDecision(0)
+        if not self.enabled:
+            return LoadDecision(n, self.load_seconds(n * chunk_blocks))
+        if self.compute_seconds(1) is None:  # no prefill measured: nothing to weigh it against
+            return LoadDecision(n, self.load_seconds(n * chunk_blocks))
+        if not self.loads.measured:  # an unmeasured path gets one chunk (a probe)
+            return LoadDecision(1, None, total - wanted[0])
+        best, best_gain, filled = 0, 0.0, 0
+        for k in range(1, n + 1):
+            filled += wanted[k - 1]
+            load = self.load_seconds(k * chunk_blocks)
+            saved = self.compute_seconds(filled * self.block_size)
+            assert load is not None and saved is not None
+            if saved - load > best_gain:
+                best, best_gain = k, saved - load
+        if best == 0:
+            self._skips_in_a_row += 1
+            if self._skips_in_a_row % PROBE_EVERY == 0:
+                best = 1  # measure the path again: it may have got faster
+        else:
+            self._skips_in_a_row = 0
+        if best == 0:
+            return LoadDecision(0, None, total)
+        return LoadDecision(best, self.load_seconds(best * chunk_blocks), total - sum(wanted[:best]))
+
+
+def error_bucket(error_s: float) -> int:
+    """The histogram bucket of an absolute prediction error (len(ERROR_BOUNDS) = +Inf)."""
+    for i, bound in enumerate(ERROR_BOUNDS):
+        if error_s <= bound:
+            return i
+    return len(ERROR_BOUNDS)

@@ -1,0 +1,122 @@
+"""The KV load predictor's decision rules: load a store hit only as far as it beats recompute."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.kv_tiers import KVTierPlanner
+from scheduler_svc.load_predictor import ERROR_BOUNDS, PROBE_EVERY, LinearFit, LoadPredictor
+from scheduler_svc.request import Request
+from services.sampling_params import SamplingParams
+from services.step import NewSequence, StepPlan, StepResult
+
+BS = 16  # tokens per block
+C = 4  # blocks per chunk
+
+
+def predictor(load_s_per_block: float, prefill_s_per_token: float, overhead_s: float = 0.0) -> LoadPredictor:
+    """A predictor that has measured loads and prefills of these rates."""
+    p = LoadPredictor(BS)
+    for blocks in (4, 16, 64):
+        p.observe_load(blocks, blocks * 1000, overhead_s + blocks * load_s_per_block)
+    for tokens in (64, 256, 1024):
+        p.observe_prefill(tokens, 0.002 + tokens * prefill_s_per_token)
+    return p
+
+
+def test_the_fits_recover_overhead_and_rate():
+    fit = LinearFit()
+    for x in (1, 10, 100):
+        fit.add(x, 0.5 + 0.25 * x)
+    a, b = fit.coefficients()
+    assert a == pytest.approx(0.5) and b == pytest.approx(0.25)
+    same_x = LinearFit()
+    same_x.add(8, 4.0)
+    same_x.add(8, 4.0)
+    assert same_x.coefficients() == (0.0, 0.5)  # no spread: through the origin
+    p = predictor(1e-4, 1e-5, overhead_s=0.001)
+    assert p.load_seconds(10) == pytest.approx(0.002)
+    assert p.compute_seconds(100) == pytest.approx(0.001)  # the marginal part only
+    assert p.bytes_per_second == pytest.approx(1000 / 1e-4)
+    assert p.prefill_tokens_per_second == pytest.approx(1e5)
+
+
+def test_a_load_faster_than_recompute_is_loaded_whole():
+    p = predictor(load_s_per_block=1e-5, prefill_s_per_token=1e-5)  # a block loads 16x faster
+    d = p.decide(C, [C] * 8)
+    assert d.chunks == 8 and d.skipped_blocks == 0
+    assert d.predicted_seconds == pytest.approx(32 * 1e-5)
+
+
+def test_a_load_slower_than_recompute_is_skipped_and_probed_now_and_then():
+    p = predictor(load_s_per_block=1e-3, prefill_s_per_token=1e-5)  # a block loads 6x slower
+    decisions = [p.decide(C, [C] * 8) for _ in range(PROBE_EVERY)]
+    assert all(d.chunks == 0 and d.skipped_blocks == 32 for d in decisions[:-1])
+    assert decisions[-1].chunks == 1  # one chunk to measure the path again
+    assert decisions[-1].skipped_blocks == 28
+
+
+def test_a_fixed_overhead_makes_short_hits_computed_and_long_ones_loaded():
+    # 5 ms to start a load, then 10x faster than computing: worth it past ~32 blocks.
+    p = predictor(load_s_per_block=1.6e-5, prefill_s_per_token=1e-5, overhead_s=0.005)
+    assert p.decide(C, [C] * 2).chunks == 0  # 128 tokens: 1.28 ms of prefill < 5.1 ms
+    assert p.decide(C, [C] * 64).chunks == 64  # 4096 tokens: 41 ms of prefill > 9 ms
+
+
+def test_a_partial_first_chunk_counts_only_the_blocks_it_fills():
+    p = predictor(load_s_per_block=1e-4, prefill_s_per_token=1e-5)  # 0.4 ms per chunk loaded
+    # The first chunk fills 1 block (0.16 ms of prefill): not worth its 0.4 ms; the whole hit is.
+    assert p.decide(C, [1]).chunks == 0
+    assert p.decide(C, [1, C, C, C]).chunks == 4
+
+
+def test_unmeasured_paths_start_conservatively():
+    fresh = LoadPredictor(BS)
+    assert fresh.decide(C, [C] * 8).chunks == 8  # no prefill measured: nothing to compare with
+    fresh.observe_prefill(256, 0.01)
+    probe = fresh.decide(C, [C] * 8)
+    assert probe.chunks == 1 and probe.predicted_seconds is None  # an unmeasured path: one chunk
+    off = LoadPredictor(BS, enabled=False)
+    off.observe_prefill(256, 0.01)
+    assert off.decide(C, [C] * 8).chunks == 8
+
+
+def _request(rid: str, tokens: int, store_blocks: int) -> Request:
+    req = Request(rid, list(range(1, tokens + 1)), SamplingParams(max_tokens=1), [])
+    req.store_hit_blocks = store_blocks
+    return req
+
+
+def test_the_planner_loads_only_the_predicted_part_and_counts_the_prediction():
+    blocks = BlockManager(256, BS, b"fp", True)
+    tiers = KVTierPlanner(blocks, 0, C, predictor(load_s_per_block=1e-3, prefill_s_per_token=1e-5))
+    req = _request("slow", 40 * BS, 32)
+    hit = tiers.find(req, [bytes([i]) for i in range(40)], 0, 39)
+    assert hit.store_end == hit.store_start == 0  # computed
+    tiers.admit(req, list(range(39)), 0, hit)
+    assert tiers.stats.kv_load_skipped == 1 and tiers.stats.kv_load_skipped_tokens == 32 * BS
+    assert not tiers.finish_plan(1, []).store_loads
+
+    tiers.predictor = predictor(load_s_per_block=1e-6, prefill_s_per_token=1e-5)
+    req = _request("fast", 40 * BS, 32)
+    hit = tiers.find(req, [bytes([i]) for i in range(40)], 0, 39)
+    assert (hit.store_start, hit.store_end) == (0, 32)
+    tiers.admit(req, list(range(39)), 0, hit)
+    kv = tiers.finish_plan(2, [])
+    assert len(kv.store_loads) == 1 and len(kv.store_loads[0].keys) == 8
+    assert tiers.stats.kv_load_predictions == 1
+    predicted = tiers.stats.kv_load_predicted_seconds
+    assert predicted == pytest.approx(32e-6)
+
+    # The worker's report: the error lands in its bucket, the fit learns from it.
+    plan = StepPlan(2, [NewSequence("fast", [], 0, [], 32 * BS, 8 * BS, SamplingParams())], kv=kv)
+    result = StepResult(
+        2, kv_load_blocks=[32], kv_load_bytes=[32 * 1000], kv_load_seconds=[predicted + 0.003]
+    )
+    tiers.observe(plan, result, 0.05)
+    stats = tiers.stats
+    assert sum(stats.kv_load_error_counts) == 1
+    assert stats.kv_load_error_counts[ERROR_BOUNDS.index(0.005)] == 1
+    assert stats.kv_load_error_seconds == pytest.approx(0.003)
+    assert stats.kv_load_bytes_per_second > 0 and stats.kv_prefill_tokens_per_second > 0
