@@ -239,6 +239,7 @@ UP_ALIASES = {
         "max_model_len": "--max-model-len",  # the worker's: the scheduler's is at most its workers'
         "dtype": "--dtype",
         "quantization": "--quantization",
+        "kv_cache_dtype": "--kv-cache-dtype",
         "gpu_memory_utilization": "--gpu-memory-utilization",
         "enforce_eager": "--enforce-eager",
         "kv_store_shared_memory": "--kv-store-shared-memory",

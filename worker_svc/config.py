@@ -106,6 +106,12 @@ class WorkerConfig:
         help="fp8: W8A8 e4m3, the linear layers' weights quantized on load with one scale per output "
         "channel, activations per token at each GEMM (vLLM's dynamic FP8); none: the model's dtype",
     )
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = option(
+        "auto",
+        help="the paged KV cache's dtype (vLLM's names): auto = the model's; fp8 (= fp8_e4m3) = "
+        "float8 e4m3 with one scale per layer for K and one for V, measured on a calibration "
+        "prompt at start (worker_svc/kv_scales.py): half the bytes a block, twice the blocks",
+    )
     pooling_type: Literal["last", "mean", "cls"] | None = option(
         None,
         help="how pooling requests (embeddings) pool the prompt's final hidden states when they ask for "
@@ -141,6 +147,16 @@ class WorkerConfig:
         if self.dtype not in names:
             raise ValueError(f"dtype must be one of auto, {', '.join(names)}; got {self.dtype!r}")
         return names[self.dtype]
+
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        """The KV cache's element type: the model's dtype, or float8_e4m3fn for fp8."""
+        import torch
+
+        if self.kv_cache_dtype == "auto":
+            return self.torch_dtype()
+        if self.kv_cache_dtype in ("fp8", "fp8_e4m3"):
+            return torch.float8_e4m3fn
+        raise ValueError(f"kv_cache_dtype must be auto, fp8 or fp8_e4m3; got {self.kv_cache_dtype!r}")
 
 
 def default_batch_limits(device: torch.device, offline: bool = False) -> tuple[int, int]:

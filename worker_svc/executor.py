@@ -114,7 +114,10 @@ class ModelExecutor:
         # LoRA adapters' slots (None: none served), before the KV cache takes what memory is left.
         # Decodes with adapter rows replay lora_graphs.
         self.lora = make_lora_slots(config, self.model, self.dtype)
-        kv_spec = KVCacheSpec.of(mc, bs, self.dtype, tp.size)
+        # An fp8 cache's scales are measured before the cache takes what memory is left.
+        self.kv_cache_dtype = config.kv_cache_torch_dtype()
+        self.kv_scale_exponents = self._calibrate_kv_scales(KVCacheSpec.of(mc, bs, self.dtype, tp.size))
+        kv_spec = KVCacheSpec.of(mc, bs, self.kv_cache_dtype, tp.size)
         self.num_kv_blocks = self._count_blocks(kv_spec)
         self.kv_caches = allocate_kv_cache(kv_spec, self.num_kv_blocks, self.device)
         if self.draft is not None:
@@ -122,6 +125,24 @@ class ModelExecutor:
         self.graphs = None  # DecodeGraphs once captured
         self.verify_graphs = None  # DecodeGraphs of 1 + num_speculative_tokens rows per sequence
         self.lora_graphs = None  # LoRADecodeGraphs once captured
+
+    def _calibrate_kv_scales(self, scratch: KVCacheSpec) -> list[tuple[int, int]] | None:
+        """An fp8 cache's (K, V) scale exponents per layer, given to the model's attention
+        layers (worker_svc/kv_scales.py); None for a cache in the model's dtype. `scratch`: this
+        rank's cache layout in the model's dtype, for the calibration prefill."""
+        if self.kv_cache_dtype != torch.float8_e4m3fn:
+            return None
+        from worker_svc import kv_scales
+
+        mc = self.model_config
+        exps = kv_scales.measure_kv_exponents(
+            self.model, scratch, mc.vocab_size, self.max_model_len, self.device, self.tp
+        )
+        kv_scales.attach_kv_scales(self.model, exps, self.device)
+        if self.device.type == "cuda":  # the scratch cache and activations, before the budget is read
+            torch.cuda.empty_cache()
+        log.info("fp8 KV cache scales", extra={"exponents": kv_scales.describe(exps)})
+        return exps
 
     def _count_blocks(self, kv_spec: KVCacheSpec) -> int:
         """The KV blocks every rank holds: each its heads' share of every block, so the least

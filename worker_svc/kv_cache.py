@@ -1,7 +1,12 @@
-"""The paged KV cache tensors of one worker rank, sized from a memory budget."""
+"""The paged KV cache tensors of one worker rank, sized from a memory budget.
+
+The cache's dtype is the model's, or float8_e4m3fn (`kv_cache_dtype="fp8"`): one byte an
+element, so the same budget holds twice the blocks of a bf16 cache (`bytes_per_block`).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -57,3 +62,26 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device |
     """
     shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
     return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+
+
+class ByteViews(Sequence[torch.Tensor]):
+    """The caches of a list as uint8 views, for code that only moves their bytes (the KV tiers).
+
+    torch has no index_copy_ for float8 on the CPU; bytes move the same whatever they encode
+    (the fingerprint says what that is). A view of the live list, not a copy of it: sleeping
+    empties and refills the list, and these follow.
+    """
+
+    def __init__(self, caches: list[torch.Tensor]) -> None:
+        self._caches = caches
+
+    def __len__(self) -> int:
+        return len(self._caches)
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def, override]
+        if isinstance(i, slice):
+            return [c.view(torch.uint8) for c in self._caches[i]]
+        return self._caches[i].view(torch.uint8)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (c.view(torch.uint8) for c in self._caches)

@@ -144,6 +144,9 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(config.q_size, config.hidden_size, config.o_proj_bias, tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # An fp8 KV cache's scales (worker_svc/kv_scales.py), fp32 [4] on the device; None: the
+        # cache is in the model's dtype. Not a buffer: no checkpoint holds it.
+        self.kv_scale: torch.Tensor | None = None
 
     def forward(
         self,
@@ -165,8 +168,9 @@ class Attention(nn.Module):
             torch.cuda.current_stream(q.device).wait_event(meta.layer_ready[self.layer_idx])
         # The backend rotates q and k as it writes the cache (one kernel on the Triton path).
         o = self.backend.forward(
-            q, k, v, kv_cache, meta, self.scale, rotary=(positions, rotary.cos_sin_cache)
-        )
+            q, k, v, kv_cache, meta, self.scale,
+            rotary=(positions, rotary.cos_sin_cache), kv_scale=self.kv_scale,
+        )  # fmt: skip
         return self.o_proj(o.reshape(t, self.q_size))
 
 
