@@ -9,13 +9,16 @@ Sections:
   the time to fill one token mask (vocab 49152) along random walks through each grammar;
 - steps: decode time per step, free vs constrained (every row held to a regex that never ends, so
   that each run lasts exactly --tokens steps), at each --batch; the overhead is what the bitmask
-  costs (fill on the host, apply on the device) plus the lost launch-ahead (a constrained row's
-  mask needs its previous token on the host: `ModelRunner.can_follow` is False).
+  costs where the GPU waits for it. A constrained row is launched ahead like any other: its mask
+  is filled while the GPU runs its forward, one step behind (`LaunchedStep.deferred`), and
+  applied by one Triton pass. Unless --no-compare, the path before that runs too, in the same
+  process (`mask_in_step`: no launch-ahead for constrained rows, the mask applied by torch ops).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -24,6 +27,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 SCHEMAS = pathlib.Path(__file__).parents[1] / "tests" / "data" / "structured_schemas.json"
@@ -120,32 +124,73 @@ def _stats(name: str, comp: list[float], masks: list[float]) -> list[tuple[str, 
     ]
 
 
-def step_section(llm: Any, batches: list[int], tokens: int, reps: int) -> list[tuple[str, str]]:
+@contextlib.contextmanager
+def mask_in_step(llm: Any) -> Iterator[None]:
+    """The path before issue 31, for comparison in the same process: a constrained row is not
+    launched ahead (its whole step waits for the token in flight to reach the host, and the
+    mask is filled between two GPU steps) and the mask is applied by torch ops (the twin)."""
+    from kernels.reference import apply_token_bitmask_
+
+    runner = llm.engine.runner
+    follow = runner.can_follow
+
+    def can_follow(plan: Any) -> bool:
+        for s in plan.scheduled:
+            st = runner.seqs.get(s.seq_id)
+            if st is not None and st.grammar is not None and st.inflight is not None:
+                return False
+        return follow(plan)
+
+    def torch_ops(logits: Any, bitmask: Any) -> None:
+        apply_token_bitmask_(logits, runner.sampler._upload(bitmask))
+
+    runner.can_follow = can_follow
+    runner.sampler._apply_bitmask = torch_ops
+    try:
+        yield
+    finally:
+        del runner.can_follow, runner.sampler._apply_bitmask
+
+
+def step_section(
+    llm: Any, batches: list[int], tokens: int, reps: int, compare: bool
+) -> list[tuple[str, str]]:
     from llmesh import SamplingParams, StructuredOutputs
 
     # Never complete, so every run lasts exactly `tokens` steps; letters and spaces keep the mask
     # non-trivial (about a third of the vocabulary allowed).
     spec = StructuredOutputs(regex=r"[a-zA-Z ,.]*")
+    modes = [("free", None, contextlib.nullcontext), ("constrained", spec, contextlib.nullcontext)]
+    if compare:
+        modes.append(("constrained, mask in the step (before)", spec, lambda: mask_in_step(llm)))
     rows = []
     for b in batches:
         prompts = [[1 + (i * 7 + j) % 1000 for j in range(16)] for i in range(b)]
-        per = {}
-        for label, so in (("free", None), ("constrained", spec)):
+        per, outs = {}, {}
+        for label, so, path in modes:
             sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, structured_outputs=so)
-            llm.generate(prompts, sp, use_tqdm=False)  # warm-up (and the grammar compile)
-            best = float("inf")
-            for _ in range(reps):
-                t = time.perf_counter()
-                llm.generate(prompts, sp, use_tqdm=False)
-                best = min(best, time.perf_counter() - t)
+            with path():
+                llm.generate(prompts, sp, use_tqdm=False)  # warm-up (and the grammar compile)
+                best = float("inf")
+                for _ in range(reps):
+                    t = time.perf_counter()
+                    out = llm.generate(prompts, sp, use_tqdm=False)
+                    best = min(best, time.perf_counter() - t)
             per[label] = best / tokens
-        over = per["constrained"] / per["free"] - 1
-        rows.append(
-            (
-                f"batch {b}: ms per step free / constrained",
-                f"{per['free'] * 1e3:.2f} / {per['constrained'] * 1e3:.2f}  (+{over * 100:.1f} %)",
+            outs[label] = [o.outputs[0].token_ids for o in out]
+        for label in per:
+            if label == "free":
+                continue
+            over = per[label] / per["free"] - 1
+            rows.append(
+                (
+                    f"batch {b}: ms per step free / {label}",
+                    f"{per['free'] * 1e3:.2f} / {per[label] * 1e3:.2f}  ({over * 100:+.1f} %)",
+                )
             )
-        )
+        if compare:
+            same = outs["constrained"] == outs["constrained, mask in the step (before)"]
+            rows.append((f"batch {b}: constrained tokens the same both ways", str(same)))
     return rows
 
 
@@ -157,6 +202,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--sections", default="compile,steps")
+    ap.add_argument(
+        "--no-compare", action="store_true", help="skip the path before issue 31 (mask filled between steps)"
+    )
     ap.add_argument("--smollm2", default=None, help="SmolLM2 .gguf or folder (default: the embedded package)")
     ap.add_argument("--smoke", action="store_true", help="3 schemas, batch 2, 4 tokens (make test)")
     args = ap.parse_args()
@@ -187,7 +235,7 @@ def main() -> None:
                     shutil.copy(os.path.join(smol, f), path)  # a tokenizer for the grammar engine
             kw.update(load_format="dummy", dtype="bfloat16" if args.device == "cuda" else "float32")
         llm = LLM(path, **kw)
-        rows += step_section(llm, args.batch, args.tokens, args.reps)
+        rows += step_section(llm, args.batch, args.tokens, args.reps, not args.no_compare)
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
     width = max(len(r[0]) for r in rows)

@@ -286,3 +286,19 @@ def merge_attn_partials(partial_out: torch.Tensor, partial_lse: torch.Tensor) ->
     # A row whose segments all lack keys would give -inf - -inf = NaN: weight it 0 instead.
     w = torch.exp(lse - total).nan_to_num(0.0)
     return (w.unsqueeze(-1) * partial_out.float()).sum(dim=-2)
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Structured outputs: logits of disallowed tokens -> -inf, in place (returns `logits`).
+
+    `bitmask` is int32 [rows, ceil(vocab / 32)] on the logits' device: bit t % 32 of word t // 32
+    set = token t allowed (xgrammar's and llguidance's layout). Columns past the mask's 32 * width
+    are left alone.
+    """
+    vocab = min(logits.shape[1], bitmask.shape[1] * 32)
+    tokens = torch.arange(vocab, device=logits.device)
+    words = bitmask.index_select(1, tokens >> 5)  # [rows, vocab]: each token's word
+    # Arithmetic shift: bit 31 (the sign) still reads as 1 after `& 1`.
+    allowed = ((words >> (tokens & 31).to(torch.int32)) & 1) != 0
+    logits[:, :vocab].masked_fill_(~allowed, float("-inf"))
+    return logits

@@ -100,6 +100,11 @@ class LaunchedStep:
     propose: list[int] = field(default_factory=list)
     prompt: PromptLogprobsPending | None = None  # prompt logprobs this step computes
     pooled: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # prompts pooled (embeddings)
+    # Structured outputs, one step behind: a step launched while the one before it was in flight
+    # queues its forward at once, and its sampling (logits, rows) once the step before has been
+    # finished, whose tokens its rows' grammars must accept first (`then_sample` of that step).
+    deferred: tuple[torch.Tensor, list[SamplingRow]] | None = None
+    then_sample: LaunchedStep | None = None
 
 
 class _TokenSpan(Sequence[int]):
@@ -422,8 +427,9 @@ class ModelRunner:
 
         The next token of a sequence in flight is known only on the device. It can be fed to
         the forward from there, but a sampler that reads the output so far (penalties, a
-        seed's per-position draw, min_tokens) needs it on the host first, and so does a grammar:
-        its next token mask exists only once the matcher has accepted the token in flight.
+        seed's per-position draw, min_tokens) needs it on the host first. A grammar's next mask
+        needs it too, but only for the sampling: the forward is launched ahead and the sampling
+        queued once the step before is finished (`LaunchedStep.deferred`), as the GPU runs it.
         """
         for s in plan.scheduled:
             st = self.seqs.get(s.seq_id)
@@ -434,8 +440,10 @@ class ModelRunner:
                 if s.num_new_tokens > 1 and self.draft is not None:
                     return False  # a draft model drafts from the last token, on the host
                 p = st.params
-                if _uses_penalties(p) or p.seed is not None or p.min_tokens > 0 or st.grammar is not None:
+                if _uses_penalties(p) or p.seed is not None or p.min_tokens > 0:
                     return False
+                if st.grammar is not None and s.num_new_tokens > 1:
+                    return False  # a grammar's masks at several positions need the token on the host
         return True
 
     @torch.inference_mode()
@@ -488,6 +496,7 @@ class ModelRunner:
             where = self.upload([step.patch_moves])[0]
             patch = (where[0], prev.sampled.sampled.index_select(0, where[1]).to(torch.int64))
         sampling = [order[i][0] for i in step.sample_seqs]
+        mask_after = self._grammars_wait_for(sampling)
         for row, st in enumerate(sampling):
             st.inflight, st.inflight_row = launched, row
         launched.sampling = sampling
@@ -516,8 +525,8 @@ class ModelRunner:
             logits = logits[m:]
             if not sampling:
                 return launched
-        bitmask = self.structured.bitmask([st.grammar for st in sampling])
         if num_verified:
+            bitmask = self.structured.bitmask([st.grammar for st in sampling])
             rows = [
                 r
                 for st, d, n_out in zip(sampling, step.verified, step.outputs_before, strict=True)
@@ -528,8 +537,32 @@ class ModelRunner:
             launched.sampled = self.sampler.verify_async(logits, rows, step.verified, bitmask)
         else:
             sampling_rows = [self._sampling_row(st) for st in sampling]
+            if mask_after is not None:
+                # The forward is queued; the GPU runs it while the host finishes the step before
+                # (next, in StepPipeline.push) and fills the masks from its tokens (`finish`).
+                launched.deferred = (logits, sampling_rows)
+                mask_after.then_sample = launched
+                return launched
+            bitmask = self.structured.bitmask([st.grammar for st in sampling])
             launched.sampled = self.sampler.sample_async(logits, sampling_rows, bitmask)
         return launched
+
+    @staticmethod
+    def _grammars_wait_for(sampling: list[SequenceState]) -> LaunchedStep | None:
+        """The step in flight whose tokens these rows' grammars have yet to accept (None: none).
+        At most one step is in flight when another is launched (StepPipeline)."""
+        for st in sampling:
+            if st.grammar is not None and st.inflight is not None:
+                return st.inflight
+        return None
+
+    def _sample_deferred(self, launched: LaunchedStep) -> None:
+        """Queue a deferred sampling, its rows masked by grammars that are now up to date."""
+        assert launched.deferred is not None
+        logits, rows = launched.deferred
+        launched.deferred = None
+        bitmask = self.structured.bitmask([st.grammar for st in launched.sampling])
+        launched.sampled = self.sampler.sample_async(logits, rows, bitmask)
 
     def _lora_slots(self, order: list[tuple[SequenceState, int]]) -> np.ndarray | None:
         """Each sequence's adapter slot, None when none uses one (the base path: no extra work)."""
@@ -541,6 +574,8 @@ class ModelRunner:
     def finish(self, launched: LaunchedStep) -> StepResult:
         """Read a launched step's sampled ids (waiting for the device) and append them."""
         result = launched.result
+        if launched.deferred is not None:  # the step before it never finished (it failed)
+            self._sample_deferred(launched)
         if launched.prompt is not None:
             result.prompt_logprobs = launched.prompt.wait()
         if launched.pooled:
@@ -554,6 +589,9 @@ class ModelRunner:
                 st.grammar.accept(token_id)
             if st.inflight is launched:
                 st.inflight = None
+        if launched.then_sample is not None:  # its grammars have accepted these tokens
+            self._sample_deferred(launched.then_sample)
+            launched.then_sample = None
         if launched.verified is None:
             result.seq_ids = [st.seq_id for st in launched.sampling]
             result.token_ids, result.logprobs = token_ids, logprobs

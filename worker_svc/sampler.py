@@ -180,8 +180,6 @@ class Sampler:
             self._gen.manual_seed(seed & _MASK63)
         self._seeded_gen = torch.Generator(device=self.device)
         self._arange_v = torch.arange(vocab_size, device=self.device)
-        self._bit_word: torch.Tensor | None = None  # token -> its int32 word of a bitmask row
-        self._bit_shift: torch.Tensor | None = None  # token -> its bit in that word
 
     # -- helpers --------------------------------------------------------------
 
@@ -351,15 +349,16 @@ class Sampler:
     # -- structured outputs ---------------------------------------------------
 
     def _apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-        """Disallowed tokens -> -inf, in place: one upload and three elementwise kernels."""
+        """Disallowed tokens -> -inf, in place: one upload of the packed mask, then one Triton
+        pass on CUDA (kernels/triton/token_bitmask.py), its torch twin elsewhere."""
         if bitmask.shape[0] != logits.shape[0] or bitmask.shape[1] * 32 < self.vocab_size:
             raise ValueError(f"bitmask {tuple(bitmask.shape)} does not cover logits {tuple(logits.shape)}")
-        if self._bit_word is None:
-            self._bit_word = self._arange_v >> 5
-            self._bit_shift = (self._arange_v & 31).to(torch.int32)
-        words = self._upload(bitmask).index_select(1, self._bit_word)  # [R, V]: each token's word
-        # Arithmetic shift: bit 31 (the sign) still reads as 1 after `& 1`.
-        logits.masked_fill_(((words >> self._bit_shift) & 1) == 0, _NEG_INF)
+        words = self._upload(bitmask)
+        if logits.is_cuda:
+            from kernels.triton.token_bitmask import apply_token_bitmask_
+        else:
+            from kernels.reference import apply_token_bitmask_
+        apply_token_bitmask_(logits, words)
 
     def _prepare(
         self,
