@@ -195,6 +195,7 @@ def start_mesh(
     num_schedulers: int = 1,
     router_args: list[str] | None = None,
     worker_roles: list[str] | None = None,
+    per_worker_args: list[list[str]] | None = None,
 ) -> LocalMesh:
     """Start scheduler + workers (+ gateway when `gateway_port` is not None) and wait until ready.
 
@@ -210,6 +211,7 @@ def start_mesh(
     gRPC clients dial the router as they would a scheduler. 1: no router (the usual topology).
 
     worker_roles: worker i's --role (disaggregated prefill/decode: "prefill", "decode"); None: none.
+    per_worker_args: worker i's own flags after `worker_args` (e.g. its --device cuda:i).
     """
     # Secure by default: one fresh secret per mesh, in each child's environment (never argv).
     env, internal_key = with_mesh_secret({**os.environ, **(env or {})})
@@ -240,6 +242,8 @@ def start_mesh(
             args += ["--worker-id", f"worker-{i}", *model_args, *(worker_args or [])]
             if worker_roles:
                 args += ["--role", worker_roles[i]]
+            if per_worker_args:
+                args += per_worker_args[i]
             mesh.workers.append(
                 _start_child(f"worker-{i}", f"{host}:{port}", "worker_svc.service", args, env, log_dir)
             )

@@ -1,0 +1,328 @@
+"""Disaggregated prefill/decode against aggregated workers: the same mixed workload, the same arrivals.
+
+    python3 benchmarks/disaggregation.py --devices cuda:0,cuda:1 [--out DIR]     # two GPUs
+    python3 benchmarks/disaggregation.py --smoke                                 # tiny, on the CPU
+
+Two rows, each a scheduler, a KV store and two workers as processes on loopback (random weights of
+--shape, `--load-format dummy`), one worker per device of --devices:
+* "aggregated": both workers serve whole requests (role both);
+* "1P+1D": the first is a prefill worker, the second a decode worker; prompts of at least
+  --threshold tokens are prefilled on the first and decoded on the second after the KV handover
+  through the store (scheduler_svc/disaggregation.py), shorter ones run whole on the second.
+
+The workload (seeded, the same schedule for both rows): decode-heavy chats (--chat-prompt,
+--chat-output tokens) arriving at --chat-rate per second, and long prompts (--long-prompt tokens,
+--long-output) at --long-rate among them. Per row: TTFT p50/p90 (every request), ITL p50/p99
+(gaps between the streamed tokens of each request, stream interval 1), output tok/s, handovers,
+fallbacks, and the prompt tokens the decode worker computed per handover (the tail past the
+prompt's last whole store chunk, with the first token). Greedy check: --check prompts long enough
+to hand over, sent one at a time to both rows: their tokens must be equal.
+
+With two CUDA devices, last: GPU-to-GPU copies of a --peer-gib prefix, layer by layer, from a
+process on the first device to one on the second through CUDA IPC (the transport a direct
+handover between workers of one host would use; the rows above hand over through the store).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.gpu import SHAPES, SMOKE_SHAPES, write_config  # noqa: E402
+
+
+def log(*a: Any) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q / 100 * len(s)))]
+
+
+# ----- the workload -----
+def workload(args: argparse.Namespace) -> list[tuple[float, list[int], int, str]]:
+    """(arrival s, prompt, max_tokens, kind) in arrival order: Poisson chats and long prompts."""
+    rng = random.Random(args.seed)
+    vocab = args.vocab - 10
+    reqs = []
+    for kind, n, rate, plen, olen in (
+        ("chat", args.chats, args.chat_rate, args.chat_prompt, args.chat_output),
+        ("long", args.longs, args.long_rate, args.long_prompt, args.long_output),
+    ):
+        t = 0.0 if kind == "chat" else args.long_start_s
+        for _ in range(n):
+            prompt = [rng.randrange(5, vocab) for _ in range(rng.randint(*plen))]
+            reqs.append((t, prompt, rng.randint(*olen), kind))
+            t += rng.expovariate(rate)
+    return sorted(reqs, key=lambda r: r[0])
+
+
+async def run_workload(address: str, reqs) -> list[dict[str, Any]]:
+    import grpc
+
+    from llmesh.v1 import generation_pb2 as g
+    from llmesh.v1 import generation_pb2_grpc as gg
+    from services.grpc_server import channel_options
+
+    async with grpc.aio.insecure_channel(address, options=channel_options()) as channel:
+        stub = gg.SchedulerStub(channel)
+        start = time.perf_counter() + 0.5
+
+        async def one(at: float, prompt: list[int], max_tokens: int, kind: str) -> dict[str, Any]:
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            req = g.GenerateRequest(
+                prompt_token_ids=g.TokenIds(ids=prompt),
+                sampling_params=g.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+            )
+            sent = time.perf_counter()
+            stamps: list[tuple[float, int]] = []
+            tokens: list[int] = []
+            async for resp in stub.Generate(req):
+                if resp.token_ids:
+                    stamps.append((time.perf_counter(), len(resp.token_ids)))
+                    tokens.extend(resp.token_ids)
+            gaps = []
+            for (t0, _), (t1, n) in zip(stamps, stamps[1:], strict=False):
+                gaps += [(t1 - t0) / n] * n
+            ttft = stamps[0][0] - sent if stamps else float("nan")
+            return {"kind": kind, "ttft": ttft, "gaps": gaps, "tokens": tokens, "end": time.perf_counter()}
+
+        t0 = time.perf_counter()
+        outs = await asyncio.gather(*(one(*r) for r in reqs))
+        for o in outs:
+            o["t0"] = t0
+        return outs
+
+
+async def one_at_a_time(address: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    outs = []
+    for p in prompts:
+        outs.append(
+            [t for o in await run_workload(address, [(0.0, p, max_tokens, "check")]) for t in o["tokens"]]
+        )
+    return outs
+
+
+def scheduler_stats(address: str, security):
+    from llmesh.v1 import worker_pb2, worker_pb2_grpc
+    from services.grpc_server import open_sync_channel
+
+    with open_sync_channel(address, security) as channel:
+        return worker_pb2_grpc.RegistryStub(channel).GetStats(worker_pb2.GetStatsRequest(), timeout=10)
+
+
+def run_row(name: str, roles: list[str] | None, model: str, reqs, checks, args) -> dict[str, Any]:
+    from services.launcher import start_mesh
+
+    devices = args.devices.split(",")
+    worker_args = [
+        "--load-format", "dummy", "--dtype", "bfloat16" if args.cuda else "float32",
+        "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
+        "--kv-chunk-tokens", str(args.chunk_tokens), "--kv-store-put-bytes", args.put_bytes,
+        *(["--gpu-memory-utilization", "0.85"] if args.cuda else ["--kv-cache-memory", "64MiB"]),
+    ]  # fmt: skip
+    sched_args = [
+        "--no-tokenizer", "--max-model-len", str(args.max_model_len),
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+        "--disaggregation-threshold", str(args.threshold), "--stream-interval", "1",
+    ]  # fmt: skip
+    with tempfile.TemporaryDirectory() as logs:
+        mesh = start_mesh(
+            2,
+            model=model,
+            worker_args=worker_args,
+            scheduler_args=sched_args,
+            kvstore=True,
+            kvstore_args=["--memory-bytes", args.store_bytes],
+            worker_roles=roles,
+            per_worker_args=[["--device", d] for d in devices],
+            log_dir=logs,
+        )
+        with mesh:
+            addr = mesh.scheduler.address
+            log(f"{name}: warming up")
+            # Prompts of their own: the workload's must find no cache warm (nor the store).
+            warm = [
+                [(i * 7919 + j * 31) % (args.vocab - 10) + 5 for j in range(args.chat_prompt[0])]
+                for i in range(4)
+            ]
+            asyncio.run(run_workload(addr, [(0.0, p, 4, "warm") for p in warm]))
+            before = scheduler_stats(addr, mesh.security)
+            log(f"{name}: the workload ({len(reqs)} requests)")
+            outs = asyncio.run(run_workload(addr, reqs))
+            after = scheduler_stats(addr, mesh.security)
+            greedy = asyncio.run(one_at_a_time(addr, checks, args.check_tokens))
+    span = max(o["end"] for o in outs) - outs[0]["t0"]
+    gaps = [gap for o in outs for gap in o["gaps"]]
+    ttfts = [o["ttft"] for o in outs]
+    handovers = after.pd_handovers - before.pd_handovers
+    long_prompt_tokens = sum(len(p) for _, p, _, k in reqs if k == "long")
+    loaded = sum(w.store_hit_tokens for w in after.workers) - sum(w.store_hit_tokens for w in before.workers)
+    return {
+        "row": name,
+        "requests": len(outs),
+        "ttft_p50_ms": 1000 * pct(ttfts, 50),
+        "ttft_p90_ms": 1000 * pct(ttfts, 90),
+        "long_ttft_p90_ms": 1000 * pct([o["ttft"] for o in outs if o["kind"] == "long"], 90),
+        "itl_p50_ms": 1000 * pct(gaps, 50),
+        "itl_p99_ms": 1000 * pct(gaps, 99),
+        "out_tok_s": sum(len(o["tokens"]) for o in outs) / span,
+        "handovers": handovers,
+        "fallbacks": after.pd_fallbacks - before.pd_fallbacks,
+        "handover_ms": 1000 * (after.pd_handover_seconds - before.pd_handover_seconds) / max(handovers, 1),
+        "tail_tokens": (long_prompt_tokens - loaded) / handovers if handovers else float("nan"),
+        "greedy": greedy,
+    }
+
+
+# ----- GPU to GPU -----
+def _peer_reader(src_q, out_q, device: str, repeats: int) -> None:
+    """The decode side: open the prefill side's layers (CUDA IPC) and copy them, layer by layer."""
+    import torch
+
+    layers = src_q.get()
+    dst = [torch.empty_like(t, device=device) for t in layers]
+    nbytes = sum(t.numel() * t.element_size() for t in layers)
+    torch.cuda.synchronize(device)
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for d, s in zip(dst, layers, strict=True):
+            d.copy_(s, non_blocking=True)
+        torch.cuda.synchronize(device)
+        best = max(best, nbytes / (time.perf_counter() - t0) / 1e9)
+    ok = all(torch.equal(d.cpu()[:1], s.cpu()[:1]) for d, s in zip(dst[:2], layers[:2], strict=True))
+    out_q.put((best, ok, torch.cuda.can_device_access_peer(torch.device(device), layers[0].device)))
+
+
+def peer_copy(devices: list[str], gib: float, layers: int, repeats: int = 5) -> dict[str, Any]:
+    import torch
+    import torch.multiprocessing as mp
+
+    per_layer = int(gib * (1 << 30)) // layers // 2  # bf16 elements
+    src = [torch.randn(per_layer, device=devices[0]).to(torch.bfloat16) for _ in range(layers)]
+    torch.cuda.synchronize(devices[0])
+    ctx = mp.get_context("spawn")
+    src_q, out_q = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_peer_reader, args=(src_q, out_q, devices[1], repeats))
+    proc.start()
+    src_q.put(src)
+    gbps, ok, peer = out_q.get(timeout=300)
+    proc.join(60)
+    return {"gib": gib, "layers": layers, "gb_s": gbps, "equal": ok, "peer_access": peer}
+
+
+# ----- main -----
+def table(rows: list[dict[str, Any]]) -> str:
+    cols = [
+        ("row", "{}"), ("requests", "{}"), ("ttft_p50_ms", "{:.0f}"), ("ttft_p90_ms", "{:.0f}"),
+        ("long_ttft_p90_ms", "{:.0f}"), ("itl_p50_ms", "{:.1f}"), ("itl_p99_ms", "{:.1f}"),
+        ("out_tok_s", "{:.0f}"), ("handovers", "{}"), ("fallbacks", "{}"), ("handover_ms", "{:.1f}"),
+        ("tail_tokens", "{:.0f}"),
+    ]  # fmt: skip
+    lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join(f.format(r[c]) for c, f in cols) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    ap.add_argument("--devices", default="cuda:0,cuda:1", help="the two workers' devices")
+    ap.add_argument("--chats", type=int, default=160)
+    ap.add_argument("--chat-rate", type=float, default=8.0, help="chats per second")
+    ap.add_argument("--chat-prompt", type=int, nargs=2, default=[128, 512])
+    ap.add_argument("--chat-output", type=int, nargs=2, default=[128, 256])
+    ap.add_argument("--longs", type=int, default=16)
+    ap.add_argument("--long-rate", type=float, default=1.0, help="long prompts per second")
+    ap.add_argument("--long-start-s", type=float, default=3.0, help="when the first long prompt arrives")
+    ap.add_argument("--long-prompt", type=int, nargs=2, default=[4096, 8192])
+    ap.add_argument("--long-output", type=int, nargs=2, default=[32, 64])
+    ap.add_argument("--threshold", type=int, default=1024, help="the scheduler's --disaggregation-threshold")
+    ap.add_argument("--chunk-tokens", type=int, default=256, help="the workers' --kv-chunk-tokens")
+    ap.add_argument("--max-model-len", type=int, default=8448)
+    ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--put-bytes", default="16GiB", help="the workers' --kv-store-put-bytes")
+    ap.add_argument("--store-bytes", default="64GiB", help="the KV store's --memory-bytes")
+    ap.add_argument("--check", type=int, default=3, help="long prompts whose greedy tokens are compared")
+    ap.add_argument("--check-tokens", type=int, default=32)
+    ap.add_argument("--peer-gib", type=float, default=1.0)
+    ap.add_argument("--peer-layers", type=int, default=32)
+    ap.add_argument("--rows", default="aggregated,1P+1D")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="a tiny shape on the CPU, a few requests")
+    ap.add_argument("--out", default=os.environ.get("OUT"))
+    args = ap.parse_args(argv)
+    cfg = SHAPES[args.shape]
+    if args.smoke:
+        cfg = SMOKE_SHAPES["llama-tiny"]
+        args.devices, args.chats, args.longs, args.chat_rate, args.long_rate = "cpu,cpu", 4, 2, 50.0, 20.0
+        args.chat_prompt, args.chat_output, args.long_prompt, args.long_output = (
+            [8, 16],
+            [6, 10],
+            [160, 200],
+            [4, 6],
+        )
+        args.long_start_s, args.threshold, args.chunk_tokens, args.max_model_len = 0.05, 96, 32, 512
+        args.max_num_seqs, args.max_num_batched_tokens, args.check, args.check_tokens = 16, 512, 1, 8
+        args.put_bytes, args.store_bytes = "64MiB", "256MiB"
+    args.cuda = args.devices.startswith("cuda")
+    args.vocab = cfg["vocab_size"]
+    reqs = workload(args)
+    rng = random.Random(args.seed + 1)
+    checks = [
+        [rng.randrange(5, args.vocab - 10) for _ in range(args.long_prompt[0])] for _ in range(args.check)
+    ]
+    rows = []
+    with tempfile.TemporaryDirectory() as root:
+        model = write_config(root, args.shape if not args.smoke else "llama-tiny", cfg)
+        for name in args.rows.split(","):
+            roles = None if name == "aggregated" else ["prefill", "decode"]
+            rows.append(run_row(name, roles, model, reqs, checks, args))
+    peer = None
+    if args.cuda and len(set(args.devices.split(","))) == 2:
+        log("GPU to GPU through CUDA IPC")
+        peer = peer_copy(args.devices.split(","), args.peer_gib, args.peer_layers)
+    text = table(rows)
+    if len(rows) == 2:
+        a, d = rows
+        same = a["greedy"] == d["greedy"]
+        text += (
+            f"\n\n{d['row']} / {a['row']}: ITL p99 {a['itl_p99_ms'] / d['itl_p99_ms']:.2f}x lower, "
+            f"TTFT p90 {d['ttft_p90_ms'] / a['ttft_p90_ms']:.2f}x; greedy ({len(checks)} prompts, one at a "
+            f"time) {'identical' if same else 'DIFFERENT'}"
+        )
+    if peer is not None:
+        text += (
+            f"\nGPU to GPU (CUDA IPC, {peer['layers']} layers, {peer['gib']} GiB): {peer['gb_s']:.1f} GB/s, "
+            f"peer access {peer['peer_access']}, copies equal {peer['equal']}"
+        )
+    print(text)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "disaggregation.txt"), "w") as f:
+            f.write(text + "\n")
+        with open(os.path.join(args.out, "disaggregation.json"), "w") as f:
+            json.dump({"rows": rows, "peer": peer, "argv": sys.argv}, f)
+    for r in rows:
+        if r["handovers"] and args.smoke:
+            assert r["fallbacks"] == 0, r
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
