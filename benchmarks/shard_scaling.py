@@ -304,6 +304,11 @@ def shard_stats(address: str):
         return worker_pb2_grpc.RegistryStub(channel).GetStats(worker_pb2.GetStatsRequest(), timeout=10)
 
 
+def served(address: str) -> int:
+    """Requests a shard has placed on its workers so far (one prefix query each)."""
+    return sum(w.prefix_queries for w in shard_stats(address).workers)
+
+
 def workers_in(address: str) -> int:
     return sum(w.connected for w in shard_stats(address).workers)
 
@@ -410,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         mesh = Mesh(args, logs)
         try:
             mesh.start_shards(args.shards)
-            for label, n, how in plan:
+            for row_index, (label, n, how) in enumerate(plan):
                 shards = mesh.shards[:n]
                 cpus = set(cpu_order()[: args.cpus_per_shard * n]) if args.cpus_per_shard else None
                 if how:
@@ -425,7 +430,9 @@ def main(argv: list[str] | None = None) -> int:
                 pin([p.pid for s in shards for p in s.procs] + [p.pid for p in mesh.routers], cpus)
                 wait_until(lambda s=shards: idle(s), "the shards to drain", mesh.procs, 120)
                 streams = args.streams_per_shard * n
-                prompts = make_prompts(args.requests_per_shard * n, args.prompt_len, VOCAB, seed=n)
+                # Prompts of its own per row: a row routed by the prefix index must not find the
+                # previous row's prompts cached (it would follow them, not the load).
+                prompts = make_prompts(args.requests_per_shard * n, args.prompt_len, VOCAB, seed=row_index)
                 clients = args.client_procs_per_shard * n
                 # The router processes' and the shards' cores' CPU over the row: is one the ceiling?
                 watched = [p.pid for p in mesh.routers] + [s.procs[0].pid for s in shards]
@@ -434,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
                 everything = [p for s in shards for root in s.procs for p in _tree(root.pid)]
                 everything += [p.pid for p in mesh.routers] + sorted(client_pids)
                 before_all = {p: cpu_seconds(p) for p in everything}
+                served_before = [served(s.address) for s in shards]
                 results, wall = drive(
                     pool, targets, clients, prompts, args.output_len, streams, args.timeout, cpus,
                     direct=how == "direct",
@@ -454,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 print(
                     f"{label}: {row['tok_s']:,.0f} out tok/s, {row['failed']} failed, "
-                    f"{row['refused']} refused of {row['requests']}",
+                    f"{row['refused']} refused of {row['requests']}; requests per shard "
+                    f"{[served(s.address) - b for s, b in zip(shards, served_before, strict=True)]}",
                     flush=True,
                 )
         except BaseException:
