@@ -100,6 +100,10 @@ class SchedulerStatsCollector(Collector):
                 "llmesh:kv_load_skipped",
                 "KV store hits computed instead of loaded: loading was predicted slower",
             ),
+            "kv_lookups_skipped": (
+                "llmesh:kv_lookups_skipped",
+                "Requests that skipped the KV store lookup: no hit they could have was predicted to pay",
+            ),
             "kv_load_skipped_tokens": (
                 "llmesh:kv_load_skipped_tokens",
                 "Prompt tokens held by the KV store but computed: loading them was predicted slower",

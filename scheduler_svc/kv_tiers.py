@@ -56,6 +56,7 @@ class KVTierStats:
     kv_load_error_seconds: float = 0.0
     kv_load_skipped: int = 0
     kv_load_skipped_tokens: int = 0
+    kv_lookups_skipped: int = 0  # requests that skipped the store lookup: no hit could pay
     kv_load_bytes_per_second: float = 0.0
     kv_prefill_tokens_per_second: float = 0.0
 
@@ -126,6 +127,16 @@ class KVTierPlanner:
             hit.store_start, hit.store_end = have, self._worth_loading(hit, have, store_end)
         self.host.pin(hit.host_slots)
         return hit
+
+    def worth_looking(self, uncached_tokens: int) -> bool:
+        """Whether a request with this many prompt tokens past its GPU hit should look the store
+        up (False: no hit of that size is predicted to load faster than it computes)."""
+        c = self.chunk_blocks
+        max_chunks = uncached_tokens // (c * self.blocks.block_size) if c else 0
+        if self.predictor.worth_looking(c, max_chunks):
+            return True
+        self.stats.kv_lookups_skipped += 1
+        return False
 
     def _worth_loading(self, hit: TierHit, start: int, end: int) -> int:
         """Where the store load of blocks [start, end) should end: after the leading chunks

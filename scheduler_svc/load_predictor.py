@@ -16,8 +16,12 @@ The decision (`decide`) loads the first k chunks of a hit, the k that saves the 
 time, or none: partial loads are allowed, the rest is computed in the same forward. The start is
 conservative. A path not measured yet is never trusted with a whole prefix: a load is one chunk
 (a probe, whose timing is the first sample). With no prefill measured yet there is nothing to
-compare against, and the hit is loaded as before. While loads are skipped, every
-`PROBE_EVERY`-th skip still loads one chunk, so a path that got faster is noticed.
+compare against, and the hit is loaded as before. Loads measured at one size cannot tell a fixed
+overhead from a rate (a line through the origin, pessimistic for larger loads): a larger hit
+that this line says to skip gets a probe of twice the size measured. While loads are skipped,
+every `PROBE_EVERY`-th skip still loads one chunk, so a path that got faster is noticed. A
+request whose whole prompt could not pay for a load skips the store lookup too (`worth_looking`:
+its round trip is a few percent of a short prefill).
 
 The prediction and its error are counted (KVTierStats -> WorkerStats -> the gateway's /metrics:
 llmesh:kv_load_predicted_seconds, llmesh:kv_load_prediction_error_seconds, llmesh:kv_load_skipped).
@@ -51,6 +55,16 @@ class LinearFit:
     @property
     def measured(self) -> bool:
         return bool(self.samples)
+
+    @property
+    def max_x(self) -> float:
+        return max((x for x, _ in self.samples), default=0.0)
+
+    @property
+    def spread(self) -> bool:
+        """Whether the samples span more than one x (so overhead and rate can be told apart)."""
+        xs = [x for x, _ in self.samples]
+        return bool(xs) and max(xs) > 1.25 * min(xs)
 
     def coefficients(self) -> tuple[float, float] | None:
         """(a, b); None before the first sample. With no spread in x: a line through 0."""
@@ -88,6 +102,7 @@ class LoadPredictor:
         self.prefill = LinearFit()  # x: prompt tokens computed, y: seconds
         self.bytes_per_block = 0.0
         self._skips_in_a_row = 0
+        self._probe_next = False  # a lookup went ahead as a probe: load a chunk of what it finds
 
     # ----- measurements -----
     def observe_load(self, blocks: int, nbytes: int, seconds: float) -> None:
@@ -140,15 +155,36 @@ class LoadPredictor:
             assert load is not None and saved is not None
             if saved - load > best_gain:
                 best, best_gain = k, saved - load
-        if best == 0:
+        if best == 0 and not self.loads.spread and n * chunk_blocks > self.loads.max_x:
+            best = min(n, -(-2 * int(self.loads.max_x) // chunk_blocks))  # a larger probe: see above
+        elif best == 0:
             self._skips_in_a_row += 1
-            if self._skips_in_a_row % PROBE_EVERY == 0:
+            if self._probe_next or self._skips_in_a_row % PROBE_EVERY == 0:
                 best = 1  # measure the path again: it may have got faster
         else:
             self._skips_in_a_row = 0
+        self._probe_next = False
         if best == 0:
             return LoadDecision(0, None, total)
         return LoadDecision(best, self.load_seconds(best * chunk_blocks), total - sum(wanted[:best]))
+
+    def worth_looking(self, chunk_blocks: int, max_chunks: int) -> bool:
+        """Whether a store hit of up to `max_chunks` chunks could be worth loading at all (False:
+        skip the lookup; every PROBE_EVERY-th such request looks anyway, and loads a chunk)."""
+        if not self.enabled or max_chunks < 1 or not self.loads.measured or self.compute_seconds(1) is None:
+            return True
+        if not self.loads.spread and max_chunks * chunk_blocks > self.loads.max_x:
+            return True  # decide() probes a larger load
+        for k in (1, max_chunks):  # the gain is linear in k: the best is at an end
+            load = self.load_seconds(k * chunk_blocks)
+            saved = self.compute_seconds(k * chunk_blocks * self.block_size)
+            if load is not None and saved is not None and saved > load:
+                return True
+        self._skips_in_a_row += 1
+        if self._skips_in_a_row % PROBE_EVERY == 0:
+            self._probe_next = True
+            return True
+        return False
 
 
 def error_bucket(error_s: float) -> int:

@@ -545,6 +545,8 @@ class Mesh:
         chunk_tokens = slot.info.kv_chunk_blocks * slot.info.block_size
         # Worth a lookup only if a whole chunk past what this worker's GPU cache holds may be there.
         wanted = chunk_tokens and req.num_tokens > choice.cached_tokens + chunk_tokens
+        if self.kv_store is not None and wanted:  # ... and if any hit could load faster than it computes
+            wanted = slot.planner.tiers.worth_looking(req.num_tokens - choice.cached_tokens)
         if self.kv_store is not None and wanted:
             req.kv_lookup_pending = True
         slot.planner.add_request(req)  # may raise RequestRejected

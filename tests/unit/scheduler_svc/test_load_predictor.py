@@ -120,3 +120,23 @@ def test_the_planner_loads_only_the_predicted_part_and_counts_the_prediction():
     assert stats.kv_load_error_counts[ERROR_BOUNDS.index(0.005)] == 1
     assert stats.kv_load_error_seconds == pytest.approx(0.003)
     assert stats.kv_load_bytes_per_second > 0 and stats.kv_prefill_tokens_per_second > 0
+
+
+def test_one_measured_size_gets_a_larger_probe_before_a_larger_hit_is_skipped():
+    p = LoadPredictor(BS)
+    p.observe_prefill(256, 0.0026)  # 1e-5 s per token
+    p.observe_load(C, 4000, 0.0012)  # one chunk: 1.2 ms (overhead and rate unknown apart)
+    # Through the origin 32 chunks would take 38 ms against 20 ms of prefill: a probe of 2 chunks.
+    assert p.decide(C, [C] * 32).chunks == 2
+    p.observe_load(2 * C, 8000, 0.0014)  # 1 ms of overhead, 0.05 ms a block: now it is clear
+    assert p.decide(C, [C] * 32).chunks == 32
+    assert p.decide(C, [C]).chunks == 0  # a short hit: 1.2 ms to load, 0.64 ms to compute
+
+
+def test_a_request_that_no_hit_could_pay_for_skips_the_lookup_but_probes_now_and_then():
+    p = predictor(load_s_per_block=1e-3, prefill_s_per_token=1e-5)
+    looks = [p.worth_looking(C, 8) for _ in range(PROBE_EVERY)]
+    assert looks == [False] * (PROBE_EVERY - 1) + [True]
+    assert p.decide(C, [C] * 8).chunks == 1  # the lookup that went ahead loads one chunk
+    assert predictor(load_s_per_block=1e-5, prefill_s_per_token=1e-5).worth_looking(C, 8)
+    assert LoadPredictor(BS).worth_looking(C, 8)  # nothing measured: look
