@@ -14,6 +14,9 @@ Every model is random-weight (`--load-format dummy`: weights of the right shapes
 device), so no weight files are needed. Sections, in order:
 
 1. ceilings: device-to-device copy bandwidth (bytes read + written) and bf16 matmul rate;
+1b. longctx (benchmarks/long_context.py, only when named): batch-1 decode at --long-context
+   tokens per weights:KV-cache dtype pair of --long-configs, against its floor (weight + KV
+   bytes a step reads / copy bandwidth), and the KV blocks each cache dtype gets;
 2. decode attention (Triton paged kernel, Llama-3.1-8B heads: 32 query / 8 KV, D=128, block
    16): bytes of K/V read / time at batch x context, as a fraction of the copy bandwidth. Each
    cell is timed as a CUDA graph over several K/V sets (>= 256 MiB together), so that small
@@ -385,6 +388,12 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
         choices=["fp8"],
         help="the worker's quantization (fp8: W8A8 e4m3, weights quantized on load)",
     )
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8"],
+        help="the worker's KV cache dtype (fp8: e4m3 with per-layer K and V scales)",
+    )
 
 
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -400,6 +409,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         tp_all_reduce=getattr(args, "tp_all_reduce", "auto"),
         decode_gemm=getattr(args, "decode_gemm", "auto"),
         quantization=getattr(args, "quantization", None),
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
     )
 
 
@@ -759,6 +769,14 @@ def main(argv: list[str] | None = None) -> None:
         help="for cells with batch >= 16 under 80%% of the copy bandwidth, also time these forced "
         "split-K counts ('' = off)",
     )
+    ap.add_argument("--long-model", default="llama-3.1-8b")
+    ap.add_argument("--long-context", type=int, default=32768)
+    ap.add_argument("--long-steps", type=int, default=64)
+    ap.add_argument(
+        "--long-configs",
+        default="none:auto,none:fp8,fp8:fp8",
+        help="quantization:kv_cache_dtype pairs the longctx section runs (none = the model's dtype)",
+    )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes and sizes: checks every code path runs")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for table.txt / results.json")
@@ -778,6 +796,7 @@ def main(argv: list[str] | None = None) -> None:
         args.attn_batches, args.attn_contexts, args.attn_rotate_mib, args.attn_reps = "1,32", "512,2048", 8, 2
         args.check_prompt_lens, args.check_tokens, args.check_kv_blocks = [5, 33], 8, 64
         args.b1_prompt, args.b1_steps, args.max_num_seqs = 8, 4, 8
+        args.long_model, args.long_context, args.long_steps = "llama-tiny", 300, 4
     if args.smoke and args.device == "cuda" and not torch.cuda.is_available():
         args.device = "cpu"  # make test's smoke run (tests/benchmarks): every code path, interpreted
     if args.smoke and args.device == "cpu":  # Triton interpreted: one small attention cell
@@ -795,6 +814,11 @@ def main(argv: list[str] | None = None) -> None:
         copy_bw = copy_ceiling(args)
         if "ceilings" in sections:
             matmul_ceiling(args)
+        if "longctx" in sections:
+            from benchmarks.long_context import long_context_section
+
+            with tempfile.TemporaryDirectory() as root:
+                long_context_section(root, args, copy_bw, shapes)
         if "attention" in sections:
             try:
                 attention_sweep(args, copy_bw)

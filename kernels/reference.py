@@ -63,9 +63,11 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torc
     """
     _, num_blocks, block_size, hkv, d = kv_cache.shape
     ids = block_ids.long()
-    k = kv_cache[0].view(num_blocks, -1).index_select(0, ids).view(-1, hkv, d)
-    v = kv_cache[1].view(num_blocks, -1).index_select(0, ids).view(-1, hkv, d)
-    return k, v
+    fp8 = is_fp8_cache(kv_cache)
+    src = kv_cache.view(torch.uint8) if fp8 else kv_cache  # float8 has few indexing kernels
+    k = src[0].view(num_blocks, -1).index_select(0, ids).view(-1, hkv, d)
+    v = src[1].view(num_blocks, -1).index_select(0, ids).view(-1, hkv, d)
+    return (k.view(FP8_KV_DTYPE), v.view(FP8_KV_DTYPE)) if fp8 else (k, v)
 
 
 def gather_kv(
