@@ -196,7 +196,10 @@ class ModelRunner:
         self.proposer = self._make_proposer(self.spec)
         # Grammar matchers of constrained sequences (the tokenizer is loaded on first use).
         self.structured = StructuredOutputManager(
-            lambda: load_tokenizer(self.model_path), mc.vocab_size, mc.eos_token_ids
+            lambda: load_tokenizer(self.model_path),
+            mc.vocab_size,
+            mc.eos_token_ids,
+            pin_memory=self.device.type == "cuda",
         )
         self.seqs: dict[str, SequenceState] = {}
         # Sequences that asked for prompt logprobs: only steps that run one look for prompt rows.
