@@ -170,3 +170,33 @@ async def test_a_far_end_without_a_picker_is_relayed_through():
             assert direct.direct is False
     finally:
         await shard.stop()
+
+
+async def test_a_session_stays_on_its_shard_through_route():
+    shards = [await start_shard(f"s{i}") for i in range(2)]
+    router = await start_router([s.address for s in shards], policy="load")
+    try:
+        await router.wait_ready(2)
+        async with grpc.aio.insecure_channel(router.address) as channel:
+            direct = client(channel)
+            picked = set()
+            for i in range(4):
+                call = direct.generate(request([3 + i, 4, 5, 6]), 10.0, session="alice")
+                await drain(call)
+                picked.add(call.shard_id)
+            assert len(picked) == 1
+    finally:
+        await router.stop()
+        for s in shards:
+            await s.stop()
+
+
+async def test_idle_shard_channels_are_closed():
+    channels = ShardChannels(PLAINTEXT, idle_close_s=0.05)
+    entry = channels.acquire("127.0.0.1:1")
+    channels.acquire("127.0.0.1:2")
+    channels.release("127.0.0.1:1", entry)
+    await asyncio.sleep(0.1)
+    channels.acquire("127.0.0.1:3")  # sweeps: the idle one goes, the busy one stays
+    assert set(channels.channels) == {"127.0.0.1:2", "127.0.0.1:3"}
+    await channels.close()
