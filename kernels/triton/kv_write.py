@@ -68,9 +68,12 @@ def _kv_write_kernel(
         bits = tl.where(small, a + 0.015625, a).to(tl.uint32, bitcast=True)
         a = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
         a = tl.where(small, a - 0.015625, a)
-        k, v = tl.split(tl.where(x < 0, -a, a))
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        kq, vq = tl.split(tl.where(x < 0, -a, a))
+        tl.store(k_cache_ptr + dst, kq.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst, vq.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:

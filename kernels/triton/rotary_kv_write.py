@@ -93,7 +93,8 @@ def _rotary_kv_write_kernel(
         if QUANT:
             # The four halves as one [H, HALF, 2, 2] pass, rounded to e4m3's grid by hand to
             # nearest even as kernels/triton/fp8_quant.py does (Triton's interpreter casts half
-            # up and loses carries), so that the cast below is exact.
+            # up and loses carries), so that the cast below is exact. New names: the compiler
+            # refuses a variable whose type changes inside the `if slot` block.
             kk = tl.join(k1.to(tl.float32), k2.to(tl.float32)) * tl.load(kv_scale_ptr + 2)
             vv = tl.join(v1.to(tl.float32), v2.to(tl.float32)) * tl.load(kv_scale_ptr + 3)
             x = tl.clamp(tl.join(kk, vv), -448.0, 448.0)
@@ -102,13 +103,18 @@ def _rotary_kv_write_kernel(
             bits = tl.where(small, a + 0.015625, a).to(tl.uint32, bitcast=True)
             a = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
             a = tl.where(small, a - 0.015625, a)
-            kk, vv = tl.split(tl.where(x < 0, -a, a))
-            k1, k2 = tl.split(kk)
-            v1, v2 = tl.split(vv)
-        tl.store(k_cache_ptr + dst, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(k_cache_ptr + dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + dst, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
+            kq, vq = tl.split(tl.where(x < 0, -a, a))
+            kq1, kq2 = tl.split(kq)
+            vq1, vq2 = tl.split(vq)
+            tl.store(k_cache_ptr + dst, kq1.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(k_cache_ptr + dst + HALF, kq2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_cache_ptr + dst, vq1.to(v_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_cache_ptr + dst + HALF, vq2.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(k_cache_ptr + dst, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(k_cache_ptr + dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_cache_ptr + dst, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_cache_ptr + dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def rotary_and_write_kv(
