@@ -200,3 +200,27 @@ async def test_idle_shard_channels_are_closed():
     channels.acquire("127.0.0.1:3")  # sweeps: the idle one goes, the busy one stays
     assert set(channels.channels) == {"127.0.0.1:2", "127.0.0.1:3"}
     await channels.close()
+
+
+async def test_when_every_shard_is_full_the_direct_caller_gets_resource_exhausted():
+    shards = [await start_shard(f"full{i}", step_s=0.5, max_waiting_requests=1) for i in range(2)]
+    router = await start_router([s.address for s in shards], policy="round-robin")
+    try:
+        await router.wait_ready(2)
+        async with grpc.aio.insecure_channel(router.address) as channel:
+            direct = client(channel)
+            held = [direct.generate(request([3, 4, i + 3], max_tokens=100), 30.0) for i in range(18)]
+            pumps = [asyncio.ensure_future(drain(c)) for c in held]
+            await until(lambda: all(s.mesh.num_backlog == 1 for s in shards))  # 8 slots + 1 each
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await drain(direct.generate(request([7, 7, 7]), 10.0))
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert int(dict(refused.value.trailing_metadata())["retry-after"]) >= 1
+            assert direct.num_retries >= 2  # both shards were asked
+            for c in held:
+                c.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+    finally:
+        await router.stop()
+        for s in shards:
+            await s.stop()
