@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Build llmesh's images (`make images`): llmesh:light (gateway, scheduler, KV store, router: no torch),
-# llmesh:cpu (CPU worker, `convert`) and, with --cuda, llmesh:cuda (GPU worker); prints the time and
-# size of each.
+# Build llmesh's images (`make images`): llmesh:gateway (gateway, router: no torch, transformers or
+# numpy), llmesh:light (scheduler, KV store: no torch), llmesh:cpu (CPU worker, `convert`) and, with
+# --cuda, llmesh:cuda (GPU worker); prints the time and size of each.
 #
-#   deploy/build-images.sh [--cuda] [--no-cache] [--prune] [--only light,cpu,cuda,redis]
+#   deploy/build-images.sh [--cuda] [--no-cache] [--prune] [--only gateway,light,cpu,cuda,redis]
 #
 # Podman where there is no Docker daemon (apt installs podman, buildah, runc and mmdebstrap when
 # missing; CONTAINERS_CONF defaults to deploy/podman/containers.conf: runc, no default ulimits).
@@ -21,7 +21,7 @@ WHEELS=${LLMESH_WHEELS:-/opt/wheels}
 BASE_TAG=localhost/llmesh-base:bookworm
 SLIM=docker.io/library/python:3.11-slim-bookworm
 
-targets=(light cpu)
+targets=(gateway light cpu)
 no_cache=()
 prune=0
 only=0
@@ -133,12 +133,16 @@ for target in "${targets[@]}"; do
     fi
 done
 
-# One light image serves every torch-free service; a tag per service lets each be rolled alone.
-light_services=(gateway scheduler kvstore)
+# The torch-free images serve several services each; a tag per service lets each be rolled alone.
+gateway_services=(gateway)
+light_services=(scheduler kvstore)
+if [[ " ${targets[*]} " == *" gateway "* ]]; then
+    # The router (router_svc, `llmesh router`) joins the gateway where the tree carries it.
+    $ENGINE run --rm --no-healthcheck --entrypoint python llmesh:gateway -c "import router_svc.service" >/dev/null 2>&1 \
+        && gateway_services+=(router)
+    for service in "${gateway_services[@]:1}"; do $ENGINE tag llmesh:gateway "llmesh:$service"; done
+fi
 if [[ " ${targets[*]} " == *" light "* ]]; then
-    # The router (router_svc, `llmesh router`) joins them once the image carries it.
-    $ENGINE run --rm --no-healthcheck --entrypoint python llmesh:light -c "import router_svc.service" >/dev/null 2>&1 \
-        && light_services+=(router)
     for service in "${light_services[@]}"; do $ENGINE tag llmesh:light "llmesh:$service"; done
 fi
 
@@ -149,7 +153,8 @@ printf '%-22s %10s %10s  %s\n' image "build (s)" "size (MB)" "services"
 for target in "${targets[@]}"; do
     bytes=$($ENGINE image inspect --format '{{.Size}}' "$(tag_of "$target")")
     case $target in
-        light) services="${light_services[*]}" ;;
+        gateway) services="${gateway_services[*]}" ;;
+        light) services="${light_services[*]} (and the gateway, router)" ;;
         redis) services="redis (and the one-shot secrets)" ;;
         *) services="worker convert (and every other service)" ;;
     esac

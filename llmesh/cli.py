@@ -534,13 +534,15 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
+    # A service or `health` parses its own flags: the full parser (every service's config, for
+    # `up`) is not built, so an image with one service's dependencies runs it (the gateway's has
+    # no numpy, which the scheduler's config module pulls in).
     if argv and argv[0] in SERVICES:
         args = argparse.Namespace(rest=argv[1:], func=_service_main(argv[0]))
     elif argv and argv[0] == "health":
         args = argparse.Namespace(rest=argv[1:], func=_cmd_health)
     else:
-        args = parser.parse_args(argv)
+        args = build_parser().parse_args(argv)
     return args.func(args)
 
 

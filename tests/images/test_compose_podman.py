@@ -80,7 +80,7 @@ def stack():
 
     port = free_port()
     env = _env(port)
-    for image in ("llmesh:cpu", "llmesh:light"):
+    for image in ("llmesh:cpu", "llmesh:light", "llmesh:gateway"):
         if subprocess.run(["podman", "image", "exists", image], env=env).returncode != 0:
             pytest.fail(f"{image} is not built: run `make images` first")
     _compose("down", env=env, timeout=300)  # a stack left by an interrupted run
@@ -129,6 +129,9 @@ def test_resident_memory_of_each_container(stack) -> None:
     assert len(rows) == 4 + WORKERS and all(v > 0 for v in rows.values())
 
 
+_progress = {"at": 0.0}  # when any stream last got a chunk (the stall watchdog reads it)
+
+
 def _stream(client, model: str, prompt: str, results: list, index: int, started: threading.Event) -> None:
     try:
         text, finish = [], None
@@ -145,6 +148,7 @@ def _stream(client, model: str, prompt: str, results: list, index: int, started:
                 text.append(chunk.choices[0].delta.content or "")
                 finish = chunk.choices[0].finish_reason or finish
                 started.set()
+                _progress["at"] = time.monotonic()
         results[index] = ("".join(text), finish)
     except Exception as e:  # noqa: BLE001 - reported by the test below
         results[index] = e
@@ -155,13 +159,46 @@ def _cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])  # utime + stime
 
 
-def _print_logs(env: dict[str, str]) -> None:
-    for service in ("scheduler", "worker", "gateway"):
+def _print_logs(env: dict[str, str], tail: int = 40) -> None:
+    for service in ("kvstore", "scheduler", "worker", "gateway"):
         for name in _containers(service, env):
             logs = subprocess.run(
-                ["podman", "logs", "--tail", "40", name], env=env, capture_output=True, text=True
+                ["podman", "logs", "--tail", str(tail), name], env=env, capture_output=True, text=True
             )
-            print(f"--- {name} ---\n{logs.stdout[-6000:]}{logs.stderr[-6000:]}")
+            print(f"--- {name} ---\n{logs.stdout[-20000:]}{logs.stderr[-20000:]}")
+
+
+def _dump_stacks(env: dict[str, str]) -> None:
+    """Every Python thread's stack in the scheduler, gateway and worker containers, with py-spy from
+    the host where it is installed ($PY_SPY or on PATH): what a stalled stack is doing."""
+    py_spy = os.environ.get("PY_SPY") or shutil.which("py-spy")
+    if py_spy is None:
+        print("(no py-spy on this host: no stacks)")
+        return
+    for service in ("scheduler", "gateway", "worker"):
+        for name in _containers(service, env):
+            for pid in _podman("top", name, "hpid", env=env).split()[1:]:
+                out = subprocess.run(
+                    [py_spy, "dump", "--pid", pid], capture_output=True, text=True, timeout=60
+                )
+                print(f"--- py-spy {name} pid {pid} ---\n{out.stdout[-12000:]}{out.stderr[-2000:]}")
+
+
+def _join_watching(threads: list[threading.Thread], env: dict[str, str], stall_s: float = 45) -> None:
+    """Wait for the streams; if none of them moves for `stall_s`, print every container's log and
+    every stack once (the stall of issue 33), then keep waiting."""
+    deadline = time.monotonic() + 600
+    reported = False
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        time.sleep(2)
+        idle = time.monotonic() - _progress["at"]
+        if idle > stall_s and not reported and any(t.is_alive() for t in threads):
+            reported = True
+            print(f"\n=== STALL: no stream moved for {idle:.0f} s; logs and stacks follow ===")
+            _print_logs(env, tail=400)
+            _dump_stacks(env)
+    for t in threads:
+        t.join(timeout=1)
 
 
 STREAMS = 8
@@ -195,8 +232,8 @@ def test_a_worker_killed_mid_stream_loses_no_stream_and_is_restarted(stack) -> N
     assert all(r is None for r in results), "a stream finished before the kill: make them longer"
     os.kill(workers[victim], signal.SIGKILL)  # its main process: a crash, not `podman kill`
     killed_at = time.monotonic()
-    for t in threads:
-        t.join(timeout=600)
+    _progress["at"] = killed_at
+    _join_watching(threads, env)
     print(f"\nkilled {victim}; every stream done {time.monotonic() - killed_at:.0f} s later")
     survivors = [name for name in workers if name != victim]
     print("RSS after the streams (MB): " + ", ".join(f"{n} {_rss_mb(n, env):.0f}" for n in survivors))
