@@ -132,6 +132,7 @@ def run_row(name: str, roles: list[str] | None, model: str, reqs, checks, args) 
         "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
         "--kv-chunk-tokens", str(args.chunk_tokens), "--kv-store-put-bytes", args.put_bytes,
         *(["--gpu-memory-utilization", "0.85"] if args.cuda else ["--kv-cache-memory", "64MiB"]),
+        *args.worker_extra.split(),
     ]  # fmt: skip
     sched_args = [
         "--no-tokenizer", "--max-model-len", str(args.max_model_len),
@@ -242,12 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     ap.add_argument("--devices", default="cuda:0,cuda:1", help="the two workers' devices")
-    ap.add_argument("--chats", type=int, default=160)
+    ap.add_argument("--chats", type=int, default=200)
     ap.add_argument("--chat-rate", type=float, default=8.0, help="chats per second")
     ap.add_argument("--chat-prompt", type=int, nargs=2, default=[128, 512])
     ap.add_argument("--chat-output", type=int, nargs=2, default=[128, 256])
-    ap.add_argument("--longs", type=int, default=16)
-    ap.add_argument("--long-rate", type=float, default=1.0, help="long prompts per second")
+    ap.add_argument("--longs", type=int, default=24)
+    ap.add_argument("--long-rate", type=float, default=1.5, help="long prompts per second")
     ap.add_argument("--long-start-s", type=float, default=3.0, help="when the first long prompt arrives")
     ap.add_argument("--long-prompt", type=int, nargs=2, default=[4096, 8192])
     ap.add_argument("--long-output", type=int, nargs=2, default=[32, 64])
@@ -256,13 +257,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=8448)
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--put-bytes", default="16GiB", help="the workers' --kv-store-put-bytes")
-    ap.add_argument("--store-bytes", default="64GiB", help="the KV store's --memory-bytes")
+    ap.add_argument("--put-bytes", default="8GiB", help="the workers' --kv-store-put-bytes")
+    ap.add_argument("--store-bytes", default="24GiB", help="the KV store's --memory-bytes")
     ap.add_argument("--check", type=int, default=3, help="long prompts whose greedy tokens are compared")
     ap.add_argument("--check-tokens", type=int, default=32)
     ap.add_argument("--peer-gib", type=float, default=1.0)
     ap.add_argument("--peer-layers", type=int, default=32)
     ap.add_argument("--rows", default="aggregated,1P+1D")
+    ap.add_argument(
+        "--worker-extra", default="", help="more flags for every worker (e.g. --decode-gemm cublas)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="a tiny shape on the CPU, a few requests")
     ap.add_argument("--out", default=os.environ.get("OUT"))
@@ -292,7 +296,9 @@ def main(argv: list[str] | None = None) -> int:
         model = write_config(root, args.shape if not args.smoke else "llama-tiny", cfg)
         for name in args.rows.split(","):
             roles = None if name == "aggregated" else ["prefill", "decode"]
+            t0 = time.perf_counter()
             rows.append(run_row(name, roles, model, reqs, checks, args))
+            log(table(rows[-1:]), f"\n({time.perf_counter() - t0:.0f} s)")
     peer = None
     if args.cuda and len(set(args.devices.split(","))) == 2:
         log("GPU to GPU through CUDA IPC")

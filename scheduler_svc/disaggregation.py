@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 ROLES = ("both", "prefill", "decode")
 # Polling the store for a handover's chunks: first interval, then doubled up to the last.
-POLL_FIRST_S, POLL_MAX_S = 0.002, 0.05
+POLL_FIRST_S, POLL_MAX_S = 0.002, 0.01
 
 
 class ChunkLookup(Protocol):
@@ -165,6 +165,7 @@ class Disaggregation:
             cache_salt=old.cache_salt,
             lora_name=old.lora_name,
             lora_path=old.lora_path,
+            handed_over=True,
         )
 
     async def wait_for_kv(

@@ -124,7 +124,9 @@ class KVTierPlanner:
         have = num_gpu_blocks + len(hit.host_slots)
         store_end = min(req.store_hit_blocks, max_blocks)
         if store_end > have:
-            hit.store_start, hit.store_end = have, self._worth_loading(hit, have, store_end)
+            # A handed-over prompt loads whole: recomputing it would stall the decode worker's batch.
+            end = store_end if req.handed_over else self._worth_loading(hit, have, store_end)
+            hit.store_start, hit.store_end = have, end
         self.host.pin(hit.host_slots)
         return hit
 
@@ -175,6 +177,11 @@ class KVTierPlanner:
         if hit.skipped_blocks:
             self.stats.kv_load_skipped += hit.store_end == hit.store_start
             self.stats.kv_load_skipped_tokens += hit.skipped_blocks * bs
+            # Computed rather than loaded, but in the store all the same: never put again (an 8k
+            # prompt would put 1 GiB back, its sender contending with the next steps for the GIL).
+            c = self.chunk_blocks
+            found = min(req.store_hit_blocks, len(hit.keys)) // c
+            self._remember([hit.keys[(k + 1) * c - 1] for k in range(found)])
 
     # ----- the plan -----
     def finish_plan(self, step_id: int, keyed: list[tuple[int, bytes]]) -> KVTransfers:

@@ -439,6 +439,7 @@ class Mesh:
         log.info("refusing a waiting request for a better priority", extra={"request_id": req.request_id})
         self.num_refused += 1
         slot.planner.abort(req.request_id)
+        self.pd.cancel(req.request_id)
         stream = self.streams.pop(req.request_id, None)
         if stream is not None:
             stream.queue.put_nowait(error)
@@ -545,7 +546,7 @@ class Mesh:
         chunk_tokens = slot.info.kv_chunk_blocks * slot.info.block_size
         # Worth a lookup only if a whole chunk past what this worker's GPU cache holds may be there.
         wanted = chunk_tokens and req.num_tokens > choice.cached_tokens + chunk_tokens
-        if self.kv_store is not None and wanted:  # ... and if any hit could load faster than it computes
+        if self.kv_store is not None and wanted and not req.handed_over:  # ... and if a hit could load faster
             wanted = slot.planner.tiers.worth_looking(req.num_tokens - choice.cached_tokens)
         if self.kv_store is not None and wanted:
             req.kv_lookup_pending = True
@@ -629,6 +630,7 @@ class Mesh:
         """End every request a worker holds with an error (their callers get UNAVAILABLE)."""
         log.error("failing a worker's requests", extra={"worker_id": slot.worker_id, "reason": reason})
         for req in slot.planner.take_all():
+            self.pd.cancel(req.request_id)
             stream = self.streams.pop(req.request_id, None)
             if stream is not None:
                 stream.flush()

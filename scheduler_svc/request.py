@@ -53,6 +53,9 @@ class Request:
     # request waits while `kv_lookup_pending`.
     store_hit_blocks: int = 0
     kv_lookup_pending: bool = False
+    # Handed over by a prefill worker (scheduler_svc/disaggregation.py): its prompt's store hit is
+    # loaded whole, never recomputed on the decode worker by the load predictor's choice.
+    handed_over: bool = False
     # Speculative decoding (scheduler_svc/spec_decode.py): drafts the worker holds for this
     # sequence; whether a plan in flight verifies or proposes drafts for it (it is not planned
     # again before that result); the adaptive back-off.

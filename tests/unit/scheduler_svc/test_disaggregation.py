@@ -13,14 +13,17 @@ import asyncio
 import dataclasses
 import random
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from llmesh import LLM
 from llmesh.kv_store import ThreadedLookup, open_kv_store
 from llmesh.local_link import LocalWorkerLink
+from scheduler_svc.disaggregation import Disaggregation
 from scheduler_svc.mesh import Connected, LinkBroken, Mesh, MeshConfig
 from scheduler_svc.planner import PlannerConfig
+from scheduler_svc.request import Request
 from services.sampling_params import SamplingParams
 from services.step import StepResult
 from worker_svc.config import WorkerConfig
@@ -248,3 +251,44 @@ async def test_an_abort_between_the_workers_ends_the_stream(pool):
     await settle(mesh)
     assert_no_leaks(mesh)
     await close(mesh)
+
+
+# ----- the routing rules alone (no model) -----
+def _slot(wid: str, role: str) -> SimpleNamespace:
+    return SimpleNamespace(worker_id=wid, info=SimpleNamespace(role=role))
+
+
+def test_pools_keep_prefill_workers_off_decode_unless_they_are_all_there_is():
+    pd = Disaggregation(threshold=64, timeout_s=1.0)
+    p, d, b = _slot("p", "prefill"), _slot("d", "decode"), _slot("b", "both")
+    assert pd.pools([p, d, b]) == ([d, b], [p])
+    old = _slot("old", "")  # a worker from before roles: both
+    assert pd.pools([b, old]) == ([b, old], [])
+    assert pd.pools([p]) == ([p], [])  # prefill workers alone serve whole requests
+
+
+def test_only_plain_long_generations_are_disaggregated():
+    pd = Disaggregation(threshold=64, timeout_s=1.0)
+
+    def req(n: int, **params) -> Request:
+        return Request("r", list(range(3, 3 + n)), SamplingParams(**{"max_tokens": 8, **params}))
+
+    assert pd.wants(req(100), 100, chunk_blocks=2, has_store=True)
+    assert not pd.wants(req(100), 63, chunk_blocks=2, has_store=True)  # the decode worker has the rest
+    assert pd.stats.kept_whole == 1
+    assert not pd.wants(req(100), 100, chunk_blocks=2, has_store=False)  # nothing to hand over through
+    assert not pd.wants(req(100), 100, chunk_blocks=0, has_store=True)
+    assert not pd.wants(req(100, max_tokens=1), 100, chunk_blocks=2, has_store=True)
+    assert not pd.wants(req(100, prompt_logprobs=1), 100, chunk_blocks=2, has_store=True)
+    moved = req(100)
+    moved.output_token_ids = [5]
+    assert not pd.wants(moved, 100, chunk_blocks=2, has_store=True)  # a failover continues where it is
+
+
+def test_a_prefill_side_request_gets_its_callers_params_back():
+    pd = Disaggregation(threshold=64, timeout_s=1.0)
+    sp = SamplingParams(max_tokens=50, min_tokens=5)
+    req = Request("r", [3, 4, 5], sp)
+    pd.send_to_prefill(req, "p")
+    assert req.sampling_params.max_tokens == 1 and req.sampling_params.min_tokens == 1
+    assert pd.restore(req).sampling_params is sp and not pd.pending
