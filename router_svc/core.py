@@ -14,8 +14,11 @@ link down, draining, no worker) get nothing; shards that refused a request (full
 it started are excluded for its retry.
 
 A request picked for a caller that streams from the shard itself (ShardPicker.Route) is booked
-(`book`): its prefill tokens and one running request count on that shard until the shard's next
-load report, which includes it; this router never sees it start or end.
+(`book`): its prefill tokens and one running request count on that shard until a load report
+sent after it reached the shard (this router never sees it start or end). Reports carry no
+request ids, so "after" is by age: a report drops the bookings older than `booking_grace_s`
+(the caller's trip from Route to the shard); younger ones may count twice for a moment, which
+only errs towards spreading a burst.
 
 Session affinity: a request with a session key goes where the session's last request went, unless
 that shard is gone or costs `session_slack_tokens` more than the best one (then the session moves).
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -60,6 +63,7 @@ class Shard:
     # never sees them start or end, so they count until the shard's next report, which has them.
     booked_tokens: int = 0
     booked_requests: int = 0
+    bookings: deque[tuple[float, int]] = field(default_factory=deque)  # (when, prefill tokens)
     down_since: float | None = None
 
     @property
@@ -93,6 +97,7 @@ class RouterConfigView:
     session_ttl_s: float = 600.0
     max_reorder: int = 0
     prefix_weight: float = 2.0
+    booking_grace_s: float = 0.005  # a Route answer's trip to its shard, at most (loopback, a LAN)
 
 
 class Router:
@@ -128,7 +133,7 @@ class Router:
         if load is not None:
             shard.load = load
             shard.started_since_report = shard.ended_since_report = 0
-            shard.booked_tokens = shard.booked_requests = 0
+            self._expire_bookings(shard)
         return shard.feed.receive(batch)
 
     def set_connected(self, shard: Shard, connected: bool) -> None:
@@ -243,12 +248,22 @@ class Router:
     def book(self, shard: Shard, prompt_tokens: int, cached: int) -> None:
         """A request picked for a caller that streams from the shard itself (ShardPicker.Route):
         an optimistic bump of the shard's load, replaced by its next report."""
-        shard.booked_tokens += max(prompt_tokens - cached, 0)
+        prefill = max(prompt_tokens - cached, 0)
+        shard.bookings.append((time.monotonic(), prefill))
+        shard.booked_tokens += prefill
         shard.booked_requests += 1
         shard.routed += 1
         self.num_routed += 1
         self.num_prompt_tokens += prompt_tokens
         self.num_prefix_tokens += cached
+
+    def _expire_bookings(self, shard: Shard) -> None:
+        """A load report counts the booked requests that reached the shard before it was sent."""
+        bookings, horizon = shard.bookings, time.monotonic() - self.config.booking_grace_s
+        while bookings and bookings[0][0] <= horizon:
+            _, prefill = bookings.popleft()
+            shard.booked_tokens -= prefill
+            shard.booked_requests -= 1
 
     def started(self, ticket: Ticket) -> None:
         if not ticket.started and not ticket.done:
