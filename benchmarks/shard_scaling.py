@@ -305,7 +305,7 @@ def shard_stats(address: str):
 
 
 def served(address: str) -> int:
-    """Requests a shard has placed on its workers so far (one prefix query each)."""
+    """Prompt tokens a shard has placed on its workers so far (its prefix-cache queries)."""
     return sum(w.prefix_queries for w in shard_stats(address).workers)
 
 
@@ -460,10 +460,11 @@ def main(argv: list[str] | None = None) -> int:
                     cpus=len(cpus) if cpus else ncpu, router_procs=router_procs,
                 )  # fmt: skip
                 rows.append(row)
+                per = [served(s.address) - b for s, b in zip(shards, served_before, strict=True)]
                 print(
                     f"{label}: {row['tok_s']:,.0f} out tok/s, {row['failed']} failed, "
                     f"{row['refused']} refused of {row['requests']}; requests per shard "
-                    f"{[served(s.address) - b for s, b in zip(shards, served_before, strict=True)]}",
+                    f"{[tokens // args.prompt_len for tokens in per]}",
                     flush=True,
                 )
         except BaseException:
