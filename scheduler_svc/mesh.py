@@ -783,5 +783,10 @@ class Mesh:
                 return
             self.streams[rid].started = True
             self.pd.placed(h, complete)
+            log.info(
+                "request handed over",
+                extra={"request_id": rid, "from": h.prefill_worker, "to": self.streams[rid].worker_id,
+                       "kv_complete": complete, "wait_s": round(time.monotonic() - h.first_token_at, 4)},
+            )  # fmt: skip
         finally:
             self._lookups.discard(asyncio.current_task())  # type: ignore[arg-type]
