@@ -1,0 +1,23 @@
+"""Disaggregated prefill/decode's figures in /metrics (SchedulerStats pd_*): handovers, their time,
+fallbacks to recompute, requests sent to a prefill worker and those kept whole."""
+
+from __future__ import annotations
+
+from gateway.metrics import GatewayMetrics
+from llmesh.v1 import worker_pb2
+
+
+def test_the_handover_counters_are_rendered():
+    metrics = GatewayMetrics()
+    metrics.scheduler.snapshot = worker_pb2.SchedulerStats(
+        pd_disaggregated=5, pd_handovers=4, pd_handover_seconds=0.5, pd_fallbacks=1, pd_kept_whole=7
+    )
+    text = metrics.render().decode()
+    for line in (
+        "llmesh:pd_disaggregated_total 5.0",
+        "llmesh:pd_handovers_total 4.0",
+        "llmesh:pd_handover_seconds_total 0.5",
+        "llmesh:pd_fallbacks_total 1.0",
+        "llmesh:pd_kept_whole_total 7.0",
+    ):
+        assert line in text, line
