@@ -12,12 +12,20 @@ Workloads (greedy; every path is checked to give the recompute path's tokens):
                       (GetShared/PutShared, a store without an arena); then read in place
                       from the store's shared memory arena (GetInPlace, the default)
     store (redis)     a `llmesh kvstore` service whose only tier is a real redis-server
+    store over bulk   the service as if on another host (kv_store_transfer="bulk": another
+                      process, no shared memory): payloads over its bulk TCP path straight into
+                      the worker's pinned staging, one DMA per round to the GPU (issue 32)
+  Store rows load behind the scheduler's load predictor (a hit is loaded only as far as it is
+  predicted faster than recompute); each asker first loads `--warm-loads` other documents, so
+  the predictor has measured its path, as a worker that has served has. `--predictor-off-too`
+  adds the gRPC and bulk rows with the predictor off (every hit loaded);
 - multi-round chat: users whose histories grow every round, served by two
   engines in turn (as a router without stickiness would): out tok/s with and
   without the store;
 - random prompts (nothing to reuse): out tok/s with the store on and off.
 
     .venv/bin/python benchmarks/kv_store.py [--prefix 2048] [--device cpu|cuda] [--load-format dummy]
+        [--stores process,grpc,segments,inplace,redis,bulk] [--predictor-off-too] [--skip-host-tier]
 """
 
 from __future__ import annotations
@@ -189,6 +197,9 @@ def document_rows(args, engine_kw: dict, vocab: int, stack: ExitStack) -> list[t
     docs = [random_tokens(rng, args.prefix, vocab) for _ in range(args.docs)]
     questions = [random_tokens(rng, args.suffix, vocab) for _ in range(args.docs)]
     prompts = [d + q for d, q in zip(docs, questions, strict=True)]
+    # Documents each asker loads before it is timed (its load predictor measures its path).
+    warm_docs = [random_tokens(rng, args.prefix, vocab) for _ in range(args.warm_loads)]
+    warm_asks = [d + random_tokens(rng, args.suffix, vocab) for d in warm_docs]
     kw = dict(engine_kw, kv_chunk_tokens=args.chunk_tokens)
 
     cold = LLM(enable_prefix_caching=False, **engine_kw)
@@ -197,7 +208,7 @@ def document_rows(args, engine_kw: dict, vocab: int, stack: ExitStack) -> list[t
     warm_up = random_tokens(rng, args.prefix + args.suffix, vocab)
     ttft(cold, warm_up)
     reference = [ttft(cold, p) for p in prompts]
-    rows = [("recompute", sum(t for t, _ in reference) / len(reference), 0.0, True)]
+    rows = [("recompute", sum(t for t, _ in reference) / len(reference), 0.0, True, 0)]
     expected = [toks for _, toks in reference]
     del cold
     release()
@@ -205,6 +216,7 @@ def document_rows(args, engine_kw: dict, vocab: int, stack: ExitStack) -> list[t
     def measure(name: str, asker: LLM, before=None) -> None:
         times, same = [], True
         counters = asker.engine.runner.kv_tiers.counters
+        loaded0 = _loaded_tokens(asker)
         b0 = counters.host_loaded_bytes + counters.store_loaded_bytes
         s0 = counters.host_load_seconds + counters.store_load_seconds
         for prompt, want in zip(prompts, expected, strict=True):
@@ -217,48 +229,65 @@ def document_rows(args, engine_kw: dict, vocab: int, stack: ExitStack) -> list[t
         counters = asker.engine.runner.kv_tiers.counters  # now with the copy times of the last loads
         moved = counters.host_loaded_bytes + counters.store_loaded_bytes - b0
         secs = counters.host_load_seconds + counters.store_load_seconds - s0
-        rows.append((name, sum(times) / len(times), moved / secs / 1e9 if secs else 0.0, same))
+        loaded = (_loaded_tokens(asker) - loaded0) // len(prompts)
+        rows.append((name, sum(times) / len(times), moved / secs / 1e9 if secs else 0.0, same, loaded))
 
     # Worker CPU tier: a GPU cache of about one request, so each document is evicted by the next.
-    blocks = -(-(args.prefix + args.suffix + 16) // 16) + 4
-    host = LLM(**dict(engine_kw, num_kv_blocks=blocks, kv_offload_bytes=args.host_bytes))
-    for d in docs:
-        ttft(host, d)  # computes and saves every document; each evicts the one before
-    flood = random_tokens(rng, args.prefix, vocab)
-    measure("worker CPU tier", host, before=lambda h=host: ttft(h, flood))  # flood evicts before each ask
-    del host
-    release()
+    if not args.skip_host_tier:
+        blocks = -(-(args.prefix + args.suffix + 16) // 16) + 4
+        host = LLM(**dict(engine_kw, num_kv_blocks=blocks, kv_offload_bytes=args.host_bytes))
+        for d in docs:
+            ttft(host, d)  # computes and saves every document; each evicts the one before
+        flood = random_tokens(rng, args.prefix, vocab)
+        measure("worker CPU tier", host, before=lambda h=host: ttft(h, flood))  # flood evicts first
+        del host
+        release()
 
     if args.skip_stores:
         return rows
-    # (row, the store, how the engine reaches a service: streamed over gRPC or through shared memory,
-    # whether the asker verifies the entries' MACs: off only to measure what they cost)
+    # (row, the store, how the engine reaches a service (streamed over gRPC, through shared memory,
+    # over the bulk path) and whether the predictor is on, whether the asker verifies the entries'
+    # MACs: off only to measure what they cost)
+    wanted = set(args.stores.split(","))
+    off, on = {"kv_store_shared_memory": "off"}, {"kv_store_shared_memory": "on"}
+    bulk = {"kv_store_transfer": "bulk"}
+    no_predictor = {"kv_load_predictor": False}
     in_process = lambda: open_kv_store(f"memory:{args.store_bytes}")  # noqa: E731
-    stores = [("store (in process)", in_process, "off", True)]
-    stores.append(("store (memory, gRPC)", lambda: start_kvstore(stack, args.store_bytes), "off", True))
-    stores.append(
-        (
-            "store (memory, shared memory segments)",
-            lambda: start_kvstore(stack, args.store_bytes, "", "--no-memory-arena"),
-            "on",
-            True,
-        )
-    )
+    stores = []
+    if "process" in wanted:
+        stores.append(("store (in process)", in_process, off, True))
+    grpc_store = lambda: start_kvstore(stack, args.store_bytes)  # noqa: E731
+    if "grpc" in wanted:
+        stores.append(("store (memory, gRPC)", grpc_store, off, True))
+        if args.predictor_off_too:
+            stores.append(("store (memory, gRPC), predictor off", grpc_store, {**off, **no_predictor}, True))
+    if "segments" in wanted:
+        segments = lambda: start_kvstore(stack, args.store_bytes, "", "--no-memory-arena")  # noqa: E731
+        stores.append(("store (memory, shared memory segments)", segments, on, True))
     arena_store = lambda: start_kvstore(stack, args.store_bytes)  # noqa: E731
     arena = "store (memory, in place: shared arena)"
-    if args.mac_off_too:  # the same path without verification, either side of the verified one
-        stores.append((arena + ", MACs off", arena_store, "on", False))
-    stores.append((arena, arena_store, "on", True))
-    if args.mac_off_too:
-        stores.append((arena + ", MACs off (again)", arena_store, "on", False))
-    if not args.no_redis:
+    if "inplace" in wanted:
+        if args.mac_off_too:  # the same path without verification, either side of the verified one
+            stores.append((arena + ", MACs off", arena_store, on, False))
+        stores.append((arena, arena_store, on, True))
+        if args.mac_off_too:
+            stores.append((arena + ", MACs off (again)", arena_store, on, False))
+    if "redis" in wanted and not args.no_redis:
         redis_store = lambda: start_kvstore(stack, 0, start_redis(stack))  # noqa: E731
-        stores.append(("store (redis, gRPC)", redis_store, "off", True))
-    for name, make, shared, verify in stores:
+        stores.append(("store (redis, gRPC)", redis_store, off, True))
+    if "bulk" in wanted:
+        over_bulk = "store over bulk (another process, no shared memory)"
+        stores.append((over_bulk, arena_store, bulk, True))
+        if args.predictor_off_too:
+            stores.append((over_bulk + ", predictor off", arena_store, {**bulk, **no_predictor}, True))
+    for name, make, path, verify in stores:
         store = make()
-        path_kw = dict(kw, kv_store_shared_memory=shared, kv_store_segment_bytes=args.segment_bytes)
-        writer = LLM(kv_store=store, **path_kw)
-        for d in docs:
+        path_kw = dict(kw, kv_store_segment_bytes=args.segment_bytes, **path)
+        # The writer's puts take shared memory where the store is on this host (the bulk path
+        # serves gets only): its path is not what is measured.
+        writer_kw = {k: v for k, v in path_kw.items() if k != "kv_store_transfer"}
+        writer = LLM(kv_store=store, **writer_kw)
+        for d in docs + warm_docs:
             ttft(writer, d)
         writer.engine.flush_kv()
         writer.engine.close()
@@ -272,11 +301,21 @@ def document_rows(args, engine_kw: dict, vocab: int, stack: ExitStack) -> list[t
         # Its store client has mapped and page-locked the arena or segments (done once, in the
         # background, when a worker starts: ~1 s for a 4 GiB arena on an H100 host).
         asker.engine.runner.kv_tiers.wait_prepared()
-        measure(name, asker)
+        for ask in warm_asks:  # loads (probes, then as predicted) that measure the path
+            ttft(asker, ask)
+        # Each ask starts with the earlier asks' puts sent (a computed 8k prompt puts 1 GiB, whose
+        # sender thread would otherwise share the next ask's GIL: the recompute row has no store).
+        measure(name, asker, before=asker.engine.flush_kv)
         asker.engine.close()
         del asker
         release()
     return rows
+
+
+def _loaded_tokens(llm: LLM) -> int:
+    """Prompt tokens the engine has loaded from its tiers so far (host and store)."""
+    w = next(iter(llm.engine.mesh.stats()["workers"].values()))
+    return w["host_hit_tokens"] + w["store_hit_tokens"]
 
 
 def throughput(llm: LLM, batches: list[list[list[int]]], max_tokens: int) -> tuple[float, list]:
@@ -408,6 +447,21 @@ def main() -> None:
     ap.add_argument("--trace", action="store_true", help="print each timed request's timeline (stderr)")
     ap.add_argument("--skip-documents", action="store_true")
     ap.add_argument("--skip-stores", action="store_true", help="documents: recompute and the CPU tier only")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (faster engine starts)")
+    ap.add_argument("--skip-host-tier", action="store_true", help="documents: no worker CPU tier row")
+    ap.add_argument(
+        "--stores",
+        default="process,grpc,segments,inplace,redis,bulk",
+        help="the store rows to run (comma-separated: process, grpc, segments, inplace, redis, bulk)",
+    )
+    ap.add_argument(
+        "--predictor-off-too",
+        action="store_true",
+        help="also the gRPC and bulk rows with the load predictor off",
+    )
+    ap.add_argument(
+        "--warm-loads", type=int, default=5, help="documents each store asker loads before it is timed"
+    )
     ap.add_argument("--num-kv-blocks", type=int, default=0, help="GPU cache blocks (0 = from memory)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="one short document, a short chat (make test)")
@@ -418,6 +472,7 @@ def main() -> None:
         args.chat_users, args.chat_rounds, args.chat_system, args.chat_turn, args.chat_answer = 2, 2, 32, 8, 4
         # `--smoke --skip-chat` (make test) leaves out the chat rows' 12 engines (~7 s on 2 cores).
         args.random_batches = 1
+        args.warm_loads = 1
         if args.model is None:  # dummy weights of a tiny shape: ~14 engines start in seconds on a CPU
             args.model, args.load_format = "llama-tiny", "dummy"
             SHAPES["llama-tiny"] = SMOKE_SHAPES["llama-tiny"]
@@ -427,6 +482,8 @@ def main() -> None:
     engine_kw = dict(device=args.device, load_format=args.load_format, max_model_len=args.prefix + 1024)
     if args.num_kv_blocks:
         engine_kw["num_kv_blocks"] = args.num_kv_blocks
+    if args.enforce_eager:
+        engine_kw["enforce_eager"] = True
     if args.model in SHAPES:
         engine_kw["model"] = write_config(tempfile.mkdtemp(), args.model, SHAPES[args.model])
         engine_kw["load_format"] = "dummy"
@@ -451,19 +508,23 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: | --- |")
     for name, off, on, same in chat:
         print(f"| {name} | {off:.1f} | {on:.1f} | {on / off:.1%} | {'yes' if same else 'NO'} |")
-    if args.smoke and not all(r[-1] for r in [*rows, *chat]):
+    if args.smoke and not all([*(r[3] for r in rows), *(r[-1] for r in chat)]):
         sys.exit("smoke: a path's tokens differ from recompute's")
 
 
 def print_documents(args, rows: list[tuple], kv_per_token: int, device: str) -> None:
     base = rows[0][1]
     doc_mb = args.prefix * kv_per_token / 1e6
-    print(f"\nlong shared document: {args.prefix}-token prefix ({doc_mb:.0f} MB of KV) + {args.suffix}-token "
-          f"question, {args.docs} documents, device {device}")
-    print("| path | TTFT ms | vs recompute | load GB/s | same tokens |")
-    print("| --- | ---: | ---: | ---: | --- |")
-    for name, t, gbs, same in rows:
-        print(f"| {name} | {t * 1e3:.1f} | {base / t:.1f}x | {gbs:.2f} | {'yes' if same else 'NO'} |")
+    print(
+        f"\nlong shared document: {args.prefix}-token prefix ({doc_mb:.0f} MB of KV) + {args.suffix}-token "
+        f"question, {args.docs} documents, device {device}"
+    )
+    print("| path | TTFT ms | vs recompute | load GB/s | tokens loaded | same tokens |")
+    print("| --- | ---: | ---: | ---: | ---: | --- |")
+    for name, t, gbs, same, loaded in rows:
+        print(
+            f"| {name} | {t * 1e3:.1f} | {base / t:.2f}x | {gbs:.2f} | {loaded} | {'yes' if same else 'NO'} |"
+        )
 
 
 if __name__ == "__main__":

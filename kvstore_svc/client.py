@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 import grpc
 
 from kvstore_svc import shm
-from kvstore_svc.bulk import DEFAULT_CONNECTIONS, Alloc, BulkClient, BulkError, Found
+from kvstore_svc.bulk import DEFAULT_CONNECTIONS, Alloc, BulkClient, BulkError, Found, Received
 from kvstore_svc.config import PIECE_BYTES
 from kvstore_svc.inplace_client import ArenaMap, InPlacePath
 from kvstore_svc.shared_client import Consume, Fence, SharedPath, SharedRefused, is_loopback, wants_shared
@@ -362,21 +362,29 @@ class KVStoreClient:
         return self.bulk_mode != "off" and self._bulk_key is not None
 
     def get_into(
-        self, fingerprint: bytes, keys: Sequence[bytes], alloc: Alloc, *, timeout_s: float | None = None
+        self,
+        fingerprint: bytes,
+        keys: Sequence[bytes],
+        alloc: Alloc,
+        *,
+        received: Received | None = None,
+        timeout_s: float | None = None,
     ) -> list[Found | None] | None:
         """Entries of `keys` over the bulk path, each payload received straight into the buffer
         `alloc(index, header)` returns (a slice of the caller's pinned staging): (header, view of
         that buffer) per key, None for a miss or an entry not received whole. None when there is no
         bulk path (then call `get_each`). Headers are framed and checked against the request;
         payload checksums are NOT checked here: the caller verifies each entry's keyed MAC, which
-        covers the bytes, where they land (the worker: on its device, kv_tiers.py)."""
+        covers the bytes, where they land (the worker: on its device, kv_tiers.py).
+        `received(index, header, payload)`: called on a transfer thread as each entry is whole
+        (the worker queues its DMA then, overlapping the entries still arriving)."""
         if not keys or not self.uses_bulk:
             return None
         client = self._bulk_client(timeout_s or self.timeout_s)
         if client is None:
             return None
         try:
-            return client.get_many(fingerprint, keys, alloc=alloc)
+            return client.get_many(fingerprint, keys, alloc=alloc, received=received)
         except BulkError as e:
             self._drop_bulk(client, e)
             return None

@@ -177,6 +177,11 @@ class KVTierPlanner:
         if hit.skipped_blocks:
             self.stats.kv_load_skipped += hit.store_end == hit.store_start
             self.stats.kv_load_skipped_tokens += hit.skipped_blocks * bs
+            # Computed rather than loaded, but in the store all the same: never put again (an 8k
+            # prompt would put 1 GiB back, its sender contending with the next steps for the GIL).
+            c = self.chunk_blocks
+            found = min(req.store_hit_blocks, len(hit.keys)) // c
+            self._remember([hit.keys[(k + 1) * c - 1] for k in range(found)])
 
     # ----- the plan -----
     def finish_plan(self, step_id: int, keyed: list[tuple[int, bytes]]) -> KVTransfers:

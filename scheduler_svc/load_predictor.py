@@ -16,9 +16,10 @@ The decision (`decide`) loads the first k chunks of a hit, the k that saves the 
 time, or none: partial loads are allowed, the rest is computed in the same forward. The start is
 conservative. A path not measured yet is never trusted with a whole prefix: a load is one chunk
 (a probe, whose timing is the first sample). With no prefill measured yet there is nothing to
-compare against, and the hit is loaded as before. Loads measured at one size cannot tell a fixed
-overhead from a rate (a line through the origin, pessimistic for larger loads): a larger hit
-that this line says to skip gets a probe of twice the size measured. While loads are skipped,
+compare against, and the hit is loaded as before. A fit is not trusted far past the sizes it was
+measured at (one size cannot tell a fixed overhead from a rate, and small loads use fewer of the
+bulk path's connections): a hit more than `EXTRAPOLATE` times the largest load measured, that
+the fit says to skip, gets a probe of twice that size instead. While loads are skipped,
 every `PROBE_EVERY`-th skip still loads one chunk, so a path that got faster is noticed. A
 request whose whole prompt could not pay for a load skips the store lookup too (`worth_looking`:
 its round trip is a few percent of a short prefill).
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 
 WINDOW = 64  # samples each fit keeps (the latest)
 PROBE_EVERY = 16  # skipped loads in a row before one chunk is loaded anyway, to measure the path again
+EXTRAPOLATE = 4  # a load this many times the largest measured is probed before it is skipped
 # Steps computing fewer prompt tokens than this say little about the prefill rate (decode-bound).
 MIN_PREFILL_TOKENS = 32
 # Bounds (seconds) of the prediction error histogram (|measured - predicted| per load).
@@ -155,7 +157,7 @@ class LoadPredictor:
             assert load is not None and saved is not None
             if saved - load > best_gain:
                 best, best_gain = k, saved - load
-        if best == 0 and not self.loads.spread and n * chunk_blocks > self.loads.max_x:
+        if best == 0 and n * chunk_blocks > EXTRAPOLATE * self.loads.max_x:
             best = min(n, -(-2 * int(self.loads.max_x) // chunk_blocks))  # a larger probe: see above
         elif best == 0:
             self._skips_in_a_row += 1
@@ -173,7 +175,7 @@ class LoadPredictor:
         skip the lookup; every PROBE_EVERY-th such request looks anyway, and loads a chunk)."""
         if not self.enabled or max_chunks < 1 or not self.loads.measured or self.compute_seconds(1) is None:
             return True
-        if not self.loads.spread and max_chunks * chunk_blocks > self.loads.max_x:
+        if max_chunks * chunk_blocks > EXTRAPOLATE * self.loads.max_x:
             return True  # decide() probes a larger load
         for k in (1, max_chunks):  # the gain is linear in k: the best is at an end
             load = self.load_seconds(k * chunk_blocks)

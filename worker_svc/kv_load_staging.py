@@ -2,10 +2,11 @@
 
 The bulk path (kvstore_svc/bulk.py) receives each entry's payload straight into a buffer the
 caller gives. On CUDA that buffer is a slice of one pinned tensor of chunk-sized slots: the
-kernel's socket reads write the bytes where the DMA to the device reads them, with no copy in
-Python, no join and no pageable bounce (a pageable source makes the driver copy through its own
-pinned buffer at a few GB/s). Pinning is slow (~0.3 s a GiB on an H100 host), so the tensor is
-made once, ahead of the first load (`reserve`, on the worker's preparation thread), and reused.
+kernel's socket reads write the bytes where the DMA to the device (queued as each chunk is whole)
+reads them, with no copy in Python, no join and no pageable bounce (a pageable source makes the
+driver copy through its own pinned buffer at a few GB/s). Pinning is slow (~0.3 s a GiB on an
+H100 host), so the tensor is made once, ahead of the first load (`reserve`, on the worker's
+preparation thread), and reused.
 
 A load larger than the staging goes in rounds: each round waits for the upload out of the
 slots before it writes them again (`take` after `uploaded`).

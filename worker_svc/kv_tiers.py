@@ -430,7 +430,7 @@ class WorkerKVTiers:
         scatter per chunk launched 32 kernels a chunk: ~1,000 launches, ~30 ms of host time, for
         an 8k-token prefix of an 8B model.) On the CPU each chunk is scattered as it comes.
         Over the bulk path (a store on another host) the chunks land in pinned staging and go
-        up in one DMA per round (`_fetch_bulk`), then are verified and scattered the same way.
+        up as each arrives (`_fetch_bulk`), then are verified and scattered the same way.
         """
         c = self.chunk_blocks
         if not c or len(load.block_ids) != len(load.keys) * c:
@@ -497,8 +497,9 @@ class WorkerKVTiers:
         None when the store has no bulk path (the caller takes the other paths).
 
         Each payload is received by the transfer threads straight into a slot of the pinned
-        staging (`LoadStaging`), and each round of slots is one asynchronous DMA to the device:
-        no per-piece Python copy or join. Nothing here is trusted yet: the caller verifies every
+        staging (`LoadStaging`), and the thread that received it queues its asynchronous DMA to
+        the device at once (overlapping the chunks still arriving): no per-piece Python copy or
+        join. Nothing here is trusted yet: the caller verifies every
         chunk's MAC over the bytes on the device before any is scattered into the cache.
         """
         get_into = getattr(self.store, "get_into", None)
@@ -528,7 +529,24 @@ class WorkerKVTiers:
                     return bytearray(header.payload_length)
                 return memoryview(rows[i].numpy())
 
-            got = get_into(self.store_fingerprint, part, alloc)
+            received = None
+            if on_device:
+                # Each chunk's DMA is queued by its transfer thread as soon as it is whole, so
+                # the copies to the device overlap the chunks still arriving.
+                stream = torch.cuda.current_stream(self.device)
+
+                def received(
+                    i: int, header, view, host=host, first=first, stream=stream, nbytes=chunk_bytes
+                ) -> None:
+                    if header.payload_length != nbytes:
+                        return  # refused below
+                    try:
+                        with torch.cuda.stream(stream):
+                            staged[(first + i) * c : (first + i + 1) * c].copy_(host[i], non_blocking=True)
+                    except Exception as e:  # never breaks the transfer; the check below refuses it
+                        log.warning("kv bulk upload failed", extra={"error": repr(e)})
+
+            got = get_into(self.store_fingerprint, part, alloc, received=received)
             if got is None:
                 if first == 0:
                     return None  # no bulk path after all (unreachable): the other paths
@@ -539,8 +557,7 @@ class WorkerKVTiers:
                     break
                 headers.append(item[0])
                 n += 1
-            if on_device and n:
-                staged[first * c : (first + n) * c].view(n, *chunk_shape).copy_(host[:n], non_blocking=True)
+            if on_device and n:  # the uploads were queued by the transfer threads (`received`)
                 if self.load_staging is not None:
                     done = torch.cuda.Event()
                     done.record(torch.cuda.current_stream(self.device))

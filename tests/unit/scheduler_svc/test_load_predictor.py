@@ -122,7 +122,7 @@ def test_the_planner_loads_only_the_predicted_part_and_counts_the_prediction():
     assert stats.kv_load_bytes_per_second > 0 and stats.kv_prefill_tokens_per_second > 0
 
 
-def test_one_measured_size_gets_a_larger_probe_before_a_larger_hit_is_skipped():
+def test_a_hit_far_past_the_measured_sizes_gets_a_larger_probe_before_it_is_skipped():
     p = LoadPredictor(BS)
     p.observe_prefill(256, 0.0026)  # 1e-5 s per token
     p.observe_load(C, 4000, 0.0012)  # one chunk: 1.2 ms (overhead and rate unknown apart)
@@ -130,6 +130,8 @@ def test_one_measured_size_gets_a_larger_probe_before_a_larger_hit_is_skipped():
     assert p.decide(C, [C] * 32).chunks == 2
     p.observe_load(2 * C, 8000, 0.0014)  # 1 ms of overhead, 0.05 ms a block: now it is clear
     assert p.decide(C, [C] * 32).chunks == 32
+    assert p.decide(C, [C] * 4).chunks == 4  # within 4x of what was measured: as the fit says
+    assert p.decide(C, [C] * 2).chunks == 0  # 1.4 ms to load, 1.28 ms to compute
     assert p.decide(C, [C]).chunks == 0  # a short hit: 1.2 ms to load, 0.64 ms to compute
 
 
@@ -140,3 +142,13 @@ def test_a_request_that_no_hit_could_pay_for_skips_the_lookup_but_probes_now_and
     assert p.decide(C, [C] * 8).chunks == 1  # the lookup that went ahead loads one chunk
     assert predictor(load_s_per_block=1e-5, prefill_s_per_token=1e-5).worth_looking(C, 8)
     assert LoadPredictor(BS).worth_looking(C, 8)  # nothing measured: look
+
+
+def test_chunks_computed_instead_of_loaded_are_not_put_back():
+    blocks = BlockManager(256, BS, b"fp", True)
+    tiers = KVTierPlanner(blocks, 0, C, predictor(load_s_per_block=1e-3, prefill_s_per_token=1e-5))
+    req = _request("slow", 40 * BS, 32)
+    keys = [bytes([i]) for i in range(40)]
+    hit = tiers.find(req, keys, 0, 39)
+    tiers.admit(req, list(range(39)), 0, hit)
+    assert all(keys[(k + 1) * C - 1] in tiers._in_store for k in range(8))
