@@ -101,9 +101,9 @@ class LaunchedStep:
     prompt: PromptLogprobsPending | None = None  # prompt logprobs this step computes
     pooled: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # prompts pooled (embeddings)
     # Structured outputs, one step behind: a step launched while the one before it was in flight
-    # queues its forward at once, and its sampling (logits, rows) once the step before has been
+    # queues its forward at once, and its sampling (a call taking the masks) once the step before has been
     # finished, whose tokens its rows' grammars must accept first (`then_sample` of that step).
-    deferred: tuple[torch.Tensor, list[SamplingRow]] | None = None
+    deferred: Callable[[torch.Tensor | None], SampledIds] | None = None  # bitmask -> sampled ids
     then_sample: LaunchedStep | None = None
 
 
@@ -528,27 +528,42 @@ class ModelRunner:
             logits = logits[m:]
             if not sampling:
                 return launched
-        if num_verified:
-            bitmask = self.structured.bitmask([st.grammar for st in sampling])
-            rows = [
-                r
-                for st, d, n_out in zip(sampling, step.verified, step.outputs_before, strict=True)
-                for r in self._verify_rows(st, d, n_out)
-            ]
-            if bitmask is not None:  # one row per position; drafting sequences are unconstrained
-                bitmask = bitmask.repeat_interleave(torch.tensor([len(d) + 1 for d in step.verified]), dim=0)
-            launched.sampled = self.sampler.verify_async(logits, rows, step.verified, bitmask)
-        else:
-            sampling_rows = [self._sampling_row(st) for st in sampling]
-            if mask_after is not None:
-                # The forward is queued; the GPU runs it while the host finishes the step before
-                # (next, in StepPipeline.push) and fills the masks from its tokens (`finish`).
-                launched.deferred = (logits, sampling_rows)
-                mask_after.then_sample = launched
-                return launched
-            bitmask = self.structured.bitmask([st.grammar for st in sampling])
-            launched.sampled = self.sampler.sample_async(logits, sampling_rows, bitmask)
+        sample = self._sampler_call(
+            logits, sampling, step.verified if num_verified else None, step.outputs_before
+        )
+        if mask_after is not None:
+            # The forward is queued; the GPU runs it while the host finishes the step before
+            # (next, in StepPipeline.push) and fills the masks from its tokens (`finish`).
+            launched.deferred = sample
+            mask_after.then_sample = launched
+            return launched
+        launched.sampled = sample(self.structured.bitmask([st.grammar for st in sampling]))
         return launched
+
+    def _sampler_call(
+        self,
+        logits: torch.Tensor,
+        sampling: list[SequenceState],
+        verified: list[list[int]] | None,
+        outputs_before: list[int],
+    ) -> Callable[[torch.Tensor | None], SampledIds]:
+        """The step's sampling, given its rows' token bitmask (host int32; None: no grammar)."""
+        if verified is None:
+            rows = [self._sampling_row(st) for st in sampling]
+            return lambda bitmask: self.sampler.sample_async(logits, rows, bitmask)
+        rows = [
+            r
+            for st, d, n_out in zip(sampling, verified, outputs_before, strict=True)
+            for r in self._verify_rows(st, d, n_out)
+        ]
+        per_seq = torch.tensor([len(d) + 1 for d in verified])
+
+        def verify(bitmask: torch.Tensor | None) -> SampledIds:
+            if bitmask is not None:  # one row per position; drafting sequences are unconstrained
+                bitmask = bitmask.repeat_interleave(per_seq, dim=0)
+            return self.sampler.verify_async(logits, rows, verified, bitmask)
+
+        return verify
 
     @staticmethod
     def _grammars_wait_for(sampling: list[SequenceState]) -> LaunchedStep | None:
@@ -561,11 +576,9 @@ class ModelRunner:
 
     def _sample_deferred(self, launched: LaunchedStep) -> None:
         """Queue a deferred sampling, its rows masked by grammars that are now up to date."""
-        assert launched.deferred is not None
-        logits, rows = launched.deferred
-        launched.deferred = None
-        bitmask = self.structured.bitmask([st.grammar for st in launched.sampling])
-        launched.sampled = self.sampler.sample_async(logits, rows, bitmask)
+        sample, launched.deferred = launched.deferred, None
+        assert sample is not None
+        launched.sampled = sample(self.structured.bitmask([st.grammar for st in launched.sampling]))
 
     def _lora_slots(self, order: list[tuple[SequenceState, int]]) -> np.ndarray | None:
         """Each sequence's adapter slot, None when none uses one (the base path: no extra work)."""
