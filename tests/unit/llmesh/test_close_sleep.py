@@ -34,37 +34,8 @@ def _device_tensors(llm: LLM) -> list[weakref.ref]:
     return [weakref.ref(t) for t in (*list(runner.model.parameters())[:3], runner.kv_caches[0])]
 
 
-def test_close_frees_everything_and_twice_is_fine(smollm2: str) -> None:
+def test_sleep_wake_up_then_close_by_with(smollm2: str) -> None:
     before = _engine_threads()
-    llm = LLM(smollm2, **ENGINE)
-    assert _greedy(llm)
-    refs = _device_tensors(llm)
-    llm.close()
-    assert all(r() is None for r in refs)  # nothing holds the weights or the KV cache
-    assert _engine_threads() <= before
-    llm.close()  # idempotent
-    with pytest.raises(RuntimeError, match="closed"):
-        llm.generate([PROMPT], GREEDY, use_tqdm=False)
-    with pytest.raises(RuntimeError, match="closed"):
-        llm.sleep()
-
-
-def test_context_manager_and_del_free(smollm2: str) -> None:
-    before = _engine_threads()
-    with LLM(smollm2, **ENGINE) as llm:
-        expected = _greedy(llm)
-        refs = _device_tensors(llm)
-    assert llm.engine.closed
-    assert all(r() is None for r in refs)
-    llm = LLM(smollm2, **ENGINE)
-    assert _greedy(llm) == expected
-    refs = _device_tensors(llm)
-    del llm  # no gc.collect(): the engine's finalizer runs as the last reference goes
-    assert all(r() is None for r in refs)
-    assert _engine_threads() <= before
-
-
-def test_sleep_and_wake_up_keep_greedy_tokens(smollm2: str) -> None:
     with LLM(smollm2, **ENGINE) as llm:
         expected = _greedy(llm)
         weight = next(llm.engine.runner.model.parameters())
@@ -86,3 +57,23 @@ def test_sleep_and_wake_up_keep_greedy_tokens(smollm2: str) -> None:
         assert _greedy(llm) == expected
         with pytest.raises(ValueError, match="sleep level"):
             llm.sleep(level=3)
+        refs = _device_tensors(llm)
+        del weight
+    assert llm.engine.closed
+    assert all(r() is None for r in refs)  # nothing holds the weights or the KV cache
+    assert _engine_threads() <= before
+    llm.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate([PROMPT], GREEDY, use_tqdm=False)
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.sleep()
+
+
+def test_del_frees_at_once(smollm2: str) -> None:
+    before = _engine_threads()
+    llm = LLM(smollm2, **ENGINE)
+    assert _greedy(llm)
+    refs = _device_tensors(llm)
+    del llm  # no gc.collect(): the engine's finalizer runs as the last reference goes
+    assert all(r() is None for r in refs)
+    assert _engine_threads() <= before
