@@ -114,12 +114,14 @@ class ModelExecutor:
         # LoRA adapters' slots (None: none served), before the KV cache takes what memory is left.
         # Decodes with adapter rows replay lora_graphs.
         self.lora = make_lora_slots(config, self.model, self.dtype)
-        # An fp8 cache's scales are measured before the cache takes what memory is left.
         self.kv_cache_dtype = config.kv_cache_torch_dtype()
-        self.kv_scale_exponents = self._calibrate_kv_scales(KVCacheSpec.of(mc, bs, self.dtype, tp.size))
         kv_spec = KVCacheSpec.of(mc, bs, self.kv_cache_dtype, tp.size)
         self.num_kv_blocks = self._count_blocks(kv_spec)
         self.kv_caches = allocate_kv_cache(kv_spec, self.num_kv_blocks, self.device)
+        # An fp8 cache's scales, measured once the cache is allocated: the calibration prefill's
+        # kernels and workspaces then come out of the activation margin, as the first step's
+        # do, not out of the KV budget (measured before: 1.94x a bf16 cache's blocks, not 2x).
+        self.kv_scale_exponents = self._calibrate_kv_scales(KVCacheSpec.of(mc, bs, self.dtype, tp.size))
         if self.draft is not None:
             self.draft.allocate(self.num_kv_blocks, self.device)
         self.graphs = None  # DecodeGraphs once captured
@@ -139,7 +141,7 @@ class ModelExecutor:
             self.model, scratch, mc.vocab_size, self.max_model_len, self.device, self.tp
         )
         kv_scales.attach_kv_scales(self.model, exps, self.device)
-        if self.device.type == "cuda":  # the scratch cache and activations, before the budget is read
+        if self.device.type == "cuda":  # the scratch cache and its activations
             torch.cuda.empty_cache()
         log.info("fp8 KV cache scales", extra={"exponents": kv_scales.describe(exps)})
         return exps

@@ -85,3 +85,8 @@ class ByteViews(Sequence[torch.Tensor]):
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         return (c.view(torch.uint8) for c in self._caches)
+
+
+def movable(caches: list[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """`caches` as code that moves whole blocks should see them: bytes for an fp8 cache."""
+    return ByteViews(caches) if caches and caches[0].dtype == torch.float8_e4m3fn else caches

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from worker_svc.kv_cache import movable
 from worker_svc.kv_tiers import gather_blocks, scatter_blocks
 from worker_svc.parallel import TensorParallel
 from worker_svc.rank_channel import KV_GATHER, KV_SCATTER
@@ -67,11 +68,12 @@ class KVShardExchange:
 
 def serve_gather(tp: TensorParallel, kv_caches: list[torch.Tensor], block_ids: np.ndarray) -> None:
     """Another rank's side of `KVShardExchange.gather`."""
-    tp.gather_dim(gather_blocks(kv_caches, block_ids.tolist()), HEADS_DIM)
+    tp.gather_dim(gather_blocks(movable(kv_caches), block_ids.tolist()), HEADS_DIM)  # type: ignore[arg-type]
 
 
 def serve_scatter(tp: TensorParallel, kv_caches: list[torch.Tensor], block_ids: np.ndarray) -> None:
     """Another rank's side of `KVShardExchange.scatter`."""
+    kv_caches = movable(kv_caches)  # type: ignore[assignment]  # an fp8 cache's blocks as bytes, as rank 0's
     first = kv_caches[0]  # [2, num_blocks, block_size, heads, head_dim]: this rank's heads
     heads = first.shape[3] * tp.size
     shape = (len(block_ids), len(kv_caches), first.shape[0], first.shape[2], heads, first.shape[4])
