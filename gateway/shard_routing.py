@@ -2,7 +2,7 @@
 
 A router (router_svc) can relay Generate itself, but then every token crosses it once more. With
 `ShardPicker.Route` (router.proto) it only picks: `ShardRouter.generate` asks it for a shard,
-opens Generate on that shard over a channel kept per shard address (`ShardChannels`), and yields
+opens Generate on that shard over connections kept per shard address (`ShardChannels`), and yields
 the shard's responses as they come. A refusal before the first response (the shard is full, has
 no worker, or cannot be reached) asks Route again with that shard excluded; after the first
 response a shard's failure ends the call with its status, as the relay does. When every shard
@@ -36,18 +36,38 @@ log = logging.getLogger(__name__)
 
 IDLE_CLOSE_S = 60.0  # a shard channel unused this long is closed (the shard may have left)
 MAX_ATTEMPTS = 8  # shards tried for one request before giving up
+# Connections kept per shard. A shard's API processes share its port (SO_REUSEPORT): the kernel
+# hands each *connection* to one of them, and gRPC puts every stream of a channel on one
+# connection, so a caller with one connection per shard loads one API process of it while the
+# others idle (2-core machine: 2 connections from one process landed on the same one of 2 API
+# processes 5 times of 5; 8 split 4/4 to 6/2, 32 split 16/16 to 20/12). Several connections,
+# each stream on the least busy, spread the caller's streams over the shard's API processes.
+CONNECTIONS_PER_SHARD = 8
+# gRPC shares one connection among a process's channels with the same target and arguments (its
+# global subchannel pool): each of ours gets a pool of its own, so a connection of its own.
+OWN_CONNECTION = ("grpc.use_local_subchannel_pool", 1)
+
+
+@dataclasses.dataclass
+class _Lane:
+    """One connection to a shard and Generate on it."""
+
+    channel: grpc.aio.Channel
+    generate: Any  # Scheduler.Generate on it (unary-stream multicallable)
+    inflight: int = 0
 
 
 @dataclasses.dataclass
 class _ShardChannel:
-    channel: grpc.aio.Channel
-    generate: Any  # Scheduler.Generate on it (unary-stream multicallable)
+    """A shard's connections (`lanes`); a request streams on the one with the fewest streams."""
+
+    lanes: list[_Lane]
     inflight: int = 0
     last_used: float = 0.0
 
 
 class ShardChannels:
-    """Channels to shards, one per address, opened on first use and closed once idle.
+    """Channels to shards, `connections` per address, opened on first use and closed once idle.
 
     The channels carry no client interceptor: a grpc.aio interceptor wraps each streamed response
     in one more async iterator (an event-loop hop per token). The key rides as call metadata."""
@@ -57,50 +77,66 @@ class ShardChannels:
         security: ChannelSecurity | None = None,
         keepalive_s: float = DEFAULT_KEEPALIVE_S,
         idle_close_s: float = IDLE_CLOSE_S,
+        connections: int = CONNECTIONS_PER_SHARD,
     ) -> None:
         security = default_security() if security is None else security
-        self._security = dataclasses.replace(security, key=None)
+        self._security = dataclasses.replace(security, key=None, options=(*security.options, OWN_CONNECTION))
         self.metadata: tuple[tuple[str, str], ...] = bearer_metadata(security.key) if security.key else ()
         self.keepalive_s = keepalive_s
         self.idle_close_s = idle_close_s
+        self.connections = max(1, connections)
         self.channels: dict[str, _ShardChannel] = {}
         self._swept = time.monotonic()
 
-    def acquire(self, address: str) -> _ShardChannel:
+    def _lane(self, address: str) -> _Lane:
+        channel = open_channel(address, self._security, keepalive_s=self.keepalive_s)
+        call = channel.unary_stream(
+            GENERATE,
+            request_serializer=generation_pb2.GenerateRequest.SerializeToString,
+            response_deserializer=generation_pb2.GenerateResponse.FromString,
+        )
+        return _Lane(channel, call)
+
+    def acquire(self, address: str) -> _Lane:
+        """The least busy connection to `address` (counted busy until `release`)."""
         now = time.monotonic()
         if now - self._swept > self.idle_close_s / 4:
             self._sweep(now)
         entry = self.channels.get(address)
         if entry is None:
-            channel = open_channel(address, self._security, keepalive_s=self.keepalive_s)
-            call = channel.unary_stream(
-                GENERATE,
-                request_serializer=generation_pb2.GenerateRequest.SerializeToString,
-                response_deserializer=generation_pb2.GenerateResponse.FromString,
-            )
-            entry = self.channels[address] = _ShardChannel(channel, call)
+            lanes = [self._lane(address) for _ in range(self.connections)]
+            entry = self.channels[address] = _ShardChannel(lanes)
+        lane = min(entry.lanes, key=lambda lane: lane.inflight)
+        lane.inflight += 1
         entry.inflight += 1
         entry.last_used = now
-        return entry
+        return lane
 
-    def release(self, address: str, entry: _ShardChannel, broken: bool = False) -> None:
+    def release(self, address: str, lane: _Lane, broken: bool = False) -> None:
+        lane.inflight -= 1
+        entry = self.channels.get(address)
+        if entry is None or lane not in entry.lanes:
+            return  # its shard's connections were dropped meanwhile
         entry.inflight -= 1
         entry.last_used = time.monotonic()
-        if broken and entry.inflight == 0 and self.channels.get(address) is entry:
+        if broken and entry.inflight == 0:
             # The shard could not be reached: dial afresh next time (it may be another pod there).
             del self.channels[address]
-            _close_soon(entry.channel)
+            for each in entry.lanes:
+                _close_soon(each.channel)
 
     def _sweep(self, now: float) -> None:
         self._swept = now
         for address, entry in list(self.channels.items()):
             if entry.inflight == 0 and now - entry.last_used > self.idle_close_s:
                 del self.channels[address]
-                _close_soon(entry.channel)
+                for lane in entry.lanes:
+                    _close_soon(lane.channel)
 
     async def close(self) -> None:
         for entry in self.channels.values():
-            await entry.channel.close()
+            for lane in entry.lanes:
+                await lane.channel.close()
         self.channels.clear()
 
 

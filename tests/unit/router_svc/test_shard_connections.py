@@ -1,0 +1,59 @@
+"""ShardChannels keeps several connections per shard: a shard's API processes share its port and
+the kernel hands each connection, not each stream, to one of them, so one connection would load
+one API process. Real gRPC server on loopback; the server answers each call with its caller's port."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from gateway.shard_routing import ShardChannels
+from llmesh.v1 import generation_pb2 as g
+from llmesh.v1 import generation_pb2_grpc as gg
+from services.grpc_server import PLAINTEXT
+
+
+class PeerPort(gg.SchedulerServicer):
+    """Generate answers one response whose token is the caller's port (its connection)."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+
+    async def Generate(self, request, context):
+        await self.release.wait()  # every stream stays open until all were placed
+        yield g.GenerateResponse(token_ids=[int(context.peer().rsplit(":", 1)[1])])
+
+
+async def test_streams_spread_over_a_shards_connections():
+    server = grpc.aio.server()
+    servicer = PeerPort()
+    gg.add_SchedulerServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    address = f"127.0.0.1:{port}"
+    channels = ShardChannels(PLAINTEXT, connections=4)
+    try:
+        lanes = [channels.acquire(address) for _ in range(8)]
+        assert len({id(lane) for lane in lanes}) == 4  # the least busy first: 2 streams on each
+        assert all(lane.inflight == 2 for lane in lanes) and channels.channels[address].inflight == 8
+
+        async def one(lane) -> int:
+            call = lane.generate(g.GenerateRequest(), timeout=10)
+            return [t async for resp in call for t in resp.token_ids][0]
+
+        calls = [asyncio.ensure_future(one(lane)) for lane in lanes]
+        await asyncio.sleep(0.2)
+        servicer.release.set()
+        ports = await asyncio.gather(*calls)
+        assert len(set(ports)) == 4  # four TCP connections, not one shared by the process
+        for lane in lanes:
+            channels.release(address, lane)
+        assert channels.channels[address].inflight == 0
+        # An unreachable shard's connections are all dropped once none is in use.
+        lane = channels.acquire(address)
+        channels.release(address, lane, broken=True)
+        assert address not in channels.channels
+    finally:
+        await channels.close()
+        await server.stop(None)
