@@ -124,9 +124,6 @@ def scheduler_stats(address: str, security):
 
 
 def run_row(name: str, roles: list[str] | None, model: str, reqs, checks, args) -> dict[str, Any]:
-    from services.launcher import start_mesh
-
-    devices = args.devices.split(",")
     worker_args = [
         "--load-format", "dummy", "--dtype", "bfloat16" if args.cuda else "float32",
         "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
@@ -138,33 +135,50 @@ def run_row(name: str, roles: list[str] | None, model: str, reqs, checks, args) 
         "--no-tokenizer", "--max-model-len", str(args.max_model_len),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         "--disaggregation-threshold", str(args.threshold), "--stream-interval", "1",
+        "--handover-timeout-s", str(args.handover_timeout_s),
     ]  # fmt: skip
     with tempfile.TemporaryDirectory() as logs:
-        mesh = start_mesh(
-            2,
-            model=model,
-            worker_args=worker_args,
-            scheduler_args=sched_args,
-            kvstore=True,
-            kvstore_args=["--memory-bytes", args.store_bytes],
-            worker_roles=roles,
-            per_worker_args=[["--device", d] for d in devices],
-            log_dir=logs,
-        )
-        with mesh:
-            addr = mesh.scheduler.address
-            log(f"{name}: warming up")
-            # Prompts of their own: the workload's must find no cache warm (nor the store).
-            warm = [
-                [(i * 7919 + j * 31) % (args.vocab - 10) + 5 for j in range(args.chat_prompt[0])]
-                for i in range(4)
-            ]
-            asyncio.run(run_workload(addr, [(0.0, p, 4, "warm") for p in warm]))
-            before = scheduler_stats(addr, mesh.security)
-            log(f"{name}: the workload ({len(reqs)} requests)")
-            outs = asyncio.run(run_workload(addr, reqs))
-            after = scheduler_stats(addr, mesh.security)
-            greedy = asyncio.run(one_at_a_time(addr, checks, args.check_tokens))
+        try:
+            return _measure_row(name, roles, model, reqs, checks, args, logs, worker_args, sched_args)
+        except Exception:
+            for f in sorted(os.listdir(logs)):  # what the services said (the folder goes with the row)
+                with open(os.path.join(logs, f), errors="replace") as fh:
+                    log(f"--- {name}: {f} ---\n{fh.read()[-3000:]}")
+            raise
+
+
+def _measure_row(name, roles, model, reqs, checks, args, logs, worker_args, sched_args) -> dict[str, Any]:
+    from services.launcher import start_mesh
+
+    mesh = start_mesh(
+        2,
+        model=model,
+        worker_args=worker_args,
+        scheduler_args=sched_args,
+        kvstore=True,
+        kvstore_args=["--memory-bytes", args.store_bytes],
+        worker_roles=roles,
+        per_worker_args=[["--device", d] for d in args.devices.split(",")],
+        log_dir=logs,
+    )
+    with mesh:
+        addr = mesh.scheduler.address
+        log(f"{name}: warming up")
+        # Prompts of their own: the workload's must find no cache warm (nor the store).
+        warm = [
+            [(i * 7919 + j * 31) % (args.vocab - 10) + 5 for j in range(args.chat_prompt[0])]
+            for i in range(4)
+        ]
+        asyncio.run(run_workload(addr, [(0.0, p, 4, "warm") for p in warm]))
+        # And long ones (kernels compile for their shapes on first use; a handover in 1P+1D).
+        for i, n in enumerate(args.long_prompt):
+            long = [(i * 104729 + j * 17) % (args.vocab - 10) + 5 for j in range(n)]
+            asyncio.run(run_workload(addr, [(0.0, long, 4, "warm"), *[(0.0, p, 8, "warm") for p in warm]]))
+        before = scheduler_stats(addr, mesh.security)
+        log(f"{name}: the workload ({len(reqs)} requests)")
+        outs = asyncio.run(run_workload(addr, reqs))
+        after = scheduler_stats(addr, mesh.security)
+        greedy = asyncio.run(one_at_a_time(addr, checks, args.check_tokens))
     span = max(o["end"] for o in outs) - outs[0]["t0"]
     gaps = [gap for o in outs for gap in o["gaps"]]
     ttfts = [o["ttft"] for o in outs]
@@ -253,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long-prompt", type=int, nargs=2, default=[4096, 8192])
     ap.add_argument("--long-output", type=int, nargs=2, default=[32, 64])
     ap.add_argument("--threshold", type=int, default=1024, help="the scheduler's --disaggregation-threshold")
+    ap.add_argument("--handover-timeout-s", type=float, default=3.0, help="the scheduler's")
     ap.add_argument("--chunk-tokens", type=int, default=256, help="the workers' --kv-chunk-tokens")
     ap.add_argument("--max-model-len", type=int, default=8448)
     ap.add_argument("--max-num-seqs", type=int, default=128)
@@ -297,7 +312,13 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.rows.split(","):
             roles = None if name == "aggregated" else ["prefill", "decode"]
             t0 = time.perf_counter()
-            rows.append(run_row(name, roles, model, reqs, checks, args))
+            try:
+                rows.append(run_row(name, roles, model, reqs, checks, args))
+            except Exception as e:  # the other row still runs (one GPU call holds both)
+                if args.smoke:
+                    raise
+                log(f"{name} failed: {e!r}")
+                continue
             log(table(rows[-1:]), f"\n({time.perf_counter() - t0:.0f} s)")
     peer = None
     if args.cuda and len(set(args.devices.split(","))) == 2:
