@@ -193,6 +193,8 @@ def _measure_row(name, roles, model, reqs, checks, args, logs, worker_args, sche
         "long_ttft_p90_ms": 1000 * pct([o["ttft"] for o in outs if o["kind"] == "long"], 90),
         "itl_p50_ms": 1000 * pct(gaps, 50),
         "itl_p99_ms": 1000 * pct(gaps, 99),
+        "itl_p999_ms": 1000 * pct(gaps, 99.9),
+        "stalls_100ms": sum(g > 0.1 for g in gaps),  # gaps a stream waited over 100 ms
         "out_tok_s": sum(len(o["tokens"]) for o in outs) / span,
         "handovers": handovers,
         "fallbacks": after.pd_fallbacks - before.pd_fallbacks,
@@ -244,6 +246,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     cols = [
         ("row", "{}"), ("requests", "{}"), ("ttft_p50_ms", "{:.0f}"), ("ttft_p90_ms", "{:.0f}"),
         ("long_ttft_p90_ms", "{:.0f}"), ("itl_p50_ms", "{:.1f}"), ("itl_p99_ms", "{:.1f}"),
+        ("itl_p999_ms", "{:.0f}"), ("stalls_100ms", "{}"),
         ("out_tok_s", "{:.0f}"), ("handovers", "{}"), ("fallbacks", "{}"), ("handover_ms", "{:.1f}"),
         ("tail_tokens", "{:.0f}"),
     ]  # fmt: skip
@@ -261,16 +264,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chat-rate", type=float, default=8.0, help="chats per second")
     ap.add_argument("--chat-prompt", type=int, nargs=2, default=[128, 512])
     ap.add_argument("--chat-output", type=int, nargs=2, default=[128, 256])
-    ap.add_argument("--longs", type=int, default=24)
-    ap.add_argument("--long-rate", type=float, default=1.5, help="long prompts per second")
-    ap.add_argument("--long-start-s", type=float, default=3.0, help="when the first long prompt arrives")
+    ap.add_argument("--longs", type=int, default=60)
+    ap.add_argument("--long-rate", type=float, default=2.5, help="long prompts per second")
+    ap.add_argument("--long-start-s", type=float, default=0.5, help="when the first long prompt arrives")
     ap.add_argument("--long-prompt", type=int, nargs=2, default=[4096, 8192])
     ap.add_argument("--long-output", type=int, nargs=2, default=[32, 64])
     ap.add_argument("--threshold", type=int, default=1024, help="the scheduler's --disaggregation-threshold")
     ap.add_argument("--handover-timeout-s", type=float, default=3.0, help="the scheduler's")
     ap.add_argument("--chunk-tokens", type=int, default=256, help="the workers' --kv-chunk-tokens")
     ap.add_argument("--max-model-len", type=int, default=8448)
-    ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--put-bytes", default="8GiB", help="the workers' --kv-store-put-bytes")
     ap.add_argument("--store-bytes", default="24GiB", help="the KV store's --memory-bytes")
