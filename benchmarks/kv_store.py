@@ -287,7 +287,7 @@ def document_rows(args, engine_kw: dict, vocab: int, stack: ExitStack) -> list[t
         # serves gets only): its path is not what is measured.
         writer_kw = {k: v for k, v in path_kw.items() if k != "kv_store_transfer"}
         writer = LLM(kv_store=store, **writer_kw)
-        for d in docs + warm_docs:
+        for d in warm_docs + docs:  # the timed documents last: the most recent, never evicted first
             ttft(writer, d)
         writer.engine.flush_kv()
         writer.engine.close()
@@ -495,6 +495,13 @@ def main() -> None:
     kv_per_token = probe.engine.runner.kv_tiers.spec.bytes_per_block // probe.engine.info.block_size
     del probe
     release()
+    # Room in the store for every document an asker reads (timed and warm-up), its warm-up prompt
+    # and a margin: 8k-token documents of an 8B model are 1 GiB each, and a store that evicted
+    # the timed ones measured misses (computed) instead of loads.
+    needed = (args.docs + args.warm_loads + 2) * (args.prefix + args.suffix) * kv_per_token * 5 // 4
+    if args.store_bytes < needed:
+        print(f"store bytes {args.store_bytes} -> {needed} (every document fits)", file=sys.stderr)
+        args.store_bytes = needed
 
     with ExitStack() as stack:
         rows = [] if args.skip_documents else document_rows(args, engine_kw, vocab, stack)

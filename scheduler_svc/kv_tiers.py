@@ -236,8 +236,9 @@ class KVTierPlanner:
 
     def observe(self, plan: StepPlan, result: StepResult, busy_s: float) -> None:
         """Feed the load predictor what a plan's execution measured: the worker's timing of each
-        store load, and `busy_s` (the scheduler's timing of the step) as a prefill sample when
-        the step computed prompt tokens and loaded nothing."""
+        store load, and `busy_s` (the scheduler's timing of the step), less those loads, as a
+        prefill sample of the prompt tokens it computed. Steps after a load, which compute only
+        a prompt's tail, are what tells the fixed cost of a step from its rate per token."""
         p, st = self.predictor, self.stats
         predicted = self._predicted_by_step.pop(plan.step_id, [])
         reports = zip(result.kv_load_blocks, result.kv_load_bytes, result.kv_load_seconds, strict=False)
@@ -248,11 +249,12 @@ class KVTierPlanner:
                 error = abs(seconds - guess)
                 st.kv_load_error_counts[error_bucket(error)] += 1
                 st.kv_load_error_seconds += error
-        kv = plan.kv
-        if not kv.store_loads and not kv.load_block_ids:
+        # Host loads overlap the forward (a side stream); a failed store load computed more than
+        # the plan says: neither step is a clean sample.
+        if not plan.kv.load_block_ids and not result.failed_load_seq_ids:
             prompt = sum(s.num_new_tokens for s in plan.new_seqs)
             prompt += sum(s.num_new_tokens for s in plan.scheduled if s.num_new_tokens > 1)
-            p.observe_prefill(prompt, busy_s)
+            p.observe_prefill(prompt, max(0.0, busy_s - sum(result.kv_load_seconds)))
         st.kv_load_bytes_per_second = p.bytes_per_second
         st.kv_prefill_tokens_per_second = p.prefill_tokens_per_second
 

@@ -7,10 +7,13 @@ that worker actually uses (in place, shared memory, the bulk path from another h
 - loads: each store load's blocks and wall seconds, as the worker reports them in its StepResult
   (through its MAC check, which waits for the bytes on the device), fitted as
   `seconds = overhead + blocks * seconds_per_block` over the last `WINDOW` loads;
-- recompute: the scheduler's own timing of each step that computes prompt tokens and loads
-  nothing (result arrival minus the later of its send and the previous result: the worker's
-  busy time for it), fitted as `seconds = fixed + tokens * seconds_per_token`; a load saves the
-  marginal part, `tokens * seconds_per_token` (the step and its suffix run either way).
+- recompute: the scheduler's own timing of each step that computes prompt tokens (result
+  arrival minus the later of its send and the previous result: the worker's busy time for it,
+  less the store loads it reported), fitted as `seconds = fixed + tokens * seconds_per_token`;
+  a load saves the marginal part, `tokens * seconds_per_token` (the step and its suffix run
+  either way). Steps that loaded a prefix and computed only its tail are the short samples that
+  tell the fixed part from the rate: through one size alone (the origin), a 256-token prefix
+  of an 8B model looked twice as dear to compute as it is, and was loaded at a loss.
 
 The decision (`decide`) loads the first k chunks of a hit, the k that saves the most predicted
 time, or none: partial loads are allowed, the rest is computed in the same forward. The start is
@@ -105,12 +108,16 @@ class LoadPredictor:
         self.bytes_per_block = 0.0
         self._skips_in_a_row = 0
         self._probe_next = False  # a lookup went ahead as a probe: load a chunk of what it finds
+        self.lookup_s = 0.0  # a store lookup's wait (moving average): paid before any load
 
     # ----- measurements -----
     def observe_load(self, blocks: int, nbytes: int, seconds: float) -> None:
         if blocks > 0:
             self.loads.add(blocks, seconds)
             self.bytes_per_block = nbytes / blocks
+
+    def observe_lookup(self, seconds: float) -> None:
+        self.lookup_s = seconds if not self.lookup_s else 0.8 * self.lookup_s + 0.2 * seconds
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if tokens >= MIN_PREFILL_TOKENS:
@@ -171,8 +178,9 @@ class LoadPredictor:
         return LoadDecision(best, self.load_seconds(best * chunk_blocks), total - sum(wanted[:best]))
 
     def worth_looking(self, chunk_blocks: int, max_chunks: int) -> bool:
-        """Whether a store hit of up to `max_chunks` chunks could be worth loading at all (False:
-        skip the lookup; every PROBE_EVERY-th such request looks anyway, and loads a chunk)."""
+        """Whether a store hit of up to `max_chunks` chunks could be worth looking up and loading
+        at all, the lookup's own wait counted (False: skip the lookup; every PROBE_EVERY-th such
+        request looks anyway, and loads a chunk)."""
         if not self.enabled or max_chunks < 1 or not self.loads.measured or self.compute_seconds(1) is None:
             return True
         if max_chunks * chunk_blocks > EXTRAPOLATE * self.loads.max_x:
@@ -180,7 +188,7 @@ class LoadPredictor:
         for k in (1, max_chunks):  # the gain is linear in k: the best is at an end
             load = self.load_seconds(k * chunk_blocks)
             saved = self.compute_seconds(k * chunk_blocks * self.block_size)
-            if load is not None and saved is not None and saved > load:
+            if load is not None and saved is not None and saved > load + self.lookup_s:
                 return True
         self._skips_in_a_row += 1
         if self._skips_in_a_row % PROBE_EVERY == 0:

@@ -560,6 +560,7 @@ class Mesh:
         """Ask the KV store how many leading chunks of the prompt it holds; the request waits meanwhile."""
         info = slot.info
         chunk = info.kv_chunk_blocks
+        started = time.perf_counter()
         try:
             keys = extend_block_keys(
                 [], req.prompt_token_ids, info.block_size, info.fingerprint, req.cache_root
@@ -571,6 +572,8 @@ class Mesh:
                 self.config.kv_lookup_timeout_s,
             )
             req.store_hit_blocks = min(int(found), len(chunk_keys)) * chunk
+            # What a hit costs before any load (the load predictor weighs it).
+            slot.planner.tiers.predictor.observe_lookup(time.perf_counter() - started)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the store is slow or down: compute the prefix instead

@@ -9,7 +9,7 @@ from scheduler_svc.kv_tiers import KVTierPlanner
 from scheduler_svc.load_predictor import ERROR_BOUNDS, PROBE_EVERY, LinearFit, LoadPredictor
 from scheduler_svc.request import Request
 from services.sampling_params import SamplingParams
-from services.step import NewSequence, StepPlan, StepResult
+from services.step import KVTransfers, NewSequence, StepPlan, StepResult, StoreLoad
 
 BS = 16  # tokens per block
 C = 4  # blocks per chunk
@@ -142,6 +142,11 @@ def test_a_request_that_no_hit_could_pay_for_skips_the_lookup_but_probes_now_and
     assert p.decide(C, [C] * 8).chunks == 1  # the lookup that went ahead loads one chunk
     assert predictor(load_s_per_block=1e-5, prefill_s_per_token=1e-5).worth_looking(C, 8)
     assert LoadPredictor(BS).worth_looking(C, 8)  # nothing measured: look
+    close = predictor(load_s_per_block=1e-4, prefill_s_per_token=1e-5)  # 0.4 ms to save 0.64 per chunk
+    assert close.worth_looking(C, 1)
+    close.observe_lookup(0.0005)  # ... but the lookup itself waits 0.5 ms
+    assert not close.worth_looking(C, 1)
+    assert close.worth_looking(C, 8)  # 3.2 ms to save 5.1
 
 
 def test_chunks_computed_instead_of_loaded_are_not_put_back():
@@ -152,3 +157,21 @@ def test_chunks_computed_instead_of_loaded_are_not_put_back():
     hit = tiers.find(req, keys, 0, 39)
     tiers.admit(req, list(range(39)), 0, hit)
     assert all(keys[(k + 1) * C - 1] in tiers._in_store for k in range(8))
+
+
+def test_a_step_after_a_load_is_a_prefill_sample_of_its_tail():
+    blocks = BlockManager(256, BS, b"fp", True)
+    tiers = KVTierPlanner(blocks, 0, C, LoadPredictor(BS))
+    full = StepPlan(1, [NewSequence("a", [], 0, [], 0, 288, SamplingParams())])
+    tiers.observe(full, StepResult(1), 0.033)  # 288 tokens computed: 33 ms
+    assert tiers.predictor.compute_seconds(256) == pytest.approx(0.033 * 256 / 288)  # through 0
+    kv = KVTransfers(store_loads=[StoreLoad("b", [b"k"], list(range(C)))])
+    tail = StepPlan(2, [NewSequence("b", [], 0, [], 256, 32, SamplingParams())], kv=kv)
+    result = StepResult(2, kv_load_blocks=[C], kv_load_bytes=[C * 1000], kv_load_seconds=[0.012])
+    tiers.observe(tail, result, 0.032)  # 12 ms of load, then 32 tokens in 20 ms
+    assert tiers.predictor.compute_seconds(256) == pytest.approx(0.013 * 256 / 256)  # 50 us a token
+    failed = StepResult(
+        3, failed_load_seq_ids=["c"], kv_load_blocks=[0], kv_load_bytes=[0], kv_load_seconds=[0.01]
+    )
+    tiers.observe(StepPlan(3, [NewSequence("c", [], 0, [], 256, 32, SamplingParams())], kv=kv), failed, 0.5)
+    assert tiers.predictor.compute_seconds(256) == pytest.approx(0.013)  # not a clean sample
