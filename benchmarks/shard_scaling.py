@@ -4,7 +4,7 @@
         [--streams-per-shard 256] [--requests-per-shard 2048] [--prompt-len 128] [--output-len 128]
         [--stream-interval 1] [--api-server-count 6] [--client-procs-per-shard 8]
         [--router-procs 2N] [--router-reuse-port] [--router-policy index] [--one-via-router]
-        [--cpus-per-shard C] [--rows one,relay,direct]
+        [--cpus-per-shard C] [--rows one,relay,direct] [--connections-per-client 8]
     .venv/bin/python benchmarks/shard_scaling.py --smoke    # seconds, 2-core machine (make test)
 
 Issue 30's must-show "8 null workers over 4 shards >= 3.5x one shard", in one run and one table.
@@ -35,20 +35,26 @@ core's hyperthreads side by side (`cpu_order`: a slice of the host's cores, not 
 threads): the 1-shard row gets C CPUs, the N-shard row N x C: scale-out with the resources, not a smaller
 share of a fixed host. Shards not in a row are started but idle (no request reaches them).
 
+Each client process keeps `--connections-per-client` TCP connections per shard (or router) and
+spreads its streams over them: a shard's API processes share its port, and the kernel hands
+each connection, not each stream, to one of them, so with one connection per client process a
+shard's load lands on as few API processes as it has client processes, by chance.
+
 Reported per row: out tok/s, failed (errors other than RESOURCE_EXHAUSTED) and refused, TTFT
 and ITL, and the ratio of the N-shard row to the 1-shard row; and where the CPU went (from
 /proc, over the row): `rtr busy` the busiest router process (100 %: one core all the time, that
 process is the ceiling), `rtr us/t` the router tier's CPU per output token, `core busy` the
 busiest shard core (its planning loop is single-threaded), `row us/t` every process of the row
 (shards, API processes, workers, routers, clients) per output token: a host of C cores carries
-at most C / `row us/t` tokens a second, whatever the sharding. Exit 1 when any request failed.
+at most C / `row us/t` tokens a second, whatever the sharding; `API busy` / `cli busy` the
+busiest and idlest API process and client process; `Route p50` the direct row's Route call as
+its caller waits for it. Exit 1 when any request failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import os
 import subprocess
 import sys
@@ -60,7 +66,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from null_worker import VOCAB  # noqa: E402
-from serving import RequestStats, grpc_request, make_prompts, report, run_clients  # noqa: E402
+from serving import RequestStats, grpc_request, make_prompts, report  # noqa: E402
 
 from services.launcher import free_port, grpc_serving, wait_until  # noqa: E402
 
@@ -141,22 +147,64 @@ def busy(pids: list[int], before: dict[int, float], wall: float) -> list[float]:
     return [(cpu_seconds(p) - before.get(p, 0.0)) / wall for p in pids]
 
 
-def _client_process(target, prompts, output_len, concurrency, timeout, start_at, cpus, direct=False):
+def _client_process(
+    target, prompts, output_len, concurrency, timeout, start_at, cpus, direct=False, connections=1
+):
     """One client process (spawned): its share of streams against one address, from `start_at`;
-    `direct`: the address is a router, asked for a shard per request (route, then stream)."""
+    `direct`: the address is a router, asked for a shard per request (route, then stream).
+    Answers (stats, end time, Route's seconds per request: direct only)."""
     if cpus is not None:
         pin([os.getpid()], set(cpus))
     time.sleep(max(0.0, start_at - time.time()))
-    run = run_direct_clients if direct else functools.partial(run_clients, "grpc")
-    results, end = asyncio.run(run(target, prompts, output_len, concurrency, timeout))
-    return [asdict(r) for r in results], end
+    run = run_direct_clients if direct else run_grpc_clients
+    results, end, routes = asyncio.run(run(target, prompts, output_len, concurrency, timeout, connections))
+    return [asdict(r) for r in results], end, routes
+
+
+def _own_connection_stubs(target: str, connections: int) -> tuple[list, list]:
+    """`connections` channels to `target`, each a TCP connection of its own (gRPC otherwise shares
+    one among a process's channels to one target: its global subchannel pool)."""
+    import grpc
+
+    from gateway.shard_routing import OWN_CONNECTION
+    from llmesh.v1 import generation_pb2_grpc as gg
+    from services.grpc_server import channel_options
+
+    channels = [
+        grpc.aio.insecure_channel(target, options=[*channel_options(), OWN_CONNECTION])
+        for _ in range(max(1, connections))
+    ]
+    return channels, [gg.SchedulerStub(c) for c in channels]
+
+
+async def run_grpc_clients(
+    target: str, prompts: list[list[int]], output_len: int, concurrency: int, timeout: float, connections: int
+) -> tuple[list[RequestStats], float, list[float]]:
+    """`concurrency` streams straight to `target` over `connections` connections (stream i on
+    connection i mod n): a shard's API processes share its port and the kernel spreads connections,
+    not streams, over them."""
+    queue = list(reversed(prompts))
+    results: list[RequestStats] = []
+    channels, stubs = _own_connection_stubs(target, connections)
+
+    async def loop(stub) -> None:
+        while queue:
+            results.append(await grpc_request(stub, queue.pop(), output_len, timeout))
+
+    try:
+        await asyncio.gather(*(loop(stubs[i % len(stubs)]) for i in range(concurrency)))
+    finally:
+        for c in channels:
+            await c.close()
+    return results, time.time(), []
 
 
 async def run_direct_clients(
-    router: str, prompts: list[list[int]], output_len: int, concurrency: int, timeout: float
-) -> tuple[list[RequestStats], float]:
+    router: str, prompts: list[list[int]], output_len: int, concurrency: int, timeout: float, connections: int
+) -> tuple[list[RequestStats], float, list[float]]:
     """`concurrency` streams that ask the router (ShardPicker.Route) for a shard and stream from it
-    (gateway/shard_routing.py, as the gateway with --direct-to-shards), over `prompts`."""
+    (gateway/shard_routing.py, as the gateway with --direct-to-shards, `connections` per shard),
+    over `prompts`; also each Route call's seconds."""
     from gateway.shard_routing import ShardChannels, ShardRouter
     from llmesh.v1 import router_pb2_grpc
     from services.grpc_server import open_channel
@@ -165,11 +213,25 @@ async def run_direct_clients(
         def __init__(self, routed: ShardRouter) -> None:
             self.Generate = lambda request, timeout: routed.generate(request, timeout)  # noqa: N815
 
+    routes: list[float] = []
+
+    class TimedPicker:  # Route's latency as the caller sees it (queueing in both processes included)
+        def __init__(self, stub: router_pb2_grpc.ShardPickerStub) -> None:
+            self.stub = stub
+
+        async def Route(self, ask, **kw):  # noqa: N802
+            t0 = time.perf_counter()
+            try:
+                return await self.stub.Route(ask, **kw)
+            finally:
+                routes.append(time.perf_counter() - t0)
+
     queue = list(reversed(prompts))
     results: list[RequestStats] = []
     channel = open_channel(router)  # Route is internal: this host's mesh key (services/mesh_secret.py)
-    channels = ShardChannels()
-    stub = Stub(ShardRouter(router_pb2_grpc.ShardPickerStub(channel), channels))
+    channels = ShardChannels(connections=connections)
+    picker = TimedPicker(router_pb2_grpc.ShardPickerStub(channel))
+    stub = Stub(ShardRouter(picker, channels))  # type: ignore[arg-type]
 
     async def loop() -> None:
         while queue:
@@ -180,7 +242,7 @@ async def run_direct_clients(
     finally:
         await channels.close()
         await channel.close()
-    return results, time.time()
+    return results, time.time(), routes
 
 
 def _warm(_: int) -> int:
@@ -201,21 +263,24 @@ def drive(
     timeout: float,
     cpus,
     direct: bool = False,
-) -> tuple[list[RequestStats], float]:
-    """`streams` streams in `procs` client processes, process i against targets[i % len]."""
+    connections: int = 1,
+) -> tuple[list[RequestStats], float, list[float]]:
+    """`streams` streams in `procs` client processes, process i against targets[i % len]; (stats,
+    wall seconds, Route's seconds per request)."""
     procs = max(1, min(procs, streams))
     start_at = time.time() + 1.0
     futures = [
         pool.submit(
             _client_process, targets[i % len(targets)], prompts[i::procs], output_len,
             streams // procs + (i < streams % procs), timeout, start_at,
-            sorted(cpus) if cpus is not None else None, direct,
+            sorted(cpus) if cpus is not None else None, direct, connections,
         )
         for i in range(procs)
     ]  # fmt: skip
     parts = [f.result() for f in futures]
-    results = [RequestStats(**r) for part, _ in parts for r in part]
-    return results, max(end for _, end in parts) - start_at
+    results = [RequestStats(**r) for part, _, _ in parts for r in part]
+    routes = [t for _, _, part in parts for t in part]
+    return results, max(end for _, end, _ in parts) - start_at, routes
 
 
 # ----- the mesh -----
@@ -336,6 +401,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--client-procs-per-shard", type=int, default=8, help="(8: as that best run)")
     ap.add_argument(
+        "--connections-per-client",
+        type=int,
+        default=8,
+        help="TCP connections each client process keeps per shard (streams spread over them); a "
+        "shard's API processes share its port and the kernel spreads connections, not streams, over "
+        "them (1: every stream of a client process on one API process of the shard)",
+    )
+    ap.add_argument(
         "--router-procs",
         type=int,
         default=None,
@@ -442,14 +515,20 @@ def main(argv: list[str] | None = None) -> int:
                 everything += [p.pid for p in mesh.routers] + sorted(client_pids)
                 before_all = {p: cpu_seconds(p) for p in everything}
                 served_before = [served(s.address) for s in shards]
-                results, wall = drive(
+                results, wall, routes = drive(
                     pool, targets, clients, prompts, args.output_len, streams, args.timeout, cpus,
-                    direct=how == "direct",
+                    direct=how == "direct", connections=args.connections_per_client,
                 )  # fmt: skip
                 row = report(label, streams, results, wall)
                 per_shard = 1 + args.api_server_count + args.workers_per_shard
                 loads = busy(watched, before, wall + 1.0)  # the clients start 1 s after `before`
                 row_cpu = sum(busy(everything, before_all, 1.0))  # CPU seconds of the whole row
+                # Who was busy (a process at 100 % is a ceiling): API processes, workers, clients.
+                share = dict(zip(everything, busy(everything, before_all, wall + 1.0), strict=True))
+                apis = [share[p] for s in shards for p in _tree(s.procs[0].pid)[1:] if p in share]
+                workers = [share[p.pid] for s in shards for p in s.procs[1:]]
+                client_load = sorted((share[p] for p in client_pids), reverse=True)[: min(clients, streams)]
+                routes.sort()
                 tokens = max(row["tok_s"] * wall, 1)
                 router_load, core_load = loads[: len(mesh.routers)], loads[len(mesh.routers) :]
                 row.update(
@@ -458,13 +537,24 @@ def main(argv: list[str] | None = None) -> int:
                     row_us_tok=1e6 * row_cpu / tokens,
                     shards=n, procs=n * per_shard + router_procs + min(clients, streams),
                     cpus=len(cpus) if cpus else ncpu, router_procs=router_procs,
+                    api_max=max(apis, default=0.0), api_min=min(apis, default=0.0),
+                    worker_max=max(workers, default=0.0), client_max=max(client_load, default=0.0),
+                    client_min=min(client_load, default=0.0),
+                    route_p50=routes[len(routes) // 2] * 1e3 if routes else 0.0,
+                    route_p99=routes[int(len(routes) * 0.99)] * 1e3 if routes else 0.0,
                 )  # fmt: skip
                 rows.append(row)
                 per = [served(s.address) - b for s, b in zip(shards, served_before, strict=True)]
                 print(
                     f"{label}: {row['tok_s']:,.0f} out tok/s, {row['failed']} failed, "
                     f"{row['refused']} refused of {row['requests']}; requests per shard "
-                    f"{[tokens // args.prompt_len for tokens in per]}",
+                    f"{[tokens // args.prompt_len for tokens in per]}; busy (100 %: a core): core "
+                    f"{100 * row['core_busy']:.0f} %, API processes {100 * row['api_max']:.0f}-"
+                    f"{100 * row['api_min']:.0f} %, workers <= {100 * row['worker_max']:.0f} %, clients "
+                    f"{100 * row['client_max']:.0f}-{100 * row['client_min']:.0f} %"
+                    + (
+                        f"; Route p50 {row['route_p50']:.2f} ms, p99 {row['route_p99']:.2f} ms" * bool(routes)
+                    ),
                     flush=True,
                 )
         except BaseException:
@@ -480,7 +570,8 @@ def main(argv: list[str] | None = None) -> int:
         f"null workers, prompt {args.prompt_len}, output {args.output_len}, stream interval "
         f"{args.stream_interval}; per shard: {args.workers_per_shard} null workers, "
         f"{args.api_server_count} API processes, {args.streams_per_shard} streams, "
-        f"{args.requests_per_shard} requests, {args.client_procs_per_shard} client processes; "
+        f"{args.requests_per_shard} requests, {args.client_procs_per_shard} client processes of "
+        f"{args.connections_per_client} connections each; "
         f"router: {args.router_policy}, "
         + ("one port (SO_REUSEPORT)" if args.router_reuse_port else "a port per process")
         + f"; host: {ncpu} cores"
@@ -488,17 +579,23 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{'row':<28}{'streams':>8}{'reqs':>7}{'failed':>7}{'refused':>8}{'out tok/s':>11}{'vs 1':>7}"
         f"{'TTFT p50':>10}{'ITL p50':>9}{'ITL p99':>9}{'routers':>8}{'rtr busy':>9}{'rtr us/t':>9}"
-        f"{'core busy':>10}{'row us/t':>9}{'procs':>6}{'cpus':>5}"
+        f"{'core busy':>10}{'API busy':>10}{'cli busy':>10}{'Route p50':>10}{'row us/t':>9}"
+        f"{'procs':>6}{'cpus':>5}"
     )
     base = rows[0]["tok_s"] if rows[0]["shards"] == 1 else 0.0
     vs = lambda r: f"{r['tok_s'] / base:>6.2f}x" if base else f"{'—':>7}"  # noqa: E731
+    spread = lambda hi, lo: f"{100 * hi:.0f}-{100 * lo:.0f}%"  # noqa: E731  busiest-idlest process
+    ms = lambda t: f"{t:.2f}ms" if t else ""  # noqa: E731
     for r in rows:
         print(
             f"{r['path']:<28}{r['concurrency']:>8}{r['requests']:>7}{r['failed']:>7}{r['refused']:>8}"
             f"{r['tok_s']:>11,.0f}{vs(r)}"
             f"{r['ttft_p50_ms']:>8.1f}ms{r['itl_p50_ms']:>7.2f}ms{r['itl_p99_ms']:>7.2f}ms"
             f"{r['router_procs']:>8}{100 * r['router_busy']:>8.0f}%{r['router_us_tok']:>9.1f}"
-            f"{100 * r['core_busy']:>9.0f}%{r['row_us_tok']:>9.1f}{r['procs']:>6}{r['cpus']:>5}"
+            f"{100 * r['core_busy']:>9.0f}%{spread(r['api_max'], r['api_min']):>10}"
+            f"{spread(r['client_max'], r['client_min']):>10}"
+            f"{ms(r['route_p50']):>10}"
+            f"{r['row_us_tok']:>9.1f}{r['procs']:>6}{r['cpus']:>5}"
         )
         if r["errors"]:
             print(f"    errors: {r['errors']}")
