@@ -123,6 +123,15 @@ def scheduler_stats(address: str, security):
         return worker_pb2_grpc.RegistryStub(channel).GetStats(worker_pb2.GetStatsRequest(), timeout=10)
 
 
+def per_worker_args(args: argparse.Namespace) -> list[list[str]]:
+    """Each worker's device; two on one GPU split it (a worker's budget is its fraction of the
+    device less what is in use there: the second one's 0.85 leaves it what the first left)."""
+    devices = args.devices.split(",")
+    shared = args.cuda and devices[0] == devices[1]
+    return [["--device", d, *(["--gpu-memory-utilization", str(0.42 * (i + 1))] if shared else [])]
+            for i, d in enumerate(devices)]  # fmt: skip
+
+
 def run_row(name: str, roles: list[str] | None, model: str, reqs, checks, args) -> dict[str, Any]:
     worker_args = [
         "--load-format", "dummy", "--dtype", "bfloat16" if args.cuda else "float32",
@@ -158,7 +167,7 @@ def _measure_row(name, roles, model, reqs, checks, args, logs, worker_args, sche
         kvstore=True,
         kvstore_args=["--memory-bytes", args.store_bytes],
         worker_roles=roles,
-        per_worker_args=[["--device", d] for d in args.devices.split(",")],
+        per_worker_args=per_worker_args(args),
         log_dir=logs,
     )
     with mesh:
