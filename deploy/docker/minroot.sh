@@ -7,7 +7,8 @@
 #
 # Run in a Debian build stage with python3 (3.11) and binutils. DEST gets: the python3.11
 # interpreter; its standard library without what a server never imports (tests, IDLE, tkinter,
-# turtle, ensurepip, lib2to3, pydoc's topics, the curses/readline/dbm/sqlite modules); VENV,
+# turtle, ensurepip, lib2to3, pydoc's topics, the curses/readline/dbm/sqlite modules, and nis and
+# crypt, deprecated, whose libnsl pulls in Kerberos); VENV,
 # trimmed (tests, type stubs, C sources, the wheels' extension modules stripped of debug symbols); the
 # shared libraries that the interpreter, its extension modules and VENV's shared objects load,
 # found with ldd (the ones wheels bundle stay in the wheels); libgcc_s (glibc loads it when a
@@ -42,6 +43,7 @@ tar -C / -cf - \
     --exclude="$rel/lib-dynload/_tkinter*" --exclude="$rel/lib-dynload/_curses*" \
     --exclude="$rel/lib-dynload/readline*" --exclude="$rel/lib-dynload/_dbm*" \
     --exclude="$rel/lib-dynload/_gdbm*" --exclude="$rel/lib-dynload/_sqlite3*" \
+    --exclude="$rel/lib-dynload/nis*" --exclude="$rel/lib-dynload/_crypt*" \
     "$rel" | tar -C "$dest" -xf -
 # Debian links sitecustomize.py to /etc/python3.X.
 [ -d "/etc/$ver" ] && cp -a "/etc/$ver" "$dest/etc/"

@@ -84,6 +84,8 @@ def stack():
         if subprocess.run(["podman", "image", "exists", image], env=env).returncode != 0:
             pytest.fail(f"{image} is not built: run `make images` first")
     _compose("down", env=env, timeout=300)  # a stack left by an interrupted run
+    available, _ = _host_memory()
+    print(f"\nhost MemAvailable before up: {available:.1f} GB (the stack takes ~4.5 GB)")
     started = time.monotonic()
     up = _compose("up", "--scale", f"worker={WORKERS}", env=env)
     assert up.returncode == 0, up.stdout[-4000:] + up.stderr[-4000:]
@@ -184,21 +186,52 @@ def _dump_stacks(env: dict[str, str]) -> None:
                 print(f"--- py-spy {name} pid {pid} ---\n{out.stdout[-12000:]}{out.stderr[-2000:]}")
 
 
+def _host_memory() -> tuple[float, float]:
+    """(MemAvailable in GB, the share of the last 10 s some task stalled on memory, in %)."""
+    meminfo = Path("/proc/meminfo").read_text()
+    available = next(int(ln.split()[1]) for ln in meminfo.splitlines() if ln.startswith("MemAvailable:"))
+    try:
+        some = Path("/proc/pressure/memory").read_text().splitlines()[0]
+        pressure = float(some.split("avg10=")[1].split()[0])
+    except (OSError, IndexError, ValueError):
+        pressure = 0.0
+    return available / 1e6, pressure
+
+
+def _oom_kills() -> str:
+    out = subprocess.run(["dmesg", "-T"], capture_output=True, text=True)
+    lines = out.stdout.splitlines()
+    return "\n".join(line for line in lines if "Killed process" in line or "invoked oom" in line)
+
+
 def _join_watching(threads: list[threading.Thread], env: dict[str, str], stall_s: float = 45) -> None:
     """Wait for the streams; if none of them moves for `stall_s`, print every container's log and
-    every stack once (the stall of issue 33), then keep waiting."""
+    every stack once, then keep waiting. The host's memory is watched meanwhile: the one stall seen
+    (issue 33) came with the host out of memory (another process of 16 GB on the 24 GB VM without
+    swap, OOM-killed while the restarted worker loaded), not from the stack."""
     deadline = time.monotonic() + 600
     reported = False
+    oom_before = _oom_kills()
+    low, high = _host_memory()
     while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
         time.sleep(2)
+        available, pressure = _host_memory()
+        low, high = min(low, available), max(high, pressure)
         idle = time.monotonic() - _progress["at"]
         if idle > stall_s and not reported and any(t.is_alive() for t in threads):
             reported = True
-            print(f"\n=== STALL: no stream moved for {idle:.0f} s; logs and stacks follow ===")
+            print(
+                f"\n=== STALL: no stream moved for {idle:.0f} s; host MemAvailable {available:.1f} GB, "
+                f"memory pressure {pressure:.0f} %; logs and stacks follow ==="
+            )
             _print_logs(env, tail=400)
             _dump_stacks(env)
     for t in threads:
         t.join(timeout=1)
+    print(f"host during the failover: MemAvailable down to {low:.1f} GB, memory pressure up to {high:.0f} %")
+    new_kills = _oom_kills().removeprefix(oom_before).strip()
+    if new_kills:
+        print(f"the kernel OOM-killed meanwhile:\n{new_kills}")
 
 
 STREAMS = 8
