@@ -17,15 +17,17 @@ that worker actually uses (in place, shared memory, the bulk path from another h
 
 The decision (`decide`) loads the first k chunks of a hit, the k that saves the most predicted
 time, or none: partial loads are allowed, the rest is computed in the same forward. The start is
-conservative. A path not measured yet is never trusted with a whole prefix: a load is one chunk
-(a probe, whose timing is the first sample). With no prefill measured yet there is nothing to
-compare against, and the hit is loaded as before. A fit is not trusted far past the sizes it was
-measured at (one size cannot tell a fixed overhead from a rate, and small loads use fewer of the
-bulk path's connections): a hit more than `EXTRAPOLATE` times the largest load measured, that
-the fit says to skip, gets a probe of twice that size instead. While loads are skipped,
-every `PROBE_EVERY`-th skip still loads one chunk, so a path that got faster is noticed. A
-request whose whole prompt could not pay for a load skips the store lookup too (`worth_looking`:
-its round trip is a few percent of a short prefill).
+conservative. Until a worker's loads are measured they are predicted, from the block size the
+worker announces, at a prior bandwidth (`--kv-load-prior-gbps`, 1 GB/s: over gRPC between hosts
+0.4-0.75 was measured, the bulk path 6-17, the same host's arena ~30); a hit the prior says not
+to load gets one chunk (a probe, whose timing is the first sample). With no prefill measured yet
+there is nothing to compare against, and the hit is loaded as before. A fit is not trusted far
+past the sizes it was measured at (one size cannot tell a fixed overhead from a rate, and small
+loads use fewer of the bulk path's connections): a hit more than `EXTRAPOLATE` times the largest
+load measured, that the fit says to skip, gets a probe of twice that size. While loads are
+skipped, every `PROBE_EVERY`-th skip still loads one chunk, so a path that got faster is
+noticed. A request whose whole prompt could not pay for a load skips the store lookup too
+(`worth_looking`: its round trip is a few percent of a short prefill).
 
 The prediction and its error are counted (KVTierStats -> WorkerStats -> the gateway's /metrics:
 llmesh:kv_load_predicted_seconds, llmesh:kv_load_prediction_error_seconds, llmesh:kv_load_skipped).
@@ -100,9 +102,15 @@ class LoadDecision:
 
 
 class LoadPredictor:
-    def __init__(self, block_size: int, enabled: bool = True) -> None:
+    def __init__(
+        self, block_size: int, enabled: bool = True, block_bytes: int = 0, prior_bytes_per_s: float = 1e9
+    ) -> None:
+        """`block_bytes`: a KV block's bytes in the store (0: unknown, so an unmeasured path is
+        probed); `prior_bytes_per_s`: the bandwidth assumed until loads are measured."""
         self.block_size = block_size
         self.enabled = enabled
+        self.block_bytes = block_bytes
+        self.prior_bytes_per_s = prior_bytes_per_s
         self.loads = LinearFit()  # x: blocks loaded, y: seconds
         self.prefill = LinearFit()  # x: prompt tokens computed, y: seconds
         self.bytes_per_block = 0.0
@@ -126,6 +134,10 @@ class LoadPredictor:
     def load_seconds(self, blocks: int) -> float | None:
         fit = self.loads.coefficients()
         return None if fit is None else fit[0] + fit[1] * blocks
+
+    def _load_or_prior(self, blocks: int) -> float:
+        fit = self.load_seconds(blocks)
+        return fit if fit is not None else blocks * self.block_bytes / self.prior_bytes_per_s
 
     def compute_seconds(self, tokens: int) -> float | None:
         """The prefill time `tokens` more prompt tokens add to a step (its marginal cost)."""
@@ -154,16 +166,20 @@ class LoadPredictor:
             return LoadDecision(n, self.load_seconds(n * chunk_blocks))
         if self.compute_seconds(1) is None:  # no prefill measured: nothing to weigh it against
             return LoadDecision(n, self.load_seconds(n * chunk_blocks))
-        if not self.loads.measured:  # an unmeasured path gets one chunk (a probe)
+        measured = self.loads.measured
+        if not measured and not self.block_bytes:  # nothing to predict from: one chunk (a probe)
             return LoadDecision(1, None, total - wanted[0])
         best, best_gain, filled = 0, 0.0, 0
         for k in range(1, n + 1):
             filled += wanted[k - 1]
-            load = self.load_seconds(k * chunk_blocks)
+            load = self._load_or_prior(k * chunk_blocks)
             saved = self.compute_seconds(filled * self.block_size)
-            assert load is not None and saved is not None
+            assert saved is not None
             if saved - load > best_gain:
                 best, best_gain = k, saved - load
+        if not measured:  # as the prior says, or a probe where it says no
+            k = best or 1
+            return LoadDecision(k, self._load_or_prior(k * chunk_blocks), total - sum(wanted[:k]))
         if best == 0 and n * chunk_blocks > EXTRAPOLATE * self.loads.max_x:
             best = min(n, -(-2 * int(self.loads.max_x) // chunk_blocks))  # a larger probe: see above
         elif best == 0:

@@ -154,6 +154,12 @@ class MeshConfig:
         "the worker's measured load bandwidth and prefill rate (scheduler_svc/load_predictor.py); "
         "--no-kv-load-predictor: load every hit",
     )
+    kv_load_prior_gbps: float = option(
+        1.0,
+        gt=0,
+        help="the KV store load bandwidth (GB/s) the load predictor assumes until a worker's loads "
+        "are measured (a hit it says not to load gets one chunk, to measure the path)",
+    )
     # Larger values cut the per-token messages (one gRPC write, one SSE event each) that cost the
     # host more than the GPU at high concurrency, at the price of burstier streams.
     stream_interval: int = option(
@@ -266,7 +272,9 @@ class Mesh:
         )
         if self.kv_events is not None:  # the routers in front hear of every key it holds
             blocks.listener = self.kv_events.worker(worker_id, info.block_size, info.fingerprint)
-        predictor = LoadPredictor(info.block_size, self.config.kv_load_predictor)
+        prior = self.config.kv_load_prior_gbps * 1e9
+        on = self.config.kv_load_predictor
+        predictor = LoadPredictor(info.block_size, on, info.kv_block_bytes, prior)
         tiers = KVTierPlanner(blocks, info.num_host_blocks, info.kv_chunk_blocks, predictor)
         spec = SpecDecodePolicy(
             info.num_speculative_tokens, info.spec_disable_by_batch_size, info.spec_drafts_ahead

@@ -217,6 +217,8 @@ class WorkerInfo:
     # requests, "prefill" only prompts (their first token), "decode" the rest (scheduler_svc/
     # disaggregation.py).
     role: str = ""
+    # Bytes of one KV block as the store holds it (0 = unknown): the load predictor's prior.
+    kv_block_bytes: int = 0
 
 
 def store_fingerprint(fingerprint: bytes, chunk_blocks: int) -> bytes:

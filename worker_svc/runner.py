@@ -299,6 +299,7 @@ class ModelRunner:
             max_loras=self.executor.lora.max_loras if self.executor.lora is not None else 0,
             max_lora_rank=self.executor.lora.max_rank if self.executor.lora is not None else 0,
             role=self.config.role,
+            kv_block_bytes=self.kv_tiers.spec.bytes_per_block,
         )
 
     @staticmethod

@@ -6,7 +6,7 @@ import pytest
 
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.kv_tiers import KVTierPlanner
-from scheduler_svc.load_predictor import ERROR_BOUNDS, PROBE_EVERY, LinearFit, LoadPredictor
+from scheduler_svc.load_predictor import ERROR_BOUNDS, PROBE_EVERY, LinearFit, LoadDecision, LoadPredictor
 from scheduler_svc.request import Request
 from services.sampling_params import SamplingParams
 from services.step import KVTransfers, NewSequence, StepPlan, StepResult, StoreLoad
@@ -77,6 +77,12 @@ def test_unmeasured_paths_start_conservatively():
     fresh.observe_prefill(256, 0.01)
     probe = fresh.decide(C, [C] * 8)
     assert probe.chunks == 1 and probe.predicted_seconds is None  # an unmeasured path: one chunk
+    # With the worker's block size a prior bandwidth predicts: 1 MB blocks at 1 GB/s, 1 ms each.
+    prior = LoadPredictor(BS, block_bytes=1_000_000, prior_bytes_per_s=1e9)
+    prior.observe_prefill(256, 0.256)  # 1 ms a token: a block (16 tokens) computes in 16 ms
+    assert prior.decide(C, [C] * 8) == LoadDecision(8, pytest.approx(0.032), 0)
+    prior.observe_prefill(512, 0.256 + 256e-5)  # ... now 10 us a token: a block computes in 0.16 ms
+    assert prior.decide(C, [C] * 8).chunks == 1  # the prior says no: a probe
     off = LoadPredictor(BS, enabled=False)
     off.observe_prefill(256, 0.01)
     assert off.decide(C, [C] * 8).chunks == 8
