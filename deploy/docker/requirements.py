@@ -1,11 +1,14 @@
 """Print llmesh's runtime requirements from pyproject.toml, one a line (the images' dependency layer).
 
     python deploy/docker/requirements.py pyproject.toml [--extra gpu] [--drop torch ...] [--keep fastapi ...]
+    python deploy/docker/requirements.py pyproject.toml --keep-gateway [--no-deps-part]
 
 The images install dependencies before the sources, so that a source change rebuilds only the last
 layer; this reads them from the one place they are declared instead of a copied list. `--drop`
 leaves a distribution out (the light image: torch); `--keep` prints only the named ones (the
-gateway image: what the gateway and the router import, with their version bounds from here).
+gateway image: what the gateway and the router import, with their version bounds from here;
+`--keep-gateway` names that list, `GATEWAY`, and `--no-deps-part` the part pip installs without its
+dependencies, `GATEWAY_NO_DEPS`).
 """
 
 from __future__ import annotations
@@ -13,6 +16,17 @@ from __future__ import annotations
 import argparse
 import re
 import tomllib
+
+# What the gateway and the router import (tests/deploy/test_image_requirements.py keeps it so):
+# the gateway image installs these and nothing else. llguidance: structured outputs are checked at
+# the gateway. No uvloop (optional), transformers, numpy, redis, safetensors or gguf.
+GATEWAY = (
+    "grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf", "fastapi", "uvicorn",
+    "httptools", "orjson", "prometheus_client", "jinja2", "llguidance",
+)
+# Installed without dependencies: tokenizers' huggingface_hub (with hf_xet, fsspec, pyyaml, ...)
+# serves only Tokenizer.from_pretrained, which the gateway never calls.
+GATEWAY_NO_DEPS = ("tokenizers",)
 
 
 def requirement_name(requirement: str) -> str:
@@ -48,8 +62,13 @@ def main() -> None:
     parser.add_argument("--extra", action="append", default=[], help="add an optional-dependencies group")
     parser.add_argument("--drop", action="append", default=[], help="leave out this distribution")
     parser.add_argument("--keep", action="append", default=[], help="print only these distributions")
+    parser.add_argument("--keep-gateway", action="store_true", help="--keep the gateway image's list")
+    parser.add_argument("--no-deps-part", action="store_true", help="with --keep-gateway: its no-deps part")
     args = parser.parse_args()
-    print("\n".join(requirements(args.pyproject, args.extra, args.drop, args.keep)))
+    keep = args.keep
+    if args.keep_gateway:
+        keep = list(GATEWAY_NO_DEPS if args.no_deps_part else GATEWAY)
+    print("\n".join(requirements(args.pyproject, args.extra, args.drop, keep)))
 
 
 if __name__ == "__main__":
