@@ -98,3 +98,33 @@ def test_the_gateway_list_is_in_pyproject() -> None:
         str(ROOT / "pyproject.toml"), [], [], list(image_requirements.GATEWAY)
     )
     assert len(kept) == len(image_requirements.GATEWAY)
+
+
+def test_the_torch_free_targets_are_python_alone_non_root_with_llmesh_healthchecks() -> None:
+    from llmesh.cli import parse_command
+
+    text = (ROOT / "deploy" / "docker" / "Dockerfile").read_text().replace("\\\n", " ")
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    stages: dict[str, tuple[str, list[tuple[str, str]]]] = {}
+    current = None
+    for op, arg in (tuple(ln.split(None, 1)) for ln in lines):
+        op = op.upper()
+        if op == "FROM":
+            current = arg.split()[-1]
+            stages[current] = (arg.split()[0], [])
+        elif current:
+            stages[current][1].append((op, arg))
+    for target in ("gateway", "light"):
+        base, ops = stages[target]
+        assert base == "scratch", target  # no shell, apt or perl: the root minroot.sh makes
+        assert ("COPY", f"--from=root-{target} /rootfs /") in ops
+        assert ("USER", "10001:10001") in ops
+        assert [json.loads(arg) for op, arg in ops if op == "ENTRYPOINT"] == [["llmesh"]]
+        assert any(op == "VOLUME" and "/models" in arg for op, arg in ops)
+        health = [arg for op, arg in ops if op == "HEALTHCHECK"]
+        assert len(health) == 1
+        command = json.loads(health[0].split("CMD", 1)[1])
+        assert command[0] == "llmesh"
+        parse_command(command[1:])
+        # Every RUN is exec form: there is no /bin/sh to run a shell form.
+        assert all(arg.startswith("[") for op, arg in ops if op == "RUN"), target
