@@ -31,6 +31,13 @@ from services.grpc_server import ChannelSecurity, default_security, open_channel
 log = logging.getLogger(__name__)
 
 RESUBSCRIBE_MIN_S, RESUBSCRIBE_MAX_S = 0.1, 2.0
+# Connections the relay keeps per shard. A shard's API processes share its port and the kernel
+# hands each connection (not each stream) to one of them: one connection per router process would
+# load one API process of the shard (docs/benchmarks.md: 95 % / 0 % busy with one connection per
+# caller). gRPC shares a connection among a process's channels to one target unless each has a
+# subchannel pool of its own (as gateway/shard_routing.py's OWN_CONNECTION).
+RELAY_CONNECTIONS = 4
+OWN_CONNECTION = ("grpc.use_local_subchannel_pool", 1)
 
 
 @dataclass
@@ -40,9 +47,9 @@ class ShardLink:
     scheduler: generation_pb2_grpc.SchedulerStub
     registry: worker_pb2_grpc.RegistryStub
     events: router_pb2_grpc.KVEventsStub
-    # Scheduler.Generate, responses as raw bytes, on a channel of its own (see `relay_generate`).
-    generate: functools.partial
-    relay: grpc.aio.Channel
+    # Scheduler.Generate, responses as raw bytes, on connections of its own (see `relay_generate`).
+    generate: RelayLanes
+    relay: RelayLanes
     task: asyncio.Task | None = None
 
 
@@ -58,22 +65,52 @@ def load_of(msg: router_pb2.ShardLoad) -> ShardLoad:
     )
 
 
+class RelayLanes:
+    """Generate on `connections` connections to one shard, each call on the next (round robin);
+    `close()` closes them all."""
+
+    def __init__(self, address: str, security: ChannelSecurity, keepalive_s: float, connections: int) -> None:
+        own = dataclasses.replace(security, key=None, options=(*security.options, OWN_CONNECTION))
+        metadata = bearer_metadata(security.key) if security.key else None
+        self.channels = [
+            open_channel(address, own, keepalive_s=keepalive_s) for _ in range(max(1, connections))
+        ]
+        self._calls = [
+            functools.partial(
+                channel.unary_stream(
+                    "/llmesh.v1.Scheduler/Generate",
+                    request_serializer=generation_pb2.GenerateRequest.SerializeToString,
+                    response_deserializer=None,
+                ),
+                metadata=metadata,
+            )
+            for channel in self.channels
+        ]
+        self._next = 0
+
+    def __call__(self, request: generation_pb2.GenerateRequest, **kwargs) -> grpc.aio.UnaryStreamCall:
+        call = self._calls[self._next % len(self._calls)]
+        self._next += 1
+        return call(request, **kwargs)
+
+    async def close(self) -> None:
+        for channel in self.channels:
+            await channel.close()
+
+
 def relay_generate(
-    address: str, security: ChannelSecurity | None, keepalive_s: float
-) -> tuple[grpc.aio.Channel, functools.partial]:
-    """A channel without client interceptors, and Generate on it with the key as plain metadata.
+    address: str, security: ChannelSecurity | None, keepalive_s: float, connections: int = RELAY_CONNECTIONS
+) -> tuple[RelayLanes, RelayLanes]:
+    """Channels without client interceptors, and Generate on them with the key as plain metadata:
+    (what to close, what to call), one object.
 
     A grpc.aio client interceptor (the key, services/auth.py) wraps each streamed response in one
     more async iterator: one more event-loop hop per token relayed, the router's hot path (at
     stream interval 1 it relays every token of its shards). The key goes with the call instead."""
-    security = default_security() if security is None else security
-    channel = open_channel(address, dataclasses.replace(security, key=None), keepalive_s=keepalive_s)
-    call = channel.unary_stream(
-        "/llmesh.v1.Scheduler/Generate",
-        request_serializer=generation_pb2.GenerateRequest.SerializeToString,
-        response_deserializer=None,
+    lanes = RelayLanes(
+        address, default_security() if security is None else security, keepalive_s, connections
     )
-    return channel, functools.partial(call, metadata=bearer_metadata(security.key) if security.key else None)
+    return lanes, lanes
 
 
 class ShardPool:

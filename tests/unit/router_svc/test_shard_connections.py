@@ -1,6 +1,7 @@
 """ShardChannels keeps several connections per shard: a shard's API processes share its port and
 the kernel hands each connection, not each stream, to one of them, so one connection would load
-one API process. Real gRPC server on loopback; the server answers each call with its caller's port."""
+one API process; so does the router's relay. Real gRPC server on loopback; the server answers
+each call with its caller's port."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import grpc
 from gateway.shard_routing import ShardChannels
 from llmesh.v1 import generation_pb2 as g
 from llmesh.v1 import generation_pb2_grpc as gg
+from router_svc.shards import relay_generate
 from services.grpc_server import PLAINTEXT
 
 
@@ -56,4 +58,23 @@ async def test_streams_spread_over_a_shards_connections():
         assert address not in channels.channels
     finally:
         await channels.close()
+        await server.stop(None)
+
+
+async def test_the_relay_spreads_its_calls_over_connections_of_its_own():
+    server = grpc.aio.server()
+    servicer = PeerPort()
+    servicer.release.set()
+    gg.add_SchedulerServicer_to_server(servicer, server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    lanes, generate = relay_generate(address, PLAINTEXT, 30.0, connections=3)
+    try:
+        ports = set()
+        for _ in range(6):  # round robin: each connection twice
+            raws = [raw async for raw in generate(g.GenerateRequest(), timeout=10)]
+            ports.add(g.GenerateResponse.FromString(raws[0]).token_ids[0])
+        assert len(ports) == 3
+    finally:
+        await lanes.close()
         await server.stop(None)
