@@ -36,7 +36,7 @@ RESUBSCRIBE_MIN_S, RESUBSCRIBE_MAX_S = 0.1, 2.0
 # load one API process of the shard (docs/benchmarks.md: 95 % / 0 % busy with one connection per
 # caller). gRPC shares a connection among a process's channels to one target unless each has a
 # subchannel pool of its own (as gateway/shard_routing.py's OWN_CONNECTION).
-RELAY_CONNECTIONS = 4
+RELAY_CONNECTIONS = 8  # as gateway/shard_routing.py: 4 put all on one of 2 API processes 1 time in 8
 OWN_CONNECTION = ("grpc.use_local_subchannel_pool", 1)
 
 
