@@ -19,6 +19,7 @@ The engine is llguidance (see services/structured_outputs.py).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -87,6 +88,13 @@ class SequenceGrammar:
         for t in self._eos:
             if 0 <= t < row.numel() * 32:
                 row[t >> 5] |= _bit(t & 31)
+
+
+def executor_threads() -> int:
+    """Threads that fill a batch's masks: a few. A fill is microseconds a row for common
+    grammars, and llguidance's default (80 % of the cores) leaves that many threads spinning
+    on the cores the step thread and torch's own threads need right after."""
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
 def _bit(i: int) -> int:
@@ -195,7 +203,11 @@ class StructuredOutputManager:
         # 128k vocabulary) goes through the driver's staging buffers and held the step thread
         # until the forward queued before it had run, which undid the launch-ahead at batch 32.
         # torch's host caching allocator reuses a block only once its copy has completed.
-        mask = torch.full((len(grammars), self.width), -1, dtype=torch.int32, pin_memory=self.pin_memory)
+        mask = torch.empty((len(grammars), self.width), dtype=torch.int32, pin_memory=self.pin_memory)
+        # numpy's fill, on this thread: torch.full of a mask this large (32 rows of a 128k
+        # vocabulary) is an OpenMP parallel region, whose threads wait behind the grammar
+        # executor's still spinning right after a fill: ms per step at batch 32 (issue 31).
+        mask.numpy().fill(-1)
         live: list[tuple[Any, int]] = []
         for i, g in enumerate(grammars):
             if g is None:
@@ -212,7 +224,7 @@ class StructuredOutputManager:
                 live.append((g.matcher, i))
         if live:
             if self._executor is None:
-                self._executor = llguidance.LLExecutor()
+                self._executor = llguidance.LLExecutor(num_threads=executor_threads())
             self._executor.unsafe_compute_mask_ptr(live, mask.data_ptr(), self.width * 4, len(grammars))
         return mask
 
