@@ -541,10 +541,18 @@ class WorkerKVTiers:
                     if header.payload_length != nbytes:
                         return  # refused below
                     try:
-                        with torch.cuda.stream(stream):
+                        # Inference mode is per thread: `staged` was made under the step's, and an
+                        # in-place copy into an inference tensor outside it raises. Every upload
+                        # failed so (issue 32), and a load verified only the chunks whose bytes an
+                        # earlier load had left in the recycled device memory.
+                        with (
+                            torch.inference_mode(),
+                            torch.cuda.device(self.device),
+                            torch.cuda.stream(stream),
+                        ):
                             staged[(first + i) * c : (first + i + 1) * c].copy_(host[i], non_blocking=True)
                     except Exception as e:  # never breaks the transfer; the check below refuses it
-                        log.warning("kv bulk upload failed", extra={"error": repr(e)})
+                        log.warning("kv bulk upload failed: %r", e, extra={"error": repr(e)})
 
             got = get_into(self.store_fingerprint, part, alloc, received=received)
             if got is None:
