@@ -123,13 +123,20 @@ def scheduler_stats(address: str, security):
         return worker_pb2_grpc.RegistryStub(channel).GetStats(worker_pb2.GetStatsRequest(), timeout=10)
 
 
-def per_worker_args(args: argparse.Namespace) -> list[list[str]]:
-    """Each worker's device; two on one GPU split it (a worker's budget is its fraction of the
-    device less what is in use there: the second one's 0.85 leaves it what the first left)."""
+def per_worker(args: argparse.Namespace) -> tuple[list[list[str]], list[dict[str, str]] | None]:
+    """Each worker's flags and environment. On CUDA each sees only its GPU, as cuda:0
+    (CUDA_VISIBLE_DEVICES): a worker given --device cuda:1 steps on a thread whose current device
+    is cuda:0, where Triton launches its kernels (an H200 pair: "Pointer argument cannot be
+    accessed from Triton"). Two workers on one GPU split it (a worker's budget is its fraction of
+    the device less what is in use there)."""
     devices = args.devices.split(",")
-    shared = args.cuda and devices[0] == devices[1]
-    return [["--device", d, *(["--gpu-memory-utilization", str(0.42 * (i + 1))] if shared else [])]
-            for i, d in enumerate(devices)]  # fmt: skip
+    if not args.cuda:
+        return [["--device", d] for d in devices], None
+    shared = devices[0] == devices[1]
+    flags = [["--device", "cuda", *(["--gpu-memory-utilization", f"{0.42 * (i + 1):.2f}"] if shared else [])]
+             for i in range(len(devices))]  # fmt: skip
+    env = [{"CUDA_VISIBLE_DEVICES": d.partition(":")[2] or "0"} for d in devices]
+    return flags, env
 
 
 def run_row(name: str, roles: list[str] | None, model: str, reqs, checks, args) -> dict[str, Any]:
@@ -167,7 +174,8 @@ def _measure_row(name, roles, model, reqs, checks, args, logs, worker_args, sche
         kvstore=True,
         kvstore_args=["--memory-bytes", args.store_bytes],
         worker_roles=roles,
-        per_worker_args=per_worker_args(args),
+        per_worker_args=per_worker(args)[0],
+        per_worker_env=per_worker(args)[1],
         log_dir=logs,
     )
     with mesh:

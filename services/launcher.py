@@ -196,6 +196,7 @@ def start_mesh(
     router_args: list[str] | None = None,
     worker_roles: list[str] | None = None,
     per_worker_args: list[list[str]] | None = None,
+    per_worker_env: list[dict[str, str]] | None = None,
 ) -> LocalMesh:
     """Start scheduler + workers (+ gateway when `gateway_port` is not None) and wait until ready.
 
@@ -211,7 +212,9 @@ def start_mesh(
     gRPC clients dial the router as they would a scheduler. 1: no router (the usual topology).
 
     worker_roles: worker i's --role (disaggregated prefill/decode: "prefill", "decode"); None: none.
-    per_worker_args: worker i's own flags after `worker_args` (e.g. its --device cuda:i).
+    per_worker_args: worker i's own flags after `worker_args`.
+    per_worker_env: worker i's own environment on top of `env` (e.g. CUDA_VISIBLE_DEVICES=i: a
+    worker steps on a thread of its own, whose current CUDA device is the first visible one).
     """
     # Secure by default: one fresh secret per mesh, in each child's environment (never argv).
     env, internal_key = with_mesh_secret({**os.environ, **(env or {})})
@@ -244,8 +247,9 @@ def start_mesh(
                 args += ["--role", worker_roles[i]]
             if per_worker_args:
                 args += per_worker_args[i]
+            worker_env = {**env, **per_worker_env[i]} if per_worker_env else env
             mesh.workers.append(
-                _start_child(f"worker-{i}", f"{host}:{port}", "worker_svc.service", args, env, log_dir)
+                _start_child(f"worker-{i}", f"{host}:{port}", "worker_svc.service", args, worker_env, log_dir)
             )
         procs = [c.proc for c in mesh.children]
         if mesh.kvstore:
