@@ -336,6 +336,13 @@ def _add_up_flags(p: argparse.ArgumentParser) -> None:
         "--decode-workers", type=int, default=0, help="workers with --role decode (with --prefill-workers)"
     )
     p.add_argument(
+        "--worker-gpus",
+        default="",
+        help="GPUs of this host for the workers, comma-separated (0,1): worker i sees only GPU i mod "
+        "their number (CUDA_VISIBLE_DEVICES), so --prefill-workers 1 --decode-workers 1 --worker-gpus "
+        "0,1 puts each pool on its own GPU; default: every worker sees every GPU and takes the first",
+    )
+    p.add_argument(
         "--schedulers",
         type=int,
         default=1,
@@ -463,6 +470,7 @@ def up_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "num_workers": len(roles) if roles else args.workers,
         "worker_roles": roles,
+        "per_worker_env": up_worker_env(args, len(roles) if roles else args.workers),
         "model": _model_of(args),
         "host": args.host,
         "port": args.port,
@@ -477,6 +485,16 @@ def up_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "num_schedulers": args.schedulers,
         "router_args": [*own["router"], *_flatten(args.router_args)],
     }
+
+
+def up_worker_env(args: argparse.Namespace, num_workers: int) -> list[dict[str, str]] | None:
+    """Worker i's CUDA_VISIBLE_DEVICES from --worker-gpus (None: not given)."""
+    gpus = [g.strip() for g in args.worker_gpus.split(",") if g.strip()]
+    if not gpus:
+        return None
+    if not all(g.isdigit() for g in gpus):
+        raise SystemExit(f"--worker-gpus takes GPU indices (0,1), got {args.worker_gpus!r}")
+    return [{"CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]} for i in range(num_workers)]
 
 
 def up_worker_roles(args: argparse.Namespace) -> list[str] | None:

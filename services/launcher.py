@@ -512,6 +512,7 @@ def run_up(
     num_schedulers: int = 1,
     router_args: list[str] | None = None,
     worker_roles: list[str] | None = None,
+    per_worker_env: list[dict[str, str]] | None = None,
 ) -> int:
     """Foreground `llmesh up`: start, print addresses, supervise until Ctrl-C / SIGTERM, stop all."""
     from services.logging_setup import setup_logging
@@ -547,6 +548,7 @@ def run_up(
             num_schedulers=num_schedulers,
             router_args=router_args,
             worker_roles=worker_roles,
+            per_worker_env=per_worker_env,
         )
     except KeyboardInterrupt:
         return 130

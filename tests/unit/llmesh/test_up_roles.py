@@ -21,3 +21,11 @@ def test_prefill_and_decode_workers_get_their_roles():
 def test_prefill_workers_alone_are_refused():
     with pytest.raises(SystemExit, match="needs --decode-workers"):
         up("--prefill-workers", "2")
+
+
+def test_worker_gpus_give_each_worker_its_gpu():
+    kw = up("--prefill-workers", "1", "--decode-workers", "2", "--worker-gpus", "0,1")
+    assert kw["per_worker_env"] == [{"CUDA_VISIBLE_DEVICES": g} for g in ("0", "1", "0")]
+    assert up("--workers", "2")["per_worker_env"] is None
+    with pytest.raises(SystemExit, match="GPU indices"):
+        up("--worker-gpus", "cuda:0")
