@@ -289,7 +289,17 @@ def document_rows(args, engine_kw: dict, vocab: int, stack: ExitStack) -> list[t
         writer = LLM(kv_store=store, **writer_kw)
         for d in warm_docs + docs:  # the timed documents last: the most recent, never evicted first
             ttft(writer, d)
-        writer.engine.flush_kv()
+            # Each document's puts sent before the next is computed: 7 documents of 1 GiB (8k
+            # tokens of an 8B model) in a row filled the put staging faster than the sender drained
+            # it, its later chunks were dropped, and the store held ~6 leading chunks of each.
+            writer.engine.flush_kv()
+        c = writer.engine.runner.kv_tiers.counters  # a store row can load only what was put
+        print(
+            f"  {name}: writer put {c.store_put_chunks} chunks, {c.store_put_dropped} dropped, "
+            f"{c.store_put_failed} failed",
+            file=sys.stderr,
+            flush=True,
+        )
         writer.engine.close()
         del writer
         release()
