@@ -31,7 +31,7 @@ class LocalWorkerLink:
         self.info = info
         self._inflight: deque[asyncio.Future] = deque()  # awaited by recv(), oldest first
         self._closed = False
-        self._steps = StepLoop(runner)
+        self._steps = StepLoop(runner, on_thread_start=getattr(runner, "bind_thread", None))
         # A link nobody holds stops its thread, which lets the runner go.
         weakref.finalize(self, self._steps.stop)
 

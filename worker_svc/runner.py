@@ -143,6 +143,7 @@ class ModelRunner:
         """`on_rank_failure(why)`: called (on a watcher thread) when a tensor-parallel rank dies."""
         self.config = config
         self.device = config.torch_device()
+        self.bind_thread()  # this constructor runs on a thread of asyncio.to_thread's pool
         self.dtype = config.torch_dtype()
         self.model_path = resolve_model(config.model, config.cache_dir)
         # Tensor parallelism: this process is rank 0; the others start here (None at size 1).
@@ -153,6 +154,14 @@ class ModelRunner:
         except BaseException:
             self.close()
             raise
+
+    def bind_thread(self) -> None:
+        """Make this worker's GPU the calling thread's current device. CUDA's current device is
+        per thread and starts at 0, and Triton launches on the current device, so a worker on
+        `cuda:1` failed its first forward ("Pointer argument cannot be accessed from Triton")
+        unless every thread that launches kernels (this constructor's, the step thread) binds."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
 
     def _build(self, config: WorkerConfig, kv_store: KVStoreLink | None) -> None:
         ex = self.executor = ModelExecutor(config, self.tp, self.model_path)

@@ -141,8 +141,15 @@ class StepLoop:
     (and can stop the loop from a finalizer).
     """
 
-    def __init__(self, stepper: Stepper | Callable[[StepPlan], StepResult]) -> None:
+    def __init__(
+        self,
+        stepper: Stepper | Callable[[StepPlan], StepResult],
+        on_thread_start: Callable[[], None] | None = None,
+    ) -> None:
         self.stepper = as_stepper(stepper)
+        # Run first on the step thread (the runner binds its GPU there: CUDA's current device is
+        # per thread).
+        self._on_thread_start = on_thread_start
         self.last_step_id = 0  # the last plan whose step completed (its KV written)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         # Futures of submitted plans, resolved in order by the thread, with their event loops.
@@ -190,6 +197,8 @@ class StepLoop:
     # ----- the step thread -----
     def _work(self) -> None:
         try:
+            if self._on_thread_start is not None:
+                self._on_thread_start()
             self._serve()
         finally:
             if self._watcher is not None:
