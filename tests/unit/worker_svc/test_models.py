@@ -189,9 +189,9 @@ class RecordingBackend(TorchPagedBackend):
     def __init__(self) -> None:
         self.calls: list[tuple[int, float]] = []
 
-    def forward(self, q, k, v, kv_cache, meta, scale, rotary=None):  # type: ignore[no-untyped-def]
+    def forward(self, q, k, v, kv_cache, meta, scale, rotary=None, kv_scale=None):  # type: ignore[no-untyped-def]
         self.calls.append((q.shape[0], scale))
-        return super().forward(q, k, v, kv_cache, meta, scale, rotary)
+        return super().forward(q, k, v, kv_cache, meta, scale, rotary, kv_scale)
 
 
 def test_backend_is_swappable(tiny_model_dirs: dict[str, str]) -> None:
