@@ -160,7 +160,7 @@ class ModelRunner:
         per thread and starts at 0, and Triton launches on the current device, so a worker on
         `cuda:1` failed its first forward ("Pointer argument cannot be accessed from Triton")
         unless every thread that launches kernels (this constructor's, the step thread) binds."""
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.device.index is not None:  # plain "cuda": the current one
             torch.cuda.set_device(self.device)
 
     def _build(self, config: WorkerConfig, kv_store: KVStoreLink | None) -> None:
