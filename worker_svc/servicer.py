@@ -108,7 +108,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             # Plans are launched one ahead of reading the previous one's sampled ids when the
             # next plan is already here (the scheduler keeps one in flight ahead): the GPU never
             # waits for this process between two steps.
-            self._steps = StepLoop(StepPipeline(runner), on_thread_start=runner.bind_thread)
+            self._steps = StepLoop(StepPipeline(runner), on_thread_start=getattr(runner, "bind_thread", None))
         steps = self._steps
         self._stream_epoch += 1
         epoch = self._stream_epoch
