@@ -77,7 +77,11 @@ class FastTokenizer:
         return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, not encode: only the batch call releases the GIL (as transformers' fast
+        # tokenizers call it), so a long prompt tokenizing on a worker thread leaves the event
+        # loop free to answer everyone else.
+        (encoding,) = self.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+        return encoding.ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         text = self.backend_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
