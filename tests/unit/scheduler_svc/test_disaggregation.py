@@ -48,12 +48,9 @@ SEEDS = (1, 2, 3, 4, 5)
 @pytest.fixture(scope="module")
 def reference() -> dict[str, list[int]]:
     llm = LLM(kv_cache_memory=32 << 20, enable_prefix_caching=False)
-    out = {}
-    for seed in SEEDS:
-        prompts = make_prompts(seed)
-        for rid, o in zip(prompts, llm.generate(list(prompts.values()), GREEDY, use_tqdm=False), strict=True):
-            out[rid] = o.outputs[0].token_ids
-    return out
+    prompts = {rid: p for seed in SEEDS for rid, p in make_prompts(seed).items()}  # one batch: faster
+    outs = llm.generate(list(prompts.values()), GREEDY, use_tqdm=False)
+    return {rid: o.outputs[0].token_ids for rid, o in zip(prompts, outs, strict=True)}
 
 
 class StoreProxy:
