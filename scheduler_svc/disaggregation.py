@@ -151,22 +151,7 @@ class Disaggregation:
 
     def decode_request(self, h: Handover) -> Request:
         """The request as the decode worker gets it: prompt + first token, its caller's params."""
-        old = h.request
-        return Request(
-            old.request_id,
-            old.prompt_token_ids,
-            h.params,
-            old.eos_token_ids,
-            old.priority,
-            old.arrival_time,
-            list(old.output_token_ids),
-            list(old.output_logprobs),
-            group=old.group,
-            cache_salt=old.cache_salt,
-            lora_name=old.lora_name,
-            lora_path=old.lora_path,
-            handed_over=True,
-        )
+        return h.request.moved(h.params, handed_over=True)
 
     async def wait_for_kv(
         self, store: ChunkLookup, info: WorkerInfo, req: Request, alive: Callable[[], bool]

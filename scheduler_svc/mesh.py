@@ -599,20 +599,7 @@ class Mesh:
             if stream is None:
                 continue
             stream.flush()  # the tokens so far go out before the request moves (they are kept)
-            req = Request(
-                old.request_id,
-                old.prompt_token_ids,
-                old.sampling_params,
-                old.eos_token_ids,
-                old.priority,
-                old.arrival_time,
-                list(old.output_token_ids),
-                list(old.output_logprobs),
-                group=old.group,
-                cache_salt=old.cache_salt,
-                lora_name=old.lora_name,
-                lora_path=old.lora_path,
-            )
+            req = old.moved()
             try:
                 self._place(req, stream.queue, exclude=dead.worker_id)
                 self.num_failovers += 1

@@ -109,6 +109,25 @@ class Request:
         self.awaiting_result = False
         self.incarnation += 1
 
+    def moved(self, sampling_params: SamplingParams | None = None, handed_over: bool = False) -> Request:
+        """This request as another worker gets it: the same id, prompt and tokens so far (kept,
+        not streamed again), no worker-side state (a failover, or a prefill worker's handover)."""
+        return Request(
+            self.request_id,
+            self.prompt_token_ids,
+            sampling_params or self.sampling_params,
+            self.eos_token_ids,
+            self.priority,
+            self.arrival_time,
+            list(self.output_token_ids),
+            list(self.output_logprobs),
+            group=self.group,
+            cache_salt=self.cache_salt,
+            lora_name=self.lora_name,
+            lora_path=self.lora_path,
+            handed_over=handed_over,
+        )
+
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
