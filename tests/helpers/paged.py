@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 
 import torch
+import torch.nn.functional as F
 
 from kernels.attention_metadata import AttentionMetadata
 from worker_svc.models.config import ModelConfig
@@ -80,3 +81,23 @@ class PagedKV:
         hidden = model(ids, positions, self.kv_caches, meta)
         logits = model.compute_logits(hidden)
         return list(logits.split([len(toks) for _, toks in batch]))
+
+
+@torch.inference_mode()
+def nll_and_greedy(  # type: ignore[no-untyped-def]
+    model, cfg, ids: list[int], prompts: list[list[int]], n_new: int, dtype: torch.dtype = torch.float32
+) -> tuple[float, list[list[int]]]:
+    """(mean next-token NLL over `ids` in one prefill, each prompt's greedy continuation of n_new
+    tokens), every forward reading its own K/V back from a paged cache of `dtype`."""
+    (logits,) = PagedKV(cfg, num_blocks=64, block_size=16, dtype=dtype).step(model, [("text", ids)])
+    nll = F.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:])).item()
+    outs = []
+    for i, prompt in enumerate(prompts):
+        kv = PagedKV(cfg, num_blocks=16, block_size=16, dtype=dtype, seed=i)
+        toks, new = list(prompt), list(prompt)
+        for _ in range(n_new):
+            (lg,) = kv.step(model, [("p", new)])
+            new = [int(lg[-1].argmax())]
+            toks += new
+        outs.append(toks[len(prompt) :])
+    return nll, outs

@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from llmesh import LLM, SamplingParams
 from llmesh.kv_store import open_kv_store
-from tests.helpers.paged import PagedKV
+from tests.helpers.paged import nll_and_greedy
 from worker_svc import kv_scales
 from worker_svc.kv_cache import KVCacheSpec, num_blocks_for_budget
 from worker_svc.loader import load_model
@@ -62,22 +61,6 @@ def test_an_fp8_block_takes_half_the_bytes_of_a_bf16_one() -> None:
     )
 
 
-@torch.inference_mode()
-def _nll_and_greedy(model, cfg, dtype, ids: list[int], prompts: list[list[int]], n_new: int):  # type: ignore[no-untyped-def]
-    (logits,) = PagedKV(cfg, num_blocks=64, block_size=16, dtype=dtype).step(model, [("text", ids)])
-    nll = F.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:])).item()
-    outs = []
-    for i, prompt in enumerate(prompts):
-        kv = PagedKV(cfg, num_blocks=16, block_size=16, dtype=dtype, seed=i)
-        toks, new = list(prompt), list(prompt)
-        for _ in range(n_new):
-            (lg,) = kv.step(model, [("p", new)])
-            new = [int(lg[-1].argmax())]
-            toks += new
-        outs.append(toks[len(prompt) :])
-    return nll, outs
-
-
 def test_fp8_kv_cache_keeps_smollm2_perplexity_within_2_percent(smollm2: str) -> None:
     """Prefill of ~670 tokens of prose reading its own K/V back from the cache: fp32 cache against
     the fp8 cache with calibrated scales. Measured +1.0 % (unit scales, vLLM's default: +0.5 %,
@@ -91,7 +74,7 @@ def test_fp8_kv_cache_keeps_smollm2_perplexity_within_2_percent(smollm2: str) ->
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "The sea is"]
     prompts = [tok(t)["input_ids"] for t in texts]
     model, cfg = load_model(smollm2)
-    nll_full, greedy_full = _nll_and_greedy(model, cfg, torch.float32, ids, prompts, 8)
+    nll_full, greedy_full = nll_and_greedy(model, cfg, ids, prompts, 8)
     exps = kv_scales.measure_kv_exponents(
         model,
         KVCacheSpec.of(cfg, 16, torch.float32),
@@ -101,7 +84,7 @@ def test_fp8_kv_cache_keeps_smollm2_perplexity_within_2_percent(smollm2: str) ->
         TensorParallel(),
     )
     kv_scales.attach_kv_scales(model, exps, torch.device("cpu"))
-    nll_fp8, greedy_fp8 = _nll_and_greedy(model, cfg, FP8, ids, prompts, 8)
+    nll_fp8, greedy_fp8 = nll_and_greedy(model, cfg, ids, prompts, 8, dtype=FP8)
     ppl_full, ppl_fp8 = math.exp(nll_full), math.exp(nll_fp8)
     same = sum(a == b for a, b in zip(greedy_full, greedy_fp8, strict=True))
     tokens = sum(

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference
-from tests.helpers.paged import PagedKV
+from tests.helpers.paged import nll_and_greedy
 from worker_svc.loader import load_model
 from worker_svc.models.fp8 import fp8_linear, quantize_weight_fp8
 from worker_svc.models.parallel_layers import ShardedLinear
@@ -54,23 +54,6 @@ def test_sharded_linear_takes_fp8_weights_in_place() -> None:
     assert (after - before).abs().max() / before.abs().max() < 0.1
 
 
-@torch.inference_mode()
-def _nll_and_greedy(model, cfg, ids: list[int], prompts: list[list[int]], n_new: int):  # type: ignore[no-untyped-def]
-    """(mean next-token NLL over `ids`, each prompt's greedy continuation of n_new tokens)."""
-    (logits,) = PagedKV(cfg, num_blocks=64, block_size=16).step(model, [("text", ids)])
-    nll = F.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:])).item()
-    outs = []
-    for i, prompt in enumerate(prompts):
-        kv = PagedKV(cfg, num_blocks=16, block_size=16, seed=i)
-        toks, new = list(prompt), list(prompt)
-        for _ in range(n_new):
-            (lg,) = kv.step(model, [("p", new)])
-            new = [int(lg[-1].argmax())]
-            toks += new
-        outs.append(toks[len(prompt) :])
-    return nll, outs
-
-
 def test_fp8_smollm2_perplexity_stays_near_the_full_precision_model(smollm2_dir: str) -> None:
     """FP8's 3-bit mantissa costs a 135M model more than an 8B one: measured against bf16 on three
     1,000-token texts, +1.1 % to +3.7 % (docs/benchmarks.md); weights alone +0.2 % to +2.0 %. This
@@ -81,11 +64,11 @@ def test_fp8_smollm2_perplexity_stays_near_the_full_precision_model(smollm2_dir:
     ids = tok(TEXT)["input_ids"]
     prompts = [tok("The capital of France is")["input_ids"]]
     full, cfg = load_model(smollm2_dir)
-    nll_full, greedy_full = _nll_and_greedy(full, cfg, ids, prompts, 4)
+    nll_full, greedy_full = nll_and_greedy(full, cfg, ids, prompts, 4)
     del full
     fp8, _ = load_model(smollm2_dir, quantization="fp8")
     assert fp8.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
-    nll_fp8, greedy_fp8 = _nll_and_greedy(fp8, cfg, ids, prompts, 4)
+    nll_fp8, greedy_fp8 = nll_and_greedy(fp8, cfg, ids, prompts, 4)
     ppl_full, ppl_fp8 = math.exp(nll_full), math.exp(nll_fp8)
     agree = sum(a == b for a, b in zip(greedy_full[0], greedy_fp8[0], strict=True))
     print(f"SmolLM2 perplexity fp32 {ppl_full:.3f} fp8 {ppl_fp8:.3f}; greedy tokens agreeing {agree}/4")
