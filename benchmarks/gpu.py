@@ -165,6 +165,17 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def time_greedy(llm, prompt: dict, tokens: int) -> float:
+    """Wall seconds for one greedy generation of exactly `tokens` tokens of `prompt` (synced)."""
+    from llmesh import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    llm.generate([prompt], sp, use_tqdm=False)
+    sync()
+    return time.perf_counter() - t0
+
+
 def gpu_time(fn, reps: int = 10, warmup: int = 2) -> float:
     """Median seconds of fn() over reps, timed with CUDA events (host clock on CPU)."""
     for _ in range(warmup):
@@ -433,7 +444,6 @@ def make_llm(path: str, args: argparse.Namespace, **kw: Any):
 def decode_step_b1(llm, name: str, args: argparse.Namespace, copy_bw: float, label: str = "") -> float:
     """Batch-1 decode step time (s). With tensor parallelism the model here is rank 0's shard, so
     the bytes and the floor are per GPU (every rank reads its shard at once)."""
-    from llmesh import SamplingParams
 
     runner = llm.engine.runner
     model = runner.model
@@ -449,11 +459,7 @@ def decode_step_b1(llm, name: str, args: argparse.Namespace, copy_bw: float, lab
     n = args.b1_steps
 
     def gen(tokens: int) -> float:
-        sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-        t0 = time.perf_counter()
-        llm.generate([prompt], sp, use_tqdm=False)
-        sync()
-        return time.perf_counter() - t0
+        return time_greedy(llm, prompt, tokens)
 
     gen(n + 1)
     t_prefill = min(gen(1) for _ in range(3))

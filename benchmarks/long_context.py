@@ -37,18 +37,13 @@ def _weight_bytes(model) -> int:  # type: ignore[no-untyped-def]
 
 def _decode_at(llm, ctx: int, steps: int, vocab: int) -> float:  # type: ignore[no-untyped-def]
     """Seconds per decode step of one sequence at `ctx` tokens of context (prompt cached)."""
-    from benchmarks.gpu import sync
-    from llmesh import SamplingParams
+    from benchmarks.gpu import time_greedy
 
     rng = random.Random(0)
     prompt = {"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(ctx)]}
 
     def gen(tokens: int) -> float:
-        sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-        t0 = time.perf_counter()
-        llm.generate([prompt], sp, use_tqdm=False)
-        sync()
-        return time.perf_counter() - t0
+        return time_greedy(llm, prompt, tokens)
 
     gen(steps + 1)  # prefills (and caches) the prompt, warms every path
     t_one = min(gen(1) for _ in range(3))
