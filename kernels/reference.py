@@ -304,3 +304,15 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.T
     allowed = ((words >> (tokens & 31).to(torch.int32)) & 1) != 0
     logits[:, :vocab].masked_fill_(~allowed, float("-inf"))
     return logits
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    kv_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Twin of `kernels.triton.prefill_attention`: the same function as `paged_attention`
+    (that kernel differs only in its tiles and schedule, for long prefill chunks)."""
+    return paged_attention(q, kv_cache, meta, scale, kv_scale)

@@ -1,0 +1,87 @@
+"""The prefill attention kernel against its twin under Triton's interpreter, tiny shapes.
+
+Small tiles (forced through `config`) make the tiny chunks take every path of the real sizes:
+several query blocks per sequence, unmasked prefix tiles, diagonal tiles, tiles spanning
+several cache blocks, the ragged end of a chunk, GQA packing, padded head dims, an fp8 cache,
+and the reversed (longest rows first) order of programs over a mixed batch.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.triton.prefill_attention import PrefillConfig, prefill_attention, use_prefill_kernel
+from tests.unit.kernels import make_paged_batch
+
+pf_mod = importlib.import_module("kernels.triton.prefill_attention")
+
+# Chunks on cached prefixes, a whole prompt, a decode row riding along, a prompt under a block.
+SEQS = [(37, 100), (1, 17), (24, 24), (9, 9), (20, 71)]
+ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 3e-2}
+
+
+def _check(b, out: torch.Tensor, scale: float, dtype: torch.dtype, kv_scale=None) -> None:  # type: ignore[no-untyped-def]
+    expected = reference.prefill_attention(b.q, b.kv_cache, b.meta, scale, kv_scale)
+    torch.testing.assert_close(out.float(), expected.float(), atol=ATOL[dtype], rtol=ATOL[dtype])
+
+
+@pytest.mark.parametrize(("group", "block_m", "block_n"), [(1, 16, 32), (4, 32, 16)])
+def test_prefill_attention_matches_twin(group: int, block_m: int, block_n: int) -> None:
+    b = make_paged_batch(
+        SEQS, num_heads=2 * group, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32
+    )
+    cfg = PrefillConfig(block_m, block_n, 4, 2)
+    _check(b, prefill_attention(b.q, b.kv_cache, b.meta, 0.3, config=cfg), 0.3, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_prefill_attention_half_and_padded_head(dtype: torch.dtype) -> None:
+    """head_dim 24 (padded to 32), block size 8 (a tile spans several blocks), junk-free output."""
+    b = make_paged_batch(SEQS, num_heads=8, num_kv_heads=2, head_dim=24, block_size=8, dtype=dtype)
+    out = torch.full_like(b.q, float("nan"))
+    result = prefill_attention(b.q, b.kv_cache, b.meta, 0.2, out=out, config=PrefillConfig(32, 16, 4, 2))
+    assert result is out and out.dtype == dtype
+    _check(b, out, 0.2, dtype)
+
+
+def test_prefill_attention_nan_in_unused_slots() -> None:
+    """Slots past a sequence's end (the tail of its last block, spare blocks) may hold NaN bits
+    in a real cache: the diagonal tiles must not read them into any row."""
+    b = make_paged_batch(SEQS, num_heads=4, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32)
+    cache = torch.full_like(b.kv_cache, float("nan"))
+    for i, seq_len in enumerate(b.meta.seq_lens_cpu):
+        for pos in range(seq_len):
+            blk = int(b.meta.block_tables[i, pos // 16])
+            cache[:, blk, pos % 16] = b.kv_cache[:, blk, pos % 16]
+    out = prefill_attention(b.q, cache, b.meta, 0.3, config=PrefillConfig(32, 32, 4, 2))
+    assert not out.isnan().any()
+    _check(b, out, 0.3, torch.float32)  # the twin reads the clean cache (its decode path pads)
+
+
+def test_prefill_attention_fp8_cache() -> None:
+    scales = torch.tensor([0.5, 0.125, 2.0, 8.0])
+    b = make_paged_batch(SEQS, num_heads=4, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32)
+    b.kv_cache = torch.stack(
+        [reference.quantize_kv(b.kv_cache[0], scales[2]), reference.quantize_kv(b.kv_cache[1], scales[3])]
+    )
+    out = prefill_attention(
+        b.q, b.kv_cache, b.meta, 0.25, kv_scale=scales, config=PrefillConfig(16, 32, 4, 2)
+    )
+    _check(b, out, 0.25, torch.float32, scales)
+
+
+def test_dispatch_by_longest_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    long = make_paged_batch(
+        [(1, 40), (pf_mod.PREFILL_MIN_QUERY, pf_mod.PREFILL_MIN_QUERY)],
+        num_heads=2, num_kv_heads=1, head_dim=16, block_size=16, dtype=torch.float32,
+    )  # fmt: skip
+    short = make_paged_batch(
+        [(3, 40)], num_heads=2, num_kv_heads=1, head_dim=16, block_size=16, dtype=torch.float32
+    )
+    assert use_prefill_kernel(long.meta) and not use_prefill_kernel(short.meta)
+    monkeypatch.setattr(pf_mod, "PREFILL_MIN_QUERY", 1 << 30)  # the benchmark's switch to the old path
+    assert not use_prefill_kernel(long.meta)
