@@ -316,3 +316,19 @@ def prefill_attention(
     """Twin of `kernels.triton.prefill_attention`: the same function as `paged_attention`
     (that kernel differs only in its tiles and schedule, for long prefill chunks)."""
     return paged_attention(q, kv_cache, meta, scale, kv_scale)
+
+
+def rms_norm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`rms_norm` with its normed output quantized per token: (q, scale, new_residual), the
+    codes and scale of `quantize_fp8_rows(normed)` (twin of the fused Triton pass)."""
+    normed, new_residual = rms_norm(x, weight, eps, residual)
+    q, scale = quantize_fp8_rows(normed)
+    return q, scale, new_residual
+
+
+def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`silu_and_mul` quantized per token: (q [M, I], scale [M, 1]) of its rows (twin of the
+    fused Triton pass)."""
+    return quantize_fp8_rows(silu_and_mul(x))

@@ -155,9 +155,9 @@ def is_interpreted(device: torch.device) -> bool:
 # The submodules import `dual_jit` from this (partly initialised) package, hence the late imports.
 from kernels.triton.kv_write import write_kv_cache  # noqa: E402
 from kernels.triton.paged_attention import merge_attn_partials, paged_attention  # noqa: E402
-from kernels.triton.rms_norm import rms_norm  # noqa: E402
+from kernels.triton.rms_norm import rms_norm, rms_norm_fp8  # noqa: E402
 from kernels.triton.rotary_kv_write import rotary_and_write_kv  # noqa: E402
-from kernels.triton.silu_mul import silu_and_mul  # noqa: E402
+from kernels.triton.silu_mul import silu_and_mul, silu_and_mul_fp8  # noqa: E402
 from kernels.triton.skinny_gemm import skinny_gemm  # noqa: E402
 
 __all__ = [
@@ -167,8 +167,10 @@ __all__ = [
     "merge_attn_partials",
     "paged_attention",
     "rms_norm",
+    "rms_norm_fp8",
     "rotary_and_write_kv",
     "silu_and_mul",
+    "silu_and_mul_fp8",
     "skinny_gemm",
     "write_kv_cache",
 ]

@@ -12,6 +12,11 @@ in the model's dtype (the logits are where FP8's error would show first, and vLL
 head unquantized too). A layer whose dims are not multiples of 16 (the FP8 GEMM's tile rule)
 stays unquantized.
 
+The activation quantization of the GEMMs that follow a norm (q|k|v, gate|up) and SiLU·mul
+(down) is fused into those kernels (`rms_norm_fp8`, `silu_and_mul_fp8`, as vLLM's fusion passes
+do): they hand the layer `Fp8Rows`, which it multiplies as they are. Only o_proj's input, the
+attention output, is quantized by a kernel of its own.
+
 The KV cache is untouched here: what the layers write into it is still the model's dtype,
 but its values differ from the unquantized model's, so the worker's fingerprint names the
 quantization and no block is shared between the two.
@@ -21,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
@@ -35,6 +40,19 @@ log = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("fp8",)
 _FP8_MAX = reference.FP8_MAX
+
+
+class Fp8Rows(NamedTuple):
+    """Activations already quantized per token, by the kernel that produced them (the fused
+    RMSNorm or SiLU·mul): what an FP8 layer multiplies without quantizing again."""
+
+    q: torch.Tensor  # [M, K] float8_e4m3fn
+    scale: torch.Tensor  # [M, 1] fp32: row m stands for q[m] * scale[m]
+    dtype: torch.dtype  # the dtype the unquantized rows had: the GEMM's output dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
 
 
 def quantize_weight_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +99,7 @@ def quantize_model_fp8(model: nn.Module) -> int:
 
 
 def fp8_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Rows,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None,
@@ -89,14 +107,13 @@ def fp8_linear(
 ) -> torch.Tensor:
     """x @ (Wq * scale).T (+ bias) with x quantized per token: [..., in] -> [..., out] in `out_dtype`.
 
-    `weight_scale` is [1, out] fp32 (the layout `_scaled_mm` takes)."""
+    `weight_scale` is [1, out] fp32 (the layout `_scaled_mm` takes). `Fp8Rows` are used as
+    they are."""
     n_out = weight.shape[0]
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.shape[0] == 0:
-        return x.new_empty((*lead, n_out), dtype=out_dtype)
-    q, x_scale = _quantize_rows(x2)
-    gemm_dtype = out_dtype if out_dtype != torch.float32 or _fp32_out(x.device) else torch.bfloat16
+    q, x_scale, lead = _rows(x)
+    if q.shape[0] == 0:
+        return torch.empty((*lead, n_out), dtype=out_dtype, device=q.device)
+    gemm_dtype = out_dtype if out_dtype != torch.float32 or _fp32_out(q.device) else torch.bfloat16
     out = torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=gemm_dtype)
     if out.dtype != out_dtype:
         out = out.to(out_dtype)
@@ -106,7 +123,7 @@ def fp8_linear(
 
 
 def fp8_skinny_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Rows,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     out_dtype: torch.dtype,
@@ -118,10 +135,18 @@ def fp8_skinny_linear(
     was slower on an H200: 5.0 ms against 3.4 ms for the 8B shape's batch-1 graph.)"""
     from kernels.triton.skinny_gemm import skinny_gemm
 
-    lead = x.shape[:-1]
-    q, x_scale = _quantize_rows(x.reshape(-1, x.shape[-1]))
+    q, x_scale, lead = _rows(x)
     out = skinny_gemm(q, weight, out_dtype, config, scale=weight_scale[0], x_scale=x_scale)
     return out.view(*lead, weight.shape[0])
+
+
+def _rows(x: torch.Tensor | Fp8Rows) -> tuple[torch.Tensor, torch.Tensor, torch.Size]:
+    """(q [M, K], scale [M, 1], the leading dims of the output): x quantized per token unless
+    it came quantized."""
+    if isinstance(x, Fp8Rows):
+        return x.q, x.scale, x.q.shape[:-1]
+    q, scale = _quantize_rows(x.reshape(-1, x.shape[-1]))
+    return q, scale, x.shape[:-1]
 
 
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

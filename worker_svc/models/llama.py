@@ -40,6 +40,7 @@ from kernels import reference
 from kernels.attention_metadata import AttentionMetadata
 from worker_svc.attention.base import AttentionBackend
 from worker_svc.models.config import ModelConfig
+from worker_svc.models.fp8 import Fp8Rows
 from worker_svc.models.parallel_layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -117,10 +118,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
         self.kernel = reference.rms_norm
+        self.fp8_kernel = reference.rms_norm_fp8  # the same pass ending in FP8 rows
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, fp8: bool = False
+    ) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
+        """(normed, new residual); with `fp8` normed comes quantized per token for the FP8
+        GEMM that follows (worker_svc/models/fp8.py): no quantization kernel of its own."""
+        if fp8:
+            q, scale, residual = self.fp8_kernel(x, self.weight, self.eps, residual)
+            return Fp8Rows(q, scale, torch.promote_types(self.weight.dtype, residual.dtype)), residual
         return self.kernel(x, self.weight, self.eps, residual)
 
 
@@ -151,7 +158,7 @@ class Attention(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,
-        x: torch.Tensor,
+        x: torch.Tensor | Fp8Rows,
         rotary: RotaryEmbedding,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
@@ -183,9 +190,14 @@ class MLP(nn.Module):
         )
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, config.mlp_bias, tp)
         self.act = reference.silu_and_mul  # the Triton kernel with the Triton backend
+        self.act_fp8 = reference.silu_and_mul_fp8  # the same ending in FP8 rows
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        h = self.gate_up_proj(x)
+        if self.down_proj.takes_fp8_rows():  # quantized in SiLU·mul's pass, for the FP8 GEMM
+            q, scale = self.act_fp8(h)
+            return self.down_proj(Fp8Rows(q, scale, h.dtype))
+        return self.down_proj(self.act(h))
 
 
 class DecoderLayer(nn.Module):
@@ -207,10 +219,13 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual stream travels beside `hidden` so each norm fuses the add.
-        x, residual = self.input_layernorm(hidden, residual)
-        x = self.self_attn(positions, x, rotary, kv_cache, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
+        # The residual stream travels beside `hidden` so each norm fuses the add (and, before
+        # FP8 layers, the quantization of its output).
+        fp8 = self.self_attn.qkv_proj.takes_fp8_rows()
+        x, residual = self.input_layernorm(hidden, residual, fp8=fp8)
+        h = self.self_attn(positions, x, rotary, kv_cache, meta)
+        fp8 = self.mlp.gate_up_proj.takes_fp8_rows()
+        x, residual = self.post_attention_layernorm(h, residual, fp8=fp8)
         return self.mlp(x), residual
 
 
@@ -250,13 +265,15 @@ class LlamaForCausalLM(nn.Module):
             import kernels.triton as kt
 
             norm, act = kt.rms_norm, kt.silu_and_mul
+            norm_fp8, act_fp8 = kt.rms_norm_fp8, kt.silu_and_mul_fp8
         else:
             norm, act = reference.rms_norm, reference.silu_and_mul
+            norm_fp8, act_fp8 = reference.rms_norm_fp8, reference.silu_and_mul_fp8
         for module in self.modules():
             if isinstance(module, RMSNorm):
-                module.kernel = norm
+                module.kernel, module.fp8_kernel = norm, norm_fp8
             elif isinstance(module, MLP):
-                module.act = act
+                module.act, module.act_fp8 = act, act_fp8
 
     def forward(
         self,

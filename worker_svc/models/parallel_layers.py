@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_svc.models.fp8 import fp8_linear, fp8_skinny_linear
+from worker_svc.models.fp8 import Fp8Rows, fp8_linear, fp8_skinny_linear
 from worker_svc.parallel import TensorParallel
 
 if TYPE_CHECKING:
@@ -122,7 +122,12 @@ class ShardedLinear(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight_scale = scale.reshape(1, -1).contiguous()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def takes_fp8_rows(self) -> bool:
+        """Whether `forward` takes `Fp8Rows` (FP8 weights and no LoRA, whose delta needs the
+        unquantized rows): then the kernel before it quantizes its output for it."""
+        return self.weight_scale is not None and self.lora is None
+
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         if self.lora is None:
             return self._gemm(x, self.bias)
         self.lora.before(x)
@@ -132,7 +137,9 @@ class ShardedLinear(nn.Module):
         """Whether `forward` returns fp32 above bf16/fp16 weights (it then rounds nothing)."""
         return False
 
-    def _gemm(self, x: torch.Tensor, bias: torch.Tensor | None, fp32_out: bool = False) -> torch.Tensor:
+    def _gemm(
+        self, x: torch.Tensor | Fp8Rows, bias: torch.Tensor | None, fp32_out: bool = False
+    ) -> torch.Tensor:
         """x @ W.T + bias, in fp32 with `fp32_out`, else in x's dtype.
 
         Inside a decode graph's warm-up and capture (`decode_graph_gemms`) a batch of at most
@@ -140,18 +147,21 @@ class ShardedLinear(nn.Module):
         else, cuBLAS. Launched eagerly, a Triton kernel costs more host time than cuBLAS, and
         eager small batches are bound by the host."""
         cfg = self.decode_gemm
-        if cfg is not None and _DECODE_GRAPH.active and x.numel() <= SKINNY_MAX_ROWS * x.shape[-1]:
+        rows = x.shape[0] if isinstance(x, Fp8Rows) else x.numel() // max(x.shape[-1], 1)
+        if cfg is not None and _DECODE_GRAPH.active and rows <= SKINNY_MAX_ROWS:
             from kernels.triton.skinny_gemm import skinny_gemm
 
             if self.weight_scale is not None:
                 out_dtype = torch.float32 if fp32_out else x.dtype
                 out = fp8_skinny_linear(x, self.weight, self.weight_scale, out_dtype, cfg)
             else:
+                assert isinstance(x, torch.Tensor)
                 out = skinny_gemm(x, self.weight, torch.float32 if fp32_out else None, cfg)
             return out if bias is None else out + bias
         if self.weight_scale is not None:
             out_dtype = torch.float32 if fp32_out else x.dtype
             return fp8_linear(x, self.weight, self.weight_scale, bias, out_dtype)
+        assert isinstance(x, torch.Tensor), "Fp8Rows reached a layer without FP8 weights"
         if fp32_out:
             out = linear_fp32_out(x, self.weight)
             return out if bias is None else out + bias
@@ -233,7 +243,7 @@ class RowParallelLinear(ShardedLinear):
     def out_fp32(self) -> bool:
         return self.weight.dtype != torch.float32
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         """x @ W.T (+ bias), in fp32 at every size: the (all-reduced) fp32 sum, unrounded.
 
         The partial products are summed in fp32 and rounded once, as size 1's one GEMM over

@@ -70,3 +70,67 @@ def test_skinny_gemm_with_fp8_rows_and_weights_matches_twin(m: int) -> None:
     expected = reference.linear(xq, wq, torch.float32, scale=scale, x_scale=xs)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
+
+
+# ------------------------------------------------------- the quantization fused into its producer
+
+
+def _same_codes(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> None:
+    assert torch.equal(a[1], b[1])  # the scales
+    assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8))
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_fp8_matches_twin(with_residual: bool) -> None:
+    from kernels.triton.rms_norm import rms_norm_fp8
+
+    x = torch.randn(4, 96) * 3
+    x[2] = 0  # an all-zero row (without a residual): finite scale, zero codes
+    residual = torch.randn(4, 96) if with_residual else None
+    weight = 1 + 0.1 * torch.randn(96)
+    q, scale, new_residual = rms_norm_fp8(x, weight, 1e-6, residual)
+    q_ref, scale_ref, residual_ref = reference.rms_norm_fp8(x, weight, 1e-6, residual)
+    assert q.shape == (4, 96) and scale.shape == (4, 1) and q.dtype == torch.float8_e4m3fn
+    assert torch.equal(new_residual, residual_ref)
+    # The norm's sum of squares runs in another order than torch's mean: the scale may differ
+    # in its last bit, and a code sitting on a rounding point may move by one step.
+    torch.testing.assert_close(scale, scale_ref, rtol=1e-6, atol=0)
+    torch.testing.assert_close(q.float() * scale, q_ref.float() * scale_ref, rtol=2**-3, atol=1e-6)
+    assert (q.view(torch.uint8) != q_ref.view(torch.uint8)).float().mean() < 0.02
+
+
+@pytest.mark.parametrize("stream", [torch.bfloat16, torch.float16])
+def test_rms_norm_fp8_quantizes_what_rms_norm_writes(stream: torch.dtype) -> None:
+    """The fused pass is the norm kernel then the quantization kernel, code for code: the normed
+    row is rounded to the stream's dtype first (also for an fp32 sum meeting a bf16 stream)."""
+    import kernels.triton as kt
+    from kernels.triton.fp8_quant import quantize_fp8_rows
+
+    x = torch.randn(3, 2, 64)  # wider than the stream: a row-parallel layer's fp32 sum
+    residual = torch.randn(3, 2, 64, dtype=stream)
+    weight = (1 + 0.1 * torch.randn(64)).to(stream)
+    q, scale, new_residual = kt.rms_norm_fp8(x, weight, 1e-6, residual)
+    normed, residual_unfused = kt.rms_norm(x, weight, 1e-6, residual)
+    _same_codes((q, scale), quantize_fp8_rows(normed))
+    assert torch.equal(new_residual, residual_unfused) and new_residual.dtype == stream
+
+
+@pytest.mark.parametrize("row_block", [16384, 32])  # the row in one block; in two passes of 32
+def test_silu_and_mul_fp8_matches_twin_bit_for_bit(row_block: int) -> None:
+    from kernels.triton.silu_mul import silu_and_mul_fp8
+
+    x = torch.randn(2, 3, 2 * 100) * 3
+    x[1, 1] = 0
+    q, scale = silu_and_mul_fp8(x, row_block=row_block)
+    assert q.shape == (6, 100) and scale.shape == (6, 1)
+    _same_codes((q, scale), reference.silu_and_mul_fp8(x))
+    assert silu_and_mul_fp8(torch.empty(0, 64))[0].shape == (0, 32)
+
+
+@pytest.mark.parametrize("row_block", [16384, 32])
+def test_silu_and_mul_fp8_quantizes_what_silu_and_mul_writes(row_block: int) -> None:
+    import kernels.triton as kt
+    from kernels.triton.fp8_quant import quantize_fp8_rows
+
+    x = (torch.randn(3, 2 * 100) * 3).to(torch.bfloat16)
+    _same_codes(kt.silu_and_mul_fp8(x, row_block=row_block), quantize_fp8_rows(kt.silu_and_mul(x)))

@@ -79,3 +79,43 @@ def test_fp8_smollm2_perplexity_stays_near_the_full_precision_model(smollm2_dir:
 def test_unknown_quantization_is_refused_before_loading() -> None:
     with pytest.raises(ValueError, match="quantization"):
         load_model("/nonexistent", quantization="int3")
+
+
+def test_norms_and_silu_hand_fp8_rows_to_the_fp8_layers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """q|k|v, gate|up and down take their input quantized by the kernel before them (the fused
+    RMSNorm / SiLU·mul); the logits are those of the unfused path (norm, then a quantization
+    kernel), on the reference kernels exactly and on the Triton ones (interpreted) closely."""
+    from kernels.triton.fp8_quant import quantize_fp8_rows
+    from tests.helpers.paged import PagedKV
+    from tests.helpers.tiny_models import make_tiny_model
+    from worker_svc.attention.triton_paged import TritonPagedBackend
+    from worker_svc.models import fp8 as fp8_module
+
+    path = make_tiny_model(tmp_path / "m", "llama", num_hidden_layers=1)
+    model, cfg = load_model(path, quantization="fp8")
+    layer = model.layers[0]
+    assert layer.self_attn.qkv_proj.takes_fp8_rows() and layer.mlp.down_proj.takes_fp8_rows()
+    batch = [("a", [5, 17, 33, 9]), ("b", [101])]
+
+    def logits() -> torch.Tensor:
+        return torch.cat(PagedKV(cfg, num_blocks=8).step(model, batch))
+
+    quantized_where: list[int] = []
+    real_quantize = fp8_module._quantize_rows
+
+    def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        quantized_where.append(x.shape[-1])
+        return real_quantize(x)
+
+    monkeypatch.setattr(fp8_module, "_quantize_rows", quantize)
+    fused = logits()
+    assert quantized_where == [cfg.num_heads * cfg.head_dim]  # o_proj's input alone
+    monkeypatch.setattr(ShardedLinear, "takes_fp8_rows", lambda self: False)
+    torch.testing.assert_close(logits(), fused, atol=0, rtol=0)
+
+    monkeypatch.undo()
+    model.set_backend(TritonPagedBackend())
+    monkeypatch.setattr(fp8_module, "_quantize_rows", quantize_fp8_rows)  # the kernel, interpreted
+    torch.testing.assert_close(logits(), fused, atol=1e-3, rtol=1e-3)
