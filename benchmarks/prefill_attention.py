@@ -23,6 +23,7 @@ Sections (Llama-3.1-8B's attention: 32 query / 8 KV heads, D=128, bf16, cache bl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import math
@@ -31,6 +32,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -51,6 +53,35 @@ SWEEP = [  # (BLOCK_M, BLOCK_N, warps, stages[, warp specialisation 0/1])
 ]
 
 pf_mod = importlib.import_module("kernels.triton.prefill_attention")
+lp_mod = importlib.import_module("worker_svc.attention.long_prefill")
+
+# The attention paths a prefill can take (the backend's switches: PREFILL_MIN_QUERY, LONG_ROWS).
+PATHS = {
+    "flash": ("FlashAttention on gathered K/V (default)", None, "flash"),  # None: the module's
+    "triton": ("Triton prefill kernel", None, "triton"),
+    "unified": ("unified kernel (before)", 1 << 30, "flash"),
+}
+
+
+@contextlib.contextmanager
+def attention_path(key: str) -> Iterator[str]:
+    """The backend's attention for long chunks set to PATHS[key] for the block; yields its label."""
+    label, min_query, long_rows = PATHS[key]
+    saved = pf_mod.PREFILL_MIN_QUERY, lp_mod.LONG_ROWS
+    pf_mod.PREFILL_MIN_QUERY, lp_mod.LONG_ROWS = min_query or saved[0], long_rows
+    try:
+        yield label
+    finally:
+        pf_mod.PREFILL_MIN_QUERY, lp_mod.LONG_ROWS = saved
+
+
+def attend(q: torch.Tensor, cache: torch.Tensor, meta, scale: float, out: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """What `TritonPagedBackend.forward` runs after its KV write."""
+    import kernels.triton as kt
+
+    if pf_mod.use_prefill_kernel(meta):
+        return lp_mod.long_prefill_attention(q, cache, meta, scale)
+    return kt.paged_attention(q, cache, meta, scale, out=out)
 
 
 def _meta(q_len: int, seq_len: int, block_size: int, num_blocks: int, dev: str, perm: torch.Tensor):  # type: ignore[no-untyped-def]
@@ -105,25 +136,52 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def check(args: argparse.Namespace, row) -> bool:  # type: ignore[no-untyped-def]
-    import kernels.triton as kt
     from kernels import reference
 
     ok = True
     tol = 1e-2 if args.device == "cuda" else 1e-4
     for length, start in args.check_shapes:
         case = Case(length, args)
-        q, _, meta = case.chunk(start, length)
+        q, out, meta = case.chunk(start, length)
         ref = reference.prefill_attention(q.float(), case.cache.float(), meta, case.scale)
-        for name, fn in (("prefill", pf_mod.prefill_attention), ("unified", kt.paged_attention)):
-            err = _rel_err(fn(q, case.cache, meta, case.scale), ref)
+        for key in PATHS:
+            with attention_path(key) as label:
+                err = _rel_err(attend(q, case.cache, meta, case.scale, out), ref)
             ok &= err < tol
-            row(
-                "check",
-                f"{name} kernel, chunk {start}..{length}",
-                f"{err:.1e}",
-                f"rel. error vs twin; < {tol:g}",
-            )
+            row("check", f"{label}, chunk {start}..{length}", f"{err:.1e}", f"rel. error vs twin; < {tol:g}")
         del case, ref
+    # A mixed step: decodes and a short chunk beside a long chunk (the backend splits it).
+    from kernels.attention_metadata import AttentionMetadata
+
+    dev, bs = args.device, args.block_size
+    seqs = args.check_mixed  # (new tokens, context after the step)
+    need = [-(-s // bs) for _, s in seqs]
+    perm = torch.randperm(sum(need), device=dev).to(torch.int32)
+    tables = torch.zeros((len(seqs), max(need)), dtype=torch.int32, device=dev)
+    for i, n in enumerate(need):
+        tables[i, :n] = perm[sum(need[:i]) : sum(need[:i]) + n]
+    lens = [n for n, _ in seqs]
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(sum(lens), dtype=torch.long, device=dev),
+        query_start_loc=torch.tensor(
+            [sum(lens[:i]) for i in range(len(seqs) + 1)], dtype=torch.int32, device=dev
+        ),
+        seq_lens=torch.tensor([s for _, s in seqs], dtype=torch.int32, device=dev),
+        block_tables=tables,
+        max_query_len=max(lens),
+        max_seq_len=max(s for _, s in seqs),
+        query_lens_cpu=lens,
+        seq_lens_cpu=[s for _, s in seqs],
+    )
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    cache = torch.randn((2, sum(need), bs, args.kv_heads, args.head_dim), dtype=dtype, device=dev)
+    q = torch.randn((sum(lens), args.heads, args.head_dim), dtype=dtype, device=dev)
+    ref = reference.paged_attention(q.float(), cache.float(), meta, args.head_dim**-0.5)
+    for key in PATHS:
+        with attention_path(key) as label:
+            err = _rel_err(attend(q, cache, meta, args.head_dim**-0.5, torch.empty_like(q)), ref)
+        ok &= err < tol
+        row("check", f"{label}, mixed {seqs}", f"{err:.1e}", f"rel. error vs twin; < {tol:g}")
     return ok
 
 
@@ -160,123 +218,96 @@ def sweep(args: argparse.Namespace, peak: float, row) -> pf_mod.PrefillConfig | 
     return best
 
 
-def kernel(args: argparse.Namespace, peak: float, cfg, row) -> None:  # type: ignore[no-untyped-def]
+def kernel(args: argparse.Namespace, peak: float, row) -> None:  # type: ignore[no-untyped-def]
+    """Per length: one whole causal prompt per call, then the engine's chunks over the prefix."""
     import torch.nn.functional as F
 
-    import kernels.triton as kt
+    from benchmarks.gpu import free_cuda
 
     for length in args.lens:
         case = Case(length, args)
         flops = case.flops()
-        q, out, meta = case.chunk(0, length)
-        calls = {
-            "prefill kernel": _prefill_call(case, cfg),
-            "unified kernel (before)": lambda q=q, out=out, meta=meta, case=case: kt.paged_attention(
-                q, case.cache, meta, case.scale, out=out
-            ),
-        }
-        if args.device == "cuda":  # flash on contiguous K/V, [1, H, L, D]: a scale, not a rival
+        section = f"attention, 1 x {length}"
+        chunks = [case.chunk(s, min(s + args.chunk, length)) for s in range(0, length, args.chunk)]
+        calls = {}
+        for key in args.paths:
+            for shape, parts in (
+                ("whole prompt", [case.chunk(0, length)]),
+                (f"chunks of {args.chunk}", chunks),
+            ):
+
+                def run(parts=parts, case=case) -> None:
+                    for q_c, o_c, m_c in parts:
+                        attend(q_c, case.cache, m_c, case.scale, o_c)
+
+                calls[(key, shape)] = run
+        if args.device == "cuda":  # flash on a contiguous K/V, [1, H, L, D]: the scale, no gather
             k = case.cache[0].view(-1, args.kv_heads, args.head_dim)[:length].transpose(0, 1)[None]
             v = case.cache[1].view(-1, args.kv_heads, args.head_dim)[:length].transpose(0, 1)[None]
-            qt = q.transpose(0, 1)[None]
-            calls["torch SDPA (flash, contiguous)"] = lambda qt=qt, k=k, v=v, case=case: (
+            qt = case.q.transpose(0, 1)[None]
+            calls[(None, "whole prompt, contiguous K/V")] = lambda qt=qt, k=k, v=v, case=case: (
                 F.scaled_dot_product_attention(qt, k, v, is_causal=True, scale=case.scale, enable_gqa=True)
             )
-        for name, fn in calls.items():
-            try:
-                t = _time(fn, args)
-            except Exception as e:
-                row(f"kernel {length}", name, "ERROR", repr(e)[:100])
-                continue
+        for (key, shape), fn in calls.items():
+            with attention_path(key or "flash") as label:
+                label = label if key else "torch SDPA flash"
+                try:
+                    t = _time(fn, args)
+                except Exception as e:
+                    row(section, f"{label}, {shape}", "ERROR", repr(e)[:100])
+                    continue
             tf = flops / t / 1e12
-            verdict = ""
-            if name == "prefill kernel":
-                met = "met" if tf / peak >= TARGET_FRACTION else "MISSED"
-                verdict = f"; target >= {TARGET_FRACTION:.0%}: {met}"
+            met = "met" if tf / peak >= TARGET_FRACTION else "MISSED"
+            verdict = f"; target >= {TARGET_FRACTION:.0%}: {met}" if key == "flash" else ""
             row(
-                f"kernel {length}",
-                name,
+                section,
+                f"{label}, {shape}",
                 f"{t * 1e3:.1f} ms",
-                f"{tf:.0f} TFLOP/s = {tf / peak:.0%} of peak{verdict}",
+                f"{tf:.0f} TFLOP/s = {tf / peak:.0%}{verdict}",
             )
-        # The engine's shape: chunks over the cached prefix, one call each, summed.
-        chunks = [(s, min(s + args.chunk, length)) for s in range(0, length, args.chunk)]
-        for name, fn in (
-            ("prefill kernel", pf_mod.prefill_attention),
-            ("unified kernel (before)", kt.paged_attention),
-        ):
-            parts = [case.chunk(s, e) for s, e in chunks]
-
-            def run(parts=parts, fn=fn, case=case) -> None:
-                for q_c, o_c, m_c in parts:
-                    if fn is pf_mod.prefill_attention:
-                        fn(q_c, case.cache, m_c, case.scale, out=o_c, config=cfg)
-                    else:
-                        fn(q_c, case.cache, m_c, case.scale, out=o_c)
-
-            t = _time(run, args)
-            tf = flops / t / 1e12
-            row(
-                f"kernel {length}",
-                f"{name}, {len(chunks)} chunks of {args.chunk}",
-                f"{t * 1e3:.1f} ms",
-                f"{tf:.0f} TFLOP/s = {tf / peak:.0%} of peak",
-            )
-        del case, calls
-        from benchmarks.gpu import free_cuda
-
+        del case, calls, chunks
         free_cuda()
 
 
 def e2e(args: argparse.Namespace, row) -> None:  # type: ignore[no-untyped-def]
+    """One fresh prompt per length through an 8B engine per chunk size, per attention path."""
     from benchmarks.gpu import SHAPES, SMOKE_SHAPES, free_cuda, make_llm, time_greedy, write_config
 
     name = "llama-tiny" if args.smoke else "llama-3.1-8b"
     cfg = (SMOKE_SHAPES if args.smoke else SHAPES)[name]
     rng = random.Random(0)
+
+    def prompt(n: int) -> dict:
+        return {"prompt_token_ids": [rng.randrange(10, cfg["vocab_size"]) for _ in range(n)]}
+
     with tempfile.TemporaryDirectory() as root:
         path = write_config(root, name, cfg)
-        llm = make_llm(
-            path,
-            args,
-            max_model_len=max(args.e2e_lens) + 64,
-            max_num_seqs=4,
-            enable_prefix_caching=False,
-        )
-        try:
-            paths = [("prefill kernel", pf_mod.PREFILL_MIN_QUERY), ("unified kernel (before)", 1 << 30)]
-            saved = pf_mod.PREFILL_MIN_QUERY
-            for label, threshold in paths:
-                pf_mod.PREFILL_MIN_QUERY = threshold
-                try:
-                    warm = min(args.e2e_lens[0], 1024)  # compiles this path's kernels
-                    time_greedy(llm, {"prompt_token_ids": [rng.randrange(10, 1000) for _ in range(warm)]}, 1)
-                    for length in args.e2e_lens:
-                        times = []
-                        for _ in range(args.e2e_reps):  # fresh prompts: no prefix to reuse
-                            prompt = {
-                                "prompt_token_ids": [
-                                    rng.randrange(10, cfg["vocab_size"]) for _ in range(length)
-                                ]
-                            }
-                            times.append(time_greedy(llm, prompt, 1))
-                        t = min(times)
-                        target = E2E_TARGETS.get(length)
-                        note = f"{length / t:,.0f} prompt tok/s"
-                        if target is not None and label == "prefill kernel":
-                            note += f"; target <= {target} s: {'met' if t <= target else 'MISSED'}"
-                        row(
-                            f"e2e, chunks of {args.max_num_batched_tokens}",
-                            f"{label}, {length} tokens",
-                            f"{t:.3f} s",
-                            note,
-                        )
-                finally:
-                    pf_mod.PREFILL_MIN_QUERY = saved
-        finally:
-            llm.close()
-            del llm
-            free_cuda()
+        for chunk in args.e2e_chunks:
+            args.max_num_batched_tokens = chunk
+            llm = make_llm(path, args, max_model_len=max(args.e2e_lens) + 64, enable_prefix_caching=False)
+            paths = args.paths if chunk == args.e2e_chunks[0] else args.paths[:1]
+            try:
+                for key in paths:
+                    with attention_path(key) as label:
+                        try:
+                            time_greedy(llm, prompt(min(args.e2e_lens[0], 1024)), 1)  # compiles this path
+                        except Exception as e:  # keep the other paths' rows
+                            row(f"prefill, chunks of {chunk}", label, "ERROR", repr(e)[:160])
+                            continue
+                        for length in args.e2e_lens:
+                            # Fresh prompts every time: no prefix to reuse.
+                            t = min(time_greedy(llm, prompt(length), 1) for _ in range(args.e2e_reps))
+                            target = E2E_TARGETS.get(length)
+                            note = f"{length / t:,.0f} prompt tok/s"
+                            if target is not None and key == "flash":
+                                note += f"; target <= {target} s: {'met' if t <= target else 'MISSED'}"
+                            row(
+                                f"prefill, chunks of {chunk}", f"{label}, {length} tokens", f"{t:.3f} s", note
+                            )
+            finally:
+                llm.close()
+                del llm
+                free_cuda()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -288,7 +319,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sweep", default=";".join(",".join(map(str, c)) for c in SWEEP))
     ap.add_argument("--e2e-lens", default="4096,32768,65536,122880")
     ap.add_argument("--e2e-reps", type=int, default=1)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument(
+        "--e2e-chunks", default="8192", help="max_num_batched_tokens per engine (paths: first only)"
+    )
+    ap.add_argument("--paths", default=",".join(PATHS), help=f"attention paths of {list(PATHS)}")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
@@ -296,18 +330,22 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     args.heads, args.kv_heads, args.head_dim, args.block_size = 32, 8, 128, 16
     args.check_shapes = [(4096, 0), (6144, 4096)]
+    args.check_mixed = [(1, 3000), (300, 2000), (2048, 6144), (1, 500), (1024, 1024)]
     args.lens = [int(x) for x in args.lens.split(",") if x]
     args.e2e_lens = [int(x) for x in args.e2e_lens.split(",") if x]
+    args.e2e_chunks = [int(x) for x in args.e2e_chunks.split(",") if x]
+    args.paths = [x for x in args.paths.split(",") if x]
     args.sweep = [tuple(int(x) for x in c.split(",")) for c in args.sweep.split(";") if c]
     if args.smoke:
         args.device = "cpu"
         args.heads, args.kv_heads, args.head_dim = 4, 2, 16
         args.check_shapes, args.lens, args.chunk, args.sweep_len = [(24, 0), (40, 16)], [32], 16, 32
+        args.check_mixed = [(1, 30), (5, 20), (17, 40), (1, 9)]
         args.sweep = [(16, 16, 4, 2)]
-        args.e2e_lens, args.e2e_reps, args.max_num_batched_tokens = [40], 1, 32
+        args.e2e_lens, args.e2e_reps, args.e2e_chunks = [40], 1, [32]
         pf_mod.PREFILL_MIN_QUERY = 16  # engine-side only on CUDA; kept small for the shapes above
     # The engine settings gpu.make_llm reads (benchmarks/gpu.py's engine_settings).
-    args.max_model_len, args.max_num_seqs = 0, 4
+    args.max_model_len, args.max_num_seqs, args.max_num_batched_tokens = 0, 4, args.e2e_chunks[0]
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device (use --smoke for a dry run)")
     from benchmarks.gpu import ROWS, log, matmul_ceiling, row
@@ -325,13 +363,17 @@ def main(argv: list[str] | None = None) -> None:
             peak = matmul_ceiling(args)
         if "check" in sections:
             ok = check(args, row)
-        cfg = None
         if "sweep" in sections:
             cfg = sweep(args, peak, row)
             if cfg is not None:
-                row("sweep", "best", f"{dataclasses.astuple(cfg)}", "used by the kernel rows")
+                row(
+                    "sweep",
+                    "best",
+                    f"{dataclasses.astuple(cfg)}",
+                    f"default: {pf_mod.default_config(128, 4)}",
+                )
         if "kernel" in sections:
-            kernel(args, peak, cfg, row)
+            kernel(args, peak, row)
         if "e2e" in sections:
             e2e(args, row)
     finally:

@@ -19,10 +19,10 @@ Triton's fused-attention tutorial:
   prompt the rows with the most keys), so the short blocks fill the tail of the launch
   instead of one long block running alone at the end.
 
-`paged_attention` stays the kernel of decode and mixed short batches; the attention backend
-dispatches a batch here when its longest chunk has at least `PREFILL_MIN_QUERY` tokens
-(`use_prefill_kernel`). Decode rows riding in such a batch are correct here too (a block of
-BLOCK_Q tokens holds one real row): they read their context once, like the unified kernel.
+`paged_attention` stays the kernel of decodes and short chunks. Every row of any batch is
+correct here too (a decode's block of BLOCK_Q tokens holds one real row), but the backend
+gives this kernel only the chunks of `PREFILL_MIN_QUERY` tokens or more (`min_query_len`), and
+only where FlashAttention is not taken (worker_svc/attention/long_prefill.py).
 """
 
 from __future__ import annotations
@@ -39,11 +39,12 @@ from kernels.triton import dual_jit, is_interpreted
 
 _LOG2E = 1.4426950408889634
 
-# A batch whose longest chunk has at least this many query tokens goes through this kernel.
-# Below it the unified kernel's smaller tiles waste less on ragged short rows.
-PREFILL_MIN_QUERY = 512
+# Chunks of at least this many query tokens are "long": the attention backend sends them to
+# FlashAttention on CUDA, or to this kernel (worker_svc/attention/long_prefill.py). Shorter rows
+# stay with the unified kernel, whose smaller tiles waste less on ragged short rows.
+PREFILL_MIN_QUERY = 1024
 
-_VARYING = ["num_seqs", "num_q_blocks"]
+_VARYING = ["num_seqs", "num_q_blocks", "min_query_len"]
 
 
 @dual_jit(do_not_specialize=_VARYING)
@@ -59,6 +60,7 @@ def _prefill_attn_kernel(
     scale_log2,  # softmax scale * log2(e)
     num_seqs,
     num_q_blocks,  # the grid's size: program p owns global query block num_q_blocks - 1 - p
+    min_query_len,  # sequences with fewer query tokens are left to another kernel
     stride_qt,
     stride_qh,
     stride_ot,
@@ -100,6 +102,8 @@ def _prefill_attn_kernel(
     q_block_local = q_block_global - (q_start // BLOCK_Q + seq_idx)
     q_len = tl.load(query_start_loc_ptr + seq_idx + 1) - q_start
     if q_block_local * BLOCK_Q >= q_len:  # a slot of the grid's upper bound that owns nothing
+        return
+    if q_len < min_query_len:
         return
     context_len = tl.load(seq_lens_ptr + seq_idx) - q_len  # tokens cached before this chunk
 
@@ -207,19 +211,20 @@ class PrefillConfig:
 
 
 def default_config(head_pad: int, group: int) -> PrefillConfig:
-    """Tile shape for head dims up to 128: 128 rows x 64 keys, 8 warps, 3 stages (H100 sweep,
-    docs/benchmarks.md)."""
+    """Tile shape for head dims up to 128: 128 rows x 128 keys, 8 warps, 3 stages. Swept on an
+    H200 (bf16, 32/8 heads, D=128, one 32k prompt): 417 TFLOP/s; 128 x 64 with 8 warps 360, with
+    4 warps 373; 64 x 64 373; 256 x 64 379 (docs/benchmarks.md, issue 31)."""
     if head_pad > 128:  # the fp32 accumulator and the K/V stages must fit
         cfg = PrefillConfig(64, 32, 4, 2)
     else:
-        cfg = PrefillConfig(128, 64, 8, 3)
+        cfg = PrefillConfig(128, 128, 8, 3)
     # A program holds at least one query token with all of its group's heads.
     return dataclasses.replace(cfg, block_m=max(cfg.block_m, triton.next_power_of_2(group)))
 
 
 def use_prefill_kernel(meta: AttentionMetadata) -> bool:
-    """True when the batch's longest chunk is long enough for this kernel's tiles to pay (the
-    benchmark sets PREFILL_MIN_QUERY past any chunk to time the unified kernel instead)."""
+    """True when the batch holds a long chunk (the benchmark sets PREFILL_MIN_QUERY past any
+    chunk to time the unified kernel alone, the path before issue 31)."""
     return meta.max_query_len >= PREFILL_MIN_QUERY
 
 
@@ -232,6 +237,7 @@ def prefill_attention(
     *,
     kv_scale: torch.Tensor | None = None,
     config: PrefillConfig | None = None,
+    min_query_len: int = 0,
 ) -> torch.Tensor:
     """`paged_attention`'s function with prefill-shaped tiles: each query token attends to its
     sequence's cached context, causal within the chunk.
@@ -239,7 +245,8 @@ def prefill_attention(
     q: [T, H, D]; kv_cache: [2, num_blocks, block_size, Hkv, D] holding the new tokens' K/V
     already; returns `out` ([T, H, D], q's dtype). An fp8 cache is read with `kv_scale` (fp32
     [4], `kernels.reference.unit_kv_scale`'s layout; None = every scale 1.0). Reads only
-    host-side metadata, never syncs.
+    host-side metadata, never syncs. Rows of sequences with fewer than `min_query_len` query
+    tokens are not written (`worker_svc.attention.long_prefill` leaves them to the unified kernel).
     """
     num_tokens, num_heads, head_dim = q.shape
     assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, kv_cache.shape
@@ -278,6 +285,7 @@ def prefill_attention(
         scale * _LOG2E,
         meta.num_seqs,
         num_q_blocks,
+        min_query_len,
         q.stride(0),
         q.stride(1),
         out.stride(0),

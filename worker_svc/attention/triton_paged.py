@@ -11,8 +11,9 @@ import torch
 
 import kernels.triton as triton_kernels
 from kernels.attention_metadata import AttentionMetadata
-from kernels.triton.prefill_attention import prefill_attention, use_prefill_kernel
+from kernels.triton.prefill_attention import use_prefill_kernel
 from worker_svc.attention.base import RotaryInputs
+from worker_svc.attention.long_prefill import long_prefill_attention
 
 
 class TritonPagedBackend:
@@ -38,6 +39,6 @@ class TritonPagedBackend:
             )
         else:
             triton_kernels.write_kv_cache(k, v, kv_cache, meta.slot_mapping, kv_scale)
-        if use_prefill_kernel(meta):  # long chunks: FA2-style tiles and causal block skipping
-            return prefill_attention(q, kv_cache, meta, scale, kv_scale=kv_scale)
+        if use_prefill_kernel(meta):  # long chunks: prefill-shaped tiles, FlashAttention (issue 31)
+            return long_prefill_attention(q, kv_cache, meta, scale, kv_scale=kv_scale)
         return triton_kernels.paged_attention(q, kv_cache, meta, scale, kv_scale=kv_scale)

@@ -20,7 +20,7 @@ from tests.unit.kernels import make_paged_batch
 pf_mod = importlib.import_module("kernels.triton.prefill_attention")
 
 # Chunks on cached prefixes, a whole prompt, a decode row riding along, a prompt under a block.
-SEQS = [(37, 100), (1, 17), (24, 24), (9, 9), (20, 71)]
+SEQS = [(37, 100), (1, 17), (24, 24), (9, 9), (1, 30), (20, 71)]
 ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 3e-2}
 
 
@@ -85,3 +85,25 @@ def test_dispatch_by_longest_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
     assert use_prefill_kernel(long.meta) and not use_prefill_kernel(short.meta)
     monkeypatch.setattr(pf_mod, "PREFILL_MIN_QUERY", 1 << 30)  # the benchmark's switch to the old path
     assert not use_prefill_kernel(long.meta)
+
+
+@pytest.mark.parametrize("flash", [True, False])
+def test_backend_split_of_a_batch_with_long_chunks(monkeypatch: pytest.MonkeyPatch, flash: bool) -> None:
+    """Chunks of PREFILL_MIN_QUERY or more tokens through SDPA (causal from the bottom right, on
+    K/V gathered from the cache) or, without flash, the Triton prefill kernel (which skips the
+    short rows); runs of short rows through the unified kernel on a slice of the batch. An fp8
+    cache is upcast with its scales on the flash side."""
+    from worker_svc.attention import long_prefill
+
+    monkeypatch.setattr(long_prefill, "_flash_available", lambda device: flash)
+    monkeypatch.setattr(pf_mod, "PREFILL_MIN_QUERY", 20)
+    monkeypatch.setattr(pf_mod, "default_config", lambda *_: PrefillConfig(32, 16, 4, 2))
+    b = make_paged_batch(SEQS, num_heads=4, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32)
+    _check(b, long_prefill.long_prefill_attention(b.q, b.kv_cache, b.meta, 0.3), 0.3, torch.float32)
+    if flash:
+        scales = torch.tensor([0.5, 0.125, 2.0, 8.0])
+        b.kv_cache = torch.stack(
+            [reference.quantize_kv(b.kv_cache[0], scales[2]), reference.quantize_kv(b.kv_cache[1], scales[3])]
+        )
+        out = long_prefill.long_prefill_attention(b.q, b.kv_cache, b.meta, 0.3, kv_scale=scales)
+        _check(b, out, 0.3, torch.float32, scales)

@@ -1,0 +1,118 @@
+"""Attention of a batch holding long prefill chunks (issue 31): which rows go to which kernel.
+
+A chunk of `PREFILL_MIN_QUERY` (kernels/triton/prefill_attention.py) or more query tokens is
+"long". On a CUDA device it is computed by FlashAttention (torch SDPA's flash backend, causal
+aligned to the bottom right: query j of a chunk over a cached prefix of P tokens sees keys
+0..P + j) on its context gathered from the paged cache into contiguous K/V. FlashAttention
+cannot read our block table, and the gather is cheap next to the attention it feeds: a chunk
+of C tokens over a context of S does 4 * H * D * C * S FLOPs for 2 * S * Hkv * D elements
+moved twice (at C = 8k, D = 128, GQA 4: ~16,000 FLOPs per byte, so the copy costs ~1 % of the
+chunk's time on an H100/H200). Elsewhere (the interpreter in tests) or with
+`LONG_ROWS = "triton"` (the benchmark's switch), the Triton prefill kernel takes the long rows.
+
+The other rows of the batch (decodes riding along, short chunks) go through the unified
+`paged_attention` kernel, one launch per run of consecutive short sequences, as they would
+without a long chunk beside them.
+
+Measured (docs/benchmarks.md, issue 31, H200): one causal 32k prompt, 417 TFLOP/s in the
+Triton prefill kernel (53 % of the 783 TFLOP/s matmul peak), 385 in the unified kernel, 632 in
+SDPA's flash on contiguous K/V.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+import kernels.triton as triton_kernels
+from kernels.attention_metadata import AttentionMetadata
+from kernels.reference import gather_kv, is_fp8_cache, unit_kv_scale
+from kernels.triton import prefill_attention as prefill_mod
+
+# "flash": long rows through FlashAttention (CUDA); "triton": through the Triton prefill kernel.
+LONG_ROWS = "flash"
+
+
+def long_prefill_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    kv_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`paged_attention`'s function for a batch with long chunks: q [T, H, D] against the paged
+    cache [2, num_blocks, block_size, Hkv, D] (new K/V already written); returns [T, H, D]."""
+    out = torch.empty_like(q)
+    min_long = prefill_mod.PREFILL_MIN_QUERY
+    lens = meta.query_lens_cpu
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    long_rows = [i for i, n in enumerate(lens) if n >= min_long]
+    if LONG_ROWS == "flash" and _flash_available(q.device):
+        for i in long_rows:
+            rows = slice(starts[i], starts[i + 1])
+            out[rows] = _flash_chunk(q[rows], kv_cache, meta, i, scale, kv_scale)
+    elif long_rows:
+        prefill_mod.prefill_attention(
+            q, kv_cache, meta, scale, out=out, kv_scale=kv_scale, min_query_len=min_long
+        )
+    # Runs of consecutive short sequences: the unified kernel on that slice of the batch.
+    a = 0
+    while a < meta.num_seqs:
+        if lens[a] >= min_long:
+            a += 1
+            continue
+        b = a
+        while b < meta.num_seqs and lens[b] < min_long:
+            b += 1
+        rows = slice(starts[a], starts[b])
+        sub = _sub_batch(meta, a, b, starts)
+        triton_kernels.paged_attention(q[rows], kv_cache, sub, scale, out=out[rows], kv_scale=kv_scale)
+        a = b
+    return out
+
+
+def _sub_batch(meta: AttentionMetadata, a: int, b: int, starts: list[int]) -> AttentionMetadata:
+    """The metadata of sequences [a, b) alone (their tokens start at row starts[a])."""
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping[starts[a] : starts[b]],
+        query_start_loc=meta.query_start_loc[a : b + 1] - starts[a],
+        seq_lens=meta.seq_lens[a:b],
+        block_tables=meta.block_tables[a:b],
+        max_query_len=max(meta.query_lens_cpu[a:b]),
+        max_seq_len=max(meta.seq_lens_cpu[a:b]),
+        query_lens_cpu=meta.query_lens_cpu[a:b],
+        seq_lens_cpu=meta.seq_lens_cpu[a:b],
+    )
+
+
+def _flash_available(device: torch.device) -> bool:
+    return device.type == "cuda"  # tests patch this to run the flash side on the CPU
+
+
+def _flash_chunk(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    seq: int,
+    scale: float,
+    kv_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """One sequence's chunk q [C, H, D] over its whole context (cached prefix + the chunk)."""
+    q_len, seq_len = q.shape[0], meta.seq_lens_cpu[seq]
+    k, v = gather_kv(kv_cache, meta.block_tables[seq], seq_len)  # [S, Hkv, D] each
+    if is_fp8_cache(kv_cache):
+        s = (kv_scale if kv_scale is not None else unit_kv_scale(q.device)).to(q.dtype)
+        k, v = k.to(q.dtype) * s[0], v.to(q.dtype) * s[1]
+    # [1, heads, tokens, D] views: SDPA needs only the last dim contiguous.
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=causal_lower_right(q_len, seq_len),
+        scale=scale,
+        enable_gqa=True,
+    )
+    return o[0].transpose(0, 1)
