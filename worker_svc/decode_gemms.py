@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_svc.models.fp8 import fp8_linear, fp8_skinny_linear
+from kernels import reference
+from worker_svc.models.fp8 import Fp8Rows, fp8_linear, fp8_skinny_linear
 from worker_svc.models.parallel_layers import ShardedLinear, linear_fp32_out
 
 if TYPE_CHECKING:
@@ -49,22 +50,29 @@ Timer = Callable[[list[ShardedLinear], bool], dict[str, float]]
 _WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 
 
-def candidates(fp8: bool = True) -> dict[str, object]:
-    """The configs that won a cell of benchmarks/skinny_gemm.py's 24-config sweep on an H100,
-    and for FP8 weights (fp8=True adds them) the same tiles twice as deep: a byte an element,
-    so a tile of the same bytes."""
+def candidates(fp8: bool | None = None) -> dict[str, object]:
+    """The configs timed for a weight dtype: for bf16/fp16 (fp8=False) those that won a cell of
+    benchmarks/skinny_gemm.py's 24-config sweep on an H100; for FP8 weights (fp8=True) tiles
+    of the same bytes (twice as deep: a byte an element) and split-K ones, whose extra programs
+    keep more loads in flight on the shapes of few output columns (o_proj, down: 4,096).
+    None: both lists (every name a cached choice may hold)."""
     from kernels.triton.skinny_gemm import SkinnyConfig
 
-    configs = [
+    wide = [
         SkinnyConfig(block_n=32, block_k=512, num_warps=4, num_stages=3),
         SkinnyConfig(block_n=32, block_k=512, num_warps=4, num_stages=4),
         SkinnyConfig(block_n=64, block_k=256, num_warps=4, num_stages=4),
     ]
-    if fp8:
-        configs += [
-            SkinnyConfig(block_n=32, block_k=1024, num_warps=4, num_stages=3),
-            SkinnyConfig(block_n=64, block_k=512, num_warps=4, num_stages=4),
-        ]
+    byte = [
+        SkinnyConfig(block_n=32, block_k=512, num_warps=4, num_stages=4),
+        SkinnyConfig(block_n=32, block_k=1024, num_warps=4, num_stages=3),
+        SkinnyConfig(block_n=64, block_k=512, num_warps=4, num_stages=4),
+        SkinnyConfig(block_n=16, block_k=1024, num_warps=4, num_stages=4),
+        SkinnyConfig(block_n=32, block_k=512, num_warps=4, num_stages=4, split_k=2),
+        SkinnyConfig(block_n=32, block_k=1024, num_warps=4, num_stages=3, split_k=2),
+        SkinnyConfig(block_n=32, block_k=512, num_warps=4, num_stages=4, split_k=4),
+    ]
+    configs = wide if fp8 is False else byte if fp8 else wide + byte
     return {str(c): c for c in configs}
 
 
@@ -168,25 +176,27 @@ def _write(path: str, choices: dict[str, str]) -> None:
 def _time_candidates(layers: list[ShardedLinear], fp32_out: bool) -> dict[str, float]:
     """Microseconds per call of cuBLAS and of each candidate that runs on this GPU.
 
-    FP8 layers: "cuBLAS" is their eager path (activations quantized per token, `_scaled_mm`),
-    a skinny GEMM the same math on its FP8 tensor-core tiles (the quantization timed with it)."""
+    FP8 layers: "cuBLAS" is their eager path (`_scaled_mm`), a skinny GEMM the same math on its
+    FP8 tensor-core tiles, both over rows quantized beforehand (most layers get them so from
+    the fused norm / SiLU·mul; o_proj's quantization kernel costs both the same)."""
     from kernels.triton.skinny_gemm import skinny_gemm
 
     weight = layers[0].weight
     n, k = weight.shape
     fp8 = layers[0].weight_scale is not None
     x = torch.randn(_ROWS, k, dtype=torch.bfloat16 if fp8 else weight.dtype, device=weight.device)
+    rows = Fp8Rows(*reference.quantize_fp8_rows(x), x.dtype) if fp8 else None
     out_dtype = torch.float32 if fp32_out else None
 
     def cublas(layer: ShardedLinear) -> None:
         if layer.weight_scale is not None:
-            fp8_linear(x, layer.weight, layer.weight_scale, None, out_dtype or x.dtype)
+            fp8_linear(rows, layer.weight, layer.weight_scale, None, out_dtype or x.dtype)
         else:
             linear_fp32_out(x, layer.weight) if fp32_out else F.linear(x, layer.weight)
 
     def skinny(layer: ShardedLinear, cfg: SkinnyConfig) -> None:
         if layer.weight_scale is not None:
-            fp8_skinny_linear(x, layer.weight, layer.weight_scale, out_dtype or x.dtype, cfg)
+            fp8_skinny_linear(rows, layer.weight, layer.weight_scale, out_dtype or x.dtype, cfg)
         else:
             skinny_gemm(x, layer.weight, out_dtype, cfg)
 

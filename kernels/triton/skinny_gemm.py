@@ -11,10 +11,20 @@ out keeps the sum unrounded, as the tensor-parallel row-parallel layers want).
 Two bodies, one kernel: with DOT the rows are padded to BLOCK_M >= 16 and multiplied on the
 tensor cores (padding rows cost no bandwidth); without, BLOCK_M is 1 and the tile is reduced
 with a plain multiply and sum (no padding, fewer registers).
+
+Split-K (`split_k` > 1): a shape of few output columns (an 8B o_proj or down: 4,096, so 128
+programs of 32 columns on 132 multiprocessors, one each, with each program's loads alone to hide
+the memory's latency) gets SPLIT_K programs per column block, each over a run of K. They write
+their fp32 partial sums to planes of a workspace and count themselves in on a per-block counter;
+the last to arrive adds the planes up in plane order (so every run rounds the same way, unlike
+atomic adds into the output), applies the scales, writes the output and puts the counter back to
+zero for the next call: one launch, no memset. FP8 weights, a byte an element, need twice the
+programs (or twice the tiles in flight) of bf16 for the same bytes in flight.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -31,10 +41,12 @@ class SkinnyConfig:
     num_warps: int = 4
     num_stages: int = 3
     dot: bool = True
+    split_k: int = 1
 
     def __str__(self) -> str:
         body = "dot" if self.dot else "sum"
-        return f"{body} n{self.block_n} k{self.block_k} w{self.num_warps} s{self.num_stages}"
+        split = f" split{self.split_k}" if self.split_k > 1 else ""
+        return f"{body} n{self.block_n} k{self.block_k} w{self.num_warps} s{self.num_stages}{split}"
 
 
 # N and K are fixed per layer (Triton specialising on them lets it prove the K loop needs no
@@ -52,6 +64,9 @@ def _skinny_gemm_kernel(
     stride_om,
     scale_ptr,
     x_scale_ptr,
+    ws_ptr,
+    count_ptr,
+    k_per_split,
     HAS_SCALE: tl.constexpr,
     HAS_X_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -59,8 +74,10 @@ def _skinny_gemm_kernel(
     BLOCK_K: tl.constexpr,
     DOT: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_n = tl.program_id(0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
@@ -68,7 +85,13 @@ def _skinny_gemm_kernel(
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    if SPLIT_K > 1:
+        k_begin = tl.program_id(1) * k_per_split  # a multiple of BLOCK_K
+        k_end = tl.minimum(k_begin + k_per_split, K)
+    else:  # the whole of K, whose bounds Triton knows (K is specialised)
+        k_begin = 0
+        k_end = K
+    for k0 in range(k_begin, k_end, BLOCK_K):
         ks = k0 + offs_k
         k_mask = ks < K
         w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
@@ -81,12 +104,30 @@ def _skinny_gemm_kernel(
             acc += tl.dot(x.to(w.dtype), tl.trans(w))
         else:  # BLOCK_M == 1: [1, K] * [N, K] summed over K
             acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K > 1:
+        # This program's partial sums to its plane, [SPLIT_K, BLOCK_M, N]; then the count. The
+        # barrier orders every thread's stores before the (acquire-release) atomic, which one
+        # thread issues; the planes are read back past L1 (.cg), which is not coherent.
+        plane = ws_ptr + tl.program_id(1) * BLOCK_M * N
+        ws_offs = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(plane + ws_offs, acc, mask=n_mask[None, :])
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid_n, 1)
+        last = (tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32) + arrived) == SPLIT_K - 1
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        part_mask = n_mask[None, :] & last
+        for s in range(SPLIT_K):  # in plane order: the same sum whichever program came last
+            part = ws_ptr + s * BLOCK_M * N + ws_offs
+            acc += tl.load(part, mask=part_mask, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(count_ptr + pid_n, 0, mask=arrived == SPLIT_K - 1)  # ready for the next call
+        out_mask = out_mask & last  # only the last program writes
     if HAS_SCALE:  # the weight's per-output-channel scales, applied once to the fp32 sums
         acc *= tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
     if HAS_X_SCALE:  # FP8 rows of x: each row's own scale
         acc *= tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
     out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def skinny_gemm(
@@ -118,7 +159,15 @@ def skinny_gemm(
         return out.reshape(*x.shape[:-1], n)
     dot = cfg.dot or m > 1
     block_m = max(16, triton.next_power_of_2(m)) if dot else 1
-    _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n),)](
+    blocks_n = triton.cdiv(n, cfg.block_n)
+    split = min(cfg.split_k, triton.cdiv(k, cfg.block_k))
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), split) * cfg.block_k
+    split = triton.cdiv(k, k_per_split)  # no empty run of K
+    workspace = _split_k_workspace(x.device, split * block_m * n, blocks_n) if split > 1 else None
+    if workspace is None:
+        split, k_per_split = 1, k
+    ws, counts = workspace if workspace is not None else (out, out)
+    _skinny_gemm_kernel[(blocks_n, split)](
         rows,
         weight,
         out,
@@ -130,6 +179,9 @@ def skinny_gemm(
         out.stride(0),
         scale if scale is not None else out,
         x_scale if x_scale is not None else out,
+        ws,
+        counts,
+        k_per_split,
         HAS_SCALE=scale is not None,
         HAS_X_SCALE=x_scale is not None,
         BLOCK_M=block_m,
@@ -138,7 +190,53 @@ def skinny_gemm(
         DOT=dot,
         DOT_FP32=dot
         and (is_interpreted(x.device) or x.dtype == torch.float32 or weight.dtype == torch.float32),
+        SPLIT_K=split,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     return out.reshape(*x.shape[:-1], n)
+
+
+class _Workspaces:
+    """Split-K's partial-sum planes and per-block counters, one set per device, never freed (a
+    graph captured with them replays them, on whatever thread). One set serves every GEMM of a
+    device because a worker runs its GEMMs one after the other, on its step's stream: split-K
+    GEMMs on one device must not run concurrently on two streams."""
+
+    def __init__(self) -> None:
+        self.by_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.outgrown: list[torch.Tensor] = []  # planes outgrown, kept for the graphs using them
+        self.lock = threading.Lock()
+
+
+_WORKSPACES = _Workspaces()
+_COUNTERS = 1 << 16  # column blocks a split-K GEMM may have (N / BLOCK_N)
+
+
+def _split_k_workspace(
+    device: torch.device, plane_floats: int, blocks_n: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(fp32 planes of at least `plane_floats`, int32 counters, all zero), or None where none
+    can be made: too many column blocks, or first asked for inside a graph capture (the
+    counters must be zeroed by a kernel that runs now, which a capture only records). The
+    decode graphs' GEMMs run eagerly (warm-up, decode_gemms' timing) before any capture."""
+    if blocks_n > _COUNTERS:
+        return None
+    have = _WORKSPACES.by_device.get(device)
+    if have is not None and have[0].numel() >= plane_floats:
+        return have
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if have is None and capturing:
+        return None
+    with _WORKSPACES.lock:
+        have = _WORKSPACES.by_device.get(device)
+        if have is not None and have[0].numel() >= plane_floats:
+            return have
+        # Planes may grow (their contents never outlive a call); the counters, always zero
+        # between calls, are kept.
+        counts = have[1] if have is not None else torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
+        if have is not None:
+            _WORKSPACES.outgrown.append(have[0])
+        planes = torch.empty(max(plane_floats, 1 << 20), dtype=torch.float32, device=device)
+        _WORKSPACES.by_device[device] = (planes, counts)
+        return planes, counts

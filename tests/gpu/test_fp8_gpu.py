@@ -52,3 +52,62 @@ def test_engine_serves_with_fp8_weights(tmp_path) -> None:  # type: ignore[no-un
     b = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert all(len(t) == 16 for t in a)
     assert a == b  # graphs (decodes) and eager steps (prefills) run the same FP8 math each time
+
+
+def _codes_close(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Scales equal to their last bit or so, codes equal but for rare one-step moves (a value on
+    an e4m3 rounding point; the compiler may contract a kernel's arithmetic differently)."""
+    torch.testing.assert_close(a[1], b[1], rtol=1e-6, atol=0)
+    qa, qb = a[0].float(), b[0].float()
+    diff = (qa - qb).abs()
+    one_step = torch.maximum(qb.abs() / 8, torch.full_like(diff, 2**-9)) * 1.01
+    assert (diff <= one_step).all()
+    assert (diff > 0).float().mean() <= 1e-3
+
+
+@pytest.mark.parametrize("m", [1, 16, 300])
+def test_fused_rms_norm_fp8_matches_norm_then_quantization_on_gpu(m: int) -> None:
+    import kernels.triton as kt
+
+    x = torch.randn(m, 4096, device="cuda")  # a row-parallel layer's fp32 sum
+    residual = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+    weight = (1 + 0.1 * torch.randn(4096, device="cuda")).to(torch.bfloat16)
+    q, scale, new_residual = kt.rms_norm_fp8(x, weight, 1e-5, residual)
+    normed, residual_unfused = kt.rms_norm(x, weight, 1e-5, residual)
+    assert torch.equal(new_residual, residual_unfused)
+    _codes_close((q, scale), quantize_fp8_rows(normed))
+    q_ref, scale_ref, _ = reference.rms_norm_fp8(x, weight, 1e-5, residual)
+    _codes_close((q, scale), (q_ref, scale_ref))
+
+
+@pytest.mark.parametrize("m", [1, 16, 300])
+@pytest.mark.parametrize("row_block", [16384, 4096])  # one block; two passes of 4,096
+def test_fused_silu_and_mul_fp8_matches_silu_then_quantization_on_gpu(m: int, row_block: int) -> None:
+    import kernels.triton as kt
+
+    x = torch.randn(m, 2 * 14336, device="cuda", dtype=torch.bfloat16) * 3
+    fused = kt.silu_and_mul_fp8(x, row_block=row_block)
+    _codes_close(fused, quantize_fp8_rows(kt.silu_and_mul(x)))
+    _codes_close(fused, reference.silu_and_mul_fp8(x))
+
+
+@pytest.mark.parametrize("split_k", [1, 2, 4])
+@pytest.mark.parametrize("m", [1, 16])
+def test_fp8_skinny_gemm_with_split_k_on_gpu(split_k: int, m: int) -> None:
+    """The decode graphs' W8A8 GEMM at the 8B down shape: against the twin, the same bits on
+    every call (split-K adds its planes in a fixed order), counters back at zero."""
+    import importlib
+
+    from kernels.triton.skinny_gemm import SkinnyConfig, skinny_gemm
+
+    skinny = importlib.import_module("kernels.triton.skinny_gemm")
+    xq, xs = reference.quantize_fp8_rows(torch.randn(m, 14336, device="cuda"))
+    wq, ws = quantize_weight_fp8(torch.randn(4096, 14336, device="cuda") / 64)
+    cfg = SkinnyConfig(block_n=32, block_k=512, num_warps=4, num_stages=4, split_k=split_k)
+    out = skinny_gemm(xq, wq, torch.float32, cfg, scale=ws, x_scale=xs)
+    expected = reference.linear(xq, wq, torch.float32, scale=ws, x_scale=xs)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    for _ in range(3):
+        assert torch.equal(skinny_gemm(xq, wq, torch.float32, cfg, scale=ws, x_scale=xs), out)
+    if split_k > 1:
+        assert not skinny._WORKSPACES.by_device[out.device][1].any()

@@ -134,3 +134,29 @@ def test_silu_and_mul_fp8_quantizes_what_silu_and_mul_writes(row_block: int) -> 
 
     x = (torch.randn(3, 2 * 100) * 3).to(torch.bfloat16)
     _same_codes(kt.silu_and_mul_fp8(x, row_block=row_block), quantize_fp8_rows(kt.silu_and_mul(x)))
+
+
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_split_k_skinny_gemm_matches_twin_and_leaves_its_counters_at_zero(m: int, split_k: int) -> None:
+    """Split-K: programs over runs of K, the last of each column block adds the partial sums in
+    plane order; the same result every call, and the counters ready for the next one."""
+    import importlib
+
+    from kernels.triton.skinny_gemm import SkinnyConfig, skinny_gemm
+    from worker_svc.models.fp8 import quantize_weight_fp8
+
+    skinny = importlib.import_module("kernels.triton.skinny_gemm")
+    cfg = SkinnyConfig(block_n=32, block_k=32, split_k=split_k)
+    x = torch.randn(m, 200)
+    w = torch.randn(72, 200) / 10
+    out = skinny_gemm(x, w, torch.float32, cfg)
+    torch.testing.assert_close(out, reference.linear(x, w, torch.float32), atol=1e-5, rtol=1e-5)
+    assert torch.equal(skinny_gemm(x, w, torch.float32, cfg), out)
+    xq, xs = reference.quantize_fp8_rows(x)
+    wq, scale = quantize_weight_fp8(w)
+    out = skinny_gemm(xq, wq, torch.float32, cfg, scale=scale, x_scale=xs)
+    expected = reference.linear(xq, wq, torch.float32, scale=scale, x_scale=xs)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    _, counts = skinny._WORKSPACES.by_device[torch.device("cpu")]
+    assert not counts.any()
