@@ -105,6 +105,8 @@ class KVTierPlanner:
         # Predicted seconds of each store load of the plan being built / of each plan in flight.
         self._predicted_now: list[float | None] = []
         self._predicted_by_step: dict[int, list[float | None]] = {}
+        # Plans sent whose results have not come back (see has_pending).
+        self._in_flight: set[int] = set()
 
     @property
     def enabled(self) -> bool:
@@ -125,28 +127,33 @@ class KVTierPlanner:
         store_end = min(req.store_hit_blocks, max_blocks)
         if store_end > have:
             # A handed-over prompt loads whole: recomputing it would stall the decode worker's batch.
-            end = store_end if req.handed_over else self._worth_loading(hit, have, store_end)
+            compute = req.num_tokens - have * self.blocks.block_size  # without the load
+            end = store_end if req.handed_over else self._worth_loading(hit, have, store_end, compute)
             hit.store_start, hit.store_end = have, end
         self.host.pin(hit.host_slots)
         return hit
 
     def worth_looking(self, uncached_tokens: int) -> bool:
         """Whether a request with this many prompt tokens past its GPU hit should look the store
-        up (False: no hit of that size is predicted to load faster than it computes)."""
+        up (False: no hit of that size is predicted to load faster than it computes). Decided
+        from the length alone, before any RPC: a prompt the predictor would compute anyway must
+        not wait for a lookup (a round trip to another host) to learn what it would skip."""
         c = self.chunk_blocks
-        max_chunks = uncached_tokens // (c * self.blocks.block_size) if c else 0
-        if self.predictor.worth_looking(c, max_chunks):
+        # The last prompt token is always computed (its logits): chunks that could be loaded.
+        max_chunks = (uncached_tokens - 1) // (c * self.blocks.block_size) if c else 0
+        if self.predictor.worth_looking(c, max_chunks, uncached_tokens):
             return True
         self.stats.kv_lookups_skipped += 1
         return False
 
-    def _worth_loading(self, hit: TierHit, start: int, end: int) -> int:
+    def _worth_loading(self, hit: TierHit, start: int, end: int, compute_tokens: int) -> int:
         """Where the store load of blocks [start, end) should end: after the leading chunks
-        predicted faster to load than to compute (`start`: none of them)."""
+        predicted faster to load than to compute (`start`: none of them). `compute_tokens`: the
+        prompt tokens the request computes without the load."""
         c = self.chunk_blocks
         first, last = start // c, -(-end // c)
         wanted = [min(end, (k + 1) * c) - max(start, k * c) for k in range(first, last)]
-        decision = self.predictor.decide(c, wanted)
+        decision = self.predictor.decide(c, wanted, compute_tokens)
         hit.predicted_s, hit.skipped_blocks = decision.predicted_seconds, decision.skipped_blocks
         return start if decision.chunks == 0 else min(end, (first + decision.chunks) * c)
 
@@ -190,6 +197,7 @@ class KVTierPlanner:
         `keyed`: the (block, key) pairs this plan made full, saved by the next plan.
         """
         kv, self._kv = self._kv, KVTransfers()
+        self._in_flight.add(step_id)
         if self._predicted_now:
             self._predicted_by_step[step_id], self._predicted_now = self._predicted_now, []
         assigned = []
@@ -226,11 +234,17 @@ class KVTierPlanner:
             known.popitem(last=False)
 
     def has_pending(self) -> bool:
-        return bool(self._pending_saves or self._pending_puts)
+        """Whether saves or puts wait for a plan of their own: only while no plan is in flight.
+        Behind a step still running, a plan of only transfers is launched by the worker before
+        that step's tokens are read, and its copies and its sender (34 MB a 256-token chunk of an
+        8B model) delay them: a prompt that filled a chunk paid for its put in its first token.
+        They ride with the next plan that has work, or go once the results are in."""
+        return bool(self._pending_saves or self._pending_puts) and not self._in_flight
 
     # ----- results -----
     def executed(self, step_id: int, failed_load_seq_ids: list[str], kv_verify_failures: int = 0) -> None:
         self._assigned_by_step.pop(step_id, None)
+        self._in_flight.discard(step_id)
         self.stats.failed_loads += len(failed_load_seq_ids)
         self.stats.kv_verify_failures += kv_verify_failures
 
@@ -267,6 +281,7 @@ class KVTierPlanner:
                 if step_id > last_executed_step_id:
                     self.host.forget(keys)
         self._assigned_by_step.clear()
+        self._in_flight.clear()
         self._predicted_by_step.clear()
         self._predicted_now = []
         self._pending_saves.clear()

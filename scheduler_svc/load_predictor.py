@@ -26,8 +26,13 @@ past the sizes it was measured at (one size cannot tell a fixed overhead from a 
 loads use fewer of the bulk path's connections): a hit more than `EXTRAPOLATE` times the largest
 load measured, that the fit says to skip, gets a probe of twice that size. While loads are
 skipped, every `PROBE_EVERY`-th skip still loads one chunk, so a path that got faster is
-noticed. A request whose whole prompt could not pay for a load skips the store lookup too
-(`worth_looking`: its round trip is a few percent of a short prefill).
+noticed; but a probe is a load predicted at a loss, and one taken on a short prompt cost that
+prompt's first token ~10 ms on an H200 (a 256-token chunk over the bulk path, 14-16 ms, against
+~8 ms to compute it): a due probe waits for a request on which its predicted loss is at most
+`PROBE_LOSS` of that request's predicted prefill (a long prompt whose leading chunk is stored), and
+until one comes every request computes. A request whose whole prompt could not pay for a load skips
+the store lookup too (`worth_looking`, decided from its length and the fitted rates before any RPC;
+the lookup's own wait counts against loading): a skipped prompt costs nothing.
 
 The prediction and its error are counted (KVTierStats -> WorkerStats -> the gateway's /metrics:
 llmesh:kv_load_predicted_seconds, llmesh:kv_load_prediction_error_seconds, llmesh:kv_load_skipped).
@@ -42,6 +47,9 @@ from dataclasses import dataclass
 
 WINDOW = 64  # samples each fit keeps (the latest)
 PROBE_EVERY = 16  # skipped loads in a row before one chunk is loaded anyway, to measure the path again
+# ... on the first request where that chunk's predicted loss (load less the prefill it saves, and the
+# lookup if it needs one) is at most this share of the request's predicted prefill.
+PROBE_LOSS = 0.05
 EXTRAPOLATE = 4  # a load this many times the largest measured is probed before it is skipped
 # Steps computing fewer prompt tokens than this say little about the prefill rate (decode-bound).
 MIN_PREFILL_TOKENS = 32
@@ -154,13 +162,38 @@ class LoadPredictor:
         fit = self.prefill.coefficients()
         return 1.0 / fit[1] if fit is not None and fit[1] > 0 else 0.0
 
+    def prefill_seconds(self, tokens: int) -> float | None:
+        """A step's predicted time to compute `tokens` prompt tokens (its fixed part included)."""
+        fit = self.prefill.coefficients()
+        return None if fit is None else fit[0] + fit[1] * tokens
+
+    def _probe_is_cheap(self, chunk_blocks: int, filled: int, compute_tokens: int, lookup_s: float) -> bool:
+        """Whether loading one chunk (`filled` of its blocks new) would cost the request whose
+        prefill is `compute_tokens` prompt tokens at most PROBE_LOSS of that prefill."""
+        saved = self.compute_seconds(filled * self.block_size)
+        prefill = self.prefill_seconds(compute_tokens)
+        if saved is None or prefill is None:
+            return True
+        loss = self._load_or_prior(chunk_blocks) + lookup_s - saved
+        return loss <= PROBE_LOSS * prefill
+
+    def _probe_due(self) -> bool:
+        """One more skip; whether a probe is due (it stays due until one is taken)."""
+        self._skips_in_a_row += 1
+        return self._skips_in_a_row >= PROBE_EVERY
+
     # ----- the decision -----
-    def decide(self, chunk_blocks: int, wanted: list[int]) -> LoadDecision:
+    def decide(self, chunk_blocks: int, wanted: list[int], compute_tokens: int | None = None) -> LoadDecision:
         """How many leading chunks of a store hit to load. `wanted[i]`: the blocks chunk i fills
-        (its first may hold fewer: blocks the GPU or host tier already has)."""
+        (its first may hold fewer: blocks the GPU or host tier already has); `compute_tokens`:
+        the prompt tokens the request computes if nothing is loaded (None: the hit's), the
+        measure of what a probe may cost it."""
         n = len(wanted)
         total = sum(wanted)
+        if compute_tokens is None:
+            compute_tokens = total * self.block_size
         if not n:
+            self._probe_next = False  # a probe's lookup found nothing: the next due one waits
             return LoadDecision(0)
         if not self.enabled:
             return LoadDecision(n, self.load_seconds(n * chunk_blocks))
@@ -183,9 +216,10 @@ class LoadPredictor:
         if best == 0 and n * chunk_blocks > EXTRAPOLATE * self.loads.max_x:
             best = min(n, -(-2 * int(self.loads.max_x) // chunk_blocks))  # a larger probe: see above
         elif best == 0:
-            self._skips_in_a_row += 1
-            if self._probe_next or self._skips_in_a_row % PROBE_EVERY == 0:
+            due = self._probe_due() and self._probe_is_cheap(chunk_blocks, wanted[0], compute_tokens, 0.0)
+            if self._probe_next or due:
                 best = 1  # measure the path again: it may have got faster
+                self._skips_in_a_row = 0
         else:
             self._skips_in_a_row = 0
         self._probe_next = False
@@ -193,10 +227,11 @@ class LoadPredictor:
             return LoadDecision(0, None, total)
         return LoadDecision(best, self.load_seconds(best * chunk_blocks), total - sum(wanted[:best]))
 
-    def worth_looking(self, chunk_blocks: int, max_chunks: int) -> bool:
+    def worth_looking(self, chunk_blocks: int, max_chunks: int, compute_tokens: int | None = None) -> bool:
         """Whether a store hit of up to `max_chunks` chunks could be worth looking up and loading
-        at all, the lookup's own wait counted (False: skip the lookup; every PROBE_EVERY-th such
-        request looks anyway, and loads a chunk)."""
+        at all, the lookup's own wait counted (False: skip the lookup; once a probe is due, the
+        first request it costs little, `compute_tokens` prompt tokens to compute, looks anyway and
+        loads a chunk)."""
         if not self.enabled or max_chunks < 1 or not self.loads.measured or self.compute_seconds(1) is None:
             return True
         if max_chunks * chunk_blocks > EXTRAPOLATE * self.loads.max_x:
@@ -206,8 +241,11 @@ class LoadPredictor:
             saved = self.compute_seconds(k * chunk_blocks * self.block_size)
             if load is not None and saved is not None and saved > load + self.lookup_s:
                 return True
-        self._skips_in_a_row += 1
-        if self._skips_in_a_row % PROBE_EVERY == 0:
+        if compute_tokens is None:
+            compute_tokens = max_chunks * chunk_blocks * self.block_size
+        if self._probe_due() and self._probe_is_cheap(
+            chunk_blocks, chunk_blocks, compute_tokens, self.lookup_s
+        ):
             self._probe_next = True
             return True
         return False

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+
 import pytest
 
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.kv_tiers import KVTierPlanner
 from scheduler_svc.load_predictor import ERROR_BOUNDS, PROBE_EVERY, LinearFit, LoadDecision, LoadPredictor
+from scheduler_svc.mesh import Mesh
 from scheduler_svc.request import Request
 from services.sampling_params import SamplingParams
 from services.step import KVTransfers, NewSequence, StepPlan, StepResult, StoreLoad
+from tests.unit.scheduler_svc.test_mesh import INFO, local, mesh_config
+from tests.unit.scheduler_svc.test_planner import CountingWorker
 
 BS = 16  # tokens per block
 C = 4  # blocks per chunk
@@ -49,12 +55,14 @@ def test_a_load_faster_than_recompute_is_loaded_whole():
     assert d.predicted_seconds == pytest.approx(32 * 1e-5)
 
 
-def test_a_load_slower_than_recompute_is_skipped_and_probed_now_and_then():
+def test_a_load_slower_than_recompute_is_skipped_and_probed_only_where_the_probe_costs_little():
     p = predictor(load_s_per_block=1e-3, prefill_s_per_token=1e-5)  # a block loads 6x slower
-    decisions = [p.decide(C, [C] * 8) for _ in range(PROBE_EVERY)]
-    assert all(d.chunks == 0 and d.skipped_blocks == 32 for d in decisions[:-1])
-    assert decisions[-1].chunks == 1  # one chunk to measure the path again
-    assert decisions[-1].skipped_blocks == 28
+    # A chunk's probe loses 3.4 ms: on a 512-token prompt (7 ms of prefill) never, however due.
+    decisions = [p.decide(C, [C] * 8) for _ in range(2 * PROBE_EVERY)]
+    assert all(d.chunks == 0 and d.skipped_blocks == 32 for d in decisions)
+    probe = p.decide(C, [C] * 8, compute_tokens=8000)  # 82 ms of prefill: 3.4 ms is 4 %
+    assert probe.chunks == 1 and probe.skipped_blocks == 28  # one chunk to measure the path again
+    assert p.decide(C, [C] * 8, compute_tokens=8000).chunks == 0  # the next one is not due yet
 
 
 def test_a_fixed_overhead_makes_short_hits_computed_and_long_ones_loaded():
@@ -141,11 +149,12 @@ def test_a_hit_far_past_the_measured_sizes_gets_a_larger_probe_before_it_is_skip
     assert p.decide(C, [C]).chunks == 0  # a short hit: 1.2 ms to load, 0.64 ms to compute
 
 
-def test_a_request_that_no_hit_could_pay_for_skips_the_lookup_but_probes_now_and_then():
+def test_a_request_that_no_hit_could_pay_for_skips_the_lookup_and_probes_only_a_long_one():
     p = predictor(load_s_per_block=1e-3, prefill_s_per_token=1e-5)
-    looks = [p.worth_looking(C, 8) for _ in range(PROBE_EVERY)]
-    assert looks == [False] * (PROBE_EVERY - 1) + [True]
+    assert not any(p.worth_looking(C, 8) for _ in range(2 * PROBE_EVERY))  # short: never a lookup
+    assert p.worth_looking(C, 8, compute_tokens=8000)  # the due probe, where it costs 4 %
     assert p.decide(C, [C] * 8).chunks == 1  # the lookup that went ahead loads one chunk
+    assert not p.worth_looking(C, 8, compute_tokens=8000)  # the next one is not due yet
     assert predictor(load_s_per_block=1e-5, prefill_s_per_token=1e-5).worth_looking(C, 8)
     assert LoadPredictor(BS).worth_looking(C, 8)  # nothing measured: look
     close = predictor(load_s_per_block=1e-4, prefill_s_per_token=1e-5)  # 0.4 ms to save 0.64 per chunk
@@ -181,3 +190,68 @@ def test_a_step_after_a_load_is_a_prefill_sample_of_its_tail():
     )
     tiers.observe(StepPlan(3, [NewSequence("c", [], 0, [], 256, 32, SamplingParams())], kv=kv), failed, 0.5)
     assert tiers.predictor.compute_seconds(256) == pytest.approx(0.013)  # not a clean sample
+
+
+class GatedLookup:
+    """A KV store that holds every chunk asked about, counts its lookups, and answers one whose
+    chain is longer than `gate_chunks` only once `gate` is set (a slow store)."""
+
+    def __init__(self, gate_chunks: int) -> None:
+        self.calls = 0
+        self.gate_chunks = gate_chunks
+        self.gate = asyncio.Event()
+
+    async def lookup(self, fingerprint: bytes, keys: list[bytes]) -> int:
+        self.calls += 1
+        if len(keys) > self.gate_chunks:
+            await self.gate.wait()
+        return len(keys)
+
+
+async def test_a_skipped_prompt_never_calls_the_store_and_a_lookup_holds_back_no_other_prompt():
+    info = dataclasses.replace(INFO, kv_chunk_blocks=C)  # 8-token blocks: 32-token chunks
+    store = GatedLookup(gate_chunks=4)
+    mesh = Mesh(mesh_config(), kv_store=store)
+    mesh.add_worker("w", info, local(CountingWorker()))
+    tiers = mesh.workers["w"].planner.tiers
+    # A path that loses 0.8 ms a chunk (4 ms to load 3.2 ms of prefill); prefill 2 ms + 0.1 ms a
+    # token, as measured (the counting worker's microsecond steps are not fed to it).
+    p = tiers.predictor = LoadPredictor(8)
+    for blocks in (4, 16, 64):
+        p.observe_load(blocks, blocks * 1000, blocks * 1e-3)
+    for tokens in (64, 256):
+        p.observe_prefill(tokens, 0.002 + tokens * 1e-4)
+    p.observe_prefill = lambda tokens, seconds: None  # type: ignore[method-assign]
+
+    async def first_token(i: int, n: int) -> None:  # prompts apart from their first token on
+        prompt = [i + 8] + [(i + 7 * j) % 90 + 8 for j in range(n - 1)]
+        async for _ in mesh.generate(f"r{i}", prompt, SamplingParams(max_tokens=1)):
+            pass
+
+    # 100-token prompts (12 ms of prefill, a probe would add 7 %): never a lookup, due or not.
+    for i in range(2 * PROBE_EVERY):
+        await first_token(i, 100)
+    assert store.calls == 0 and tiers.stats.kv_lookups_skipped == 2 * PROBE_EVERY
+    # A 480-token prompt (50 ms): the due probe looks it up. While the store is slow to answer,
+    # a short prompt behind it gets its token.
+    long = asyncio.create_task(first_token(80, 480))
+    await asyncio.sleep(0.01)
+    assert store.calls == 1 and not long.done()
+    await asyncio.wait_for(first_token(81, 100), 5)
+    assert not long.done()
+    store.gate.set()
+    await asyncio.wait_for(long, 5)
+    assert tiers.stats.store_hit_tokens == 32  # the probe: one chunk, the rest computed
+    await mesh.remove_worker("w")
+
+
+def test_puts_wait_for_the_plan_in_flight_instead_of_riding_ahead_of_its_tokens():
+    blocks = BlockManager(64, BS, b"fp", True)
+    tiers = KVTierPlanner(blocks, 0, 1, LoadPredictor(BS))
+    tiers._pending_puts = [(b"k", [0])]  # a chunk the plan in flight made full
+    tiers.finish_plan(1, [])  # ... that plan
+    tiers._pending_puts = [(b"k2", [1])]
+    assert not tiers.has_pending()  # not a plan of its own while plan 1 runs
+    tiers.executed(1, [])
+    assert tiers.has_pending()  # its tokens are in: now
+    assert [p.key for p in tiers.finish_plan(2, []).store_puts] == [b"k2"]
