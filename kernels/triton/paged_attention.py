@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -50,8 +51,15 @@ import triton.language as tl
 
 from kernels.attention_metadata import AttentionMetadata
 from kernels.triton import dual_jit, is_interpreted
+from kernels.triton.paged_decode import paged_decode
 
 _LOG2E = 1.4426950408889634
+
+# Pure-decode batches go to `kernels.triton.paged_decode` (configs and splits for one wave of
+# resident programs, an fp16 path for the fp8 cache). LLMESH_PAGED_DECODE=unified keeps them
+# on this module's unified/split-K kernel with its own heuristics, the path before issue 31's
+# decode work: benchmarks run both in one call to compare them.
+_UNIFIED_DECODE = os.environ.get("LLMESH_PAGED_DECODE", "") == "unified"
 
 # Split-K heuristics (pure decode): aim for about this many waves of programs over the SMs,
 # never split below this many context tokens per segment, never more than this many segments.
@@ -387,6 +395,8 @@ def paged_attention(
     head_pad = max(16, triton.next_power_of_2(head_dim))
     assert head_pad <= 256, "head_dim > 256 is not supported"
     decode_only = meta.is_pure_decode
+    if decode_only and not _UNIFIED_DECODE:
+        return paged_decode(q, kv_cache, meta, scale, out, num_splits=num_splits, kv_scale=kv_scale)
     if num_splits is None:
         num_splits = _choose_num_splits(meta, num_kv_heads, q.device)
     elif num_splits > 1:

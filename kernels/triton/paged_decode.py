@@ -1,0 +1,403 @@
+"""Paged attention for pure-decode batches (one query per sequence), split over the context.
+
+Twin: `kernels.reference.paged_attention` (the decode rows). `kernels.triton.paged_attention`
+sends every pure-decode batch here; mixed and prefill batches stay on its unified kernel.
+
+Decode at a long context is a stream over the KV cache: each (sequence, KV head) reads its
+whole context once and does a few FLOPs per byte. The kernel's only job is to keep enough
+bytes in flight. One program owns one KV head of one sequence for a contiguous segment of
+its context (grid: KV heads, sequences, segments; KV heads vary fastest, so the programs that
+read the same cache pages start together) and all GROUP query heads of that KV head as the
+rows of one tensor-core product, so each K/V tile is read once per group. Segments write a
+normalised partial output and its logsumexp; `merge_attn_partials` combines them.
+
+What sets the pace, found on the compiled kernel (sm_90 TTGIR; see `pick_decode_config`):
+
+* Pipelining depth. The K/V loads depend on a block-table load in the same loop, and Triton's
+  pipeliner splits `num_stages - 2` stages between the two loads of such a chain: 2 to 5
+  stages leave ONE K/V buffer, i.e. every tile's DRAM latency is exposed; 6 gives two tiles
+  in flight, 8 three. At batch 1 there are only a few programs per SM to hide latency.
+* Splits. (KV heads x segments) programs should cover every SM several times over, while each
+  segment keeps enough tiles for the pipeline to reach its steady state.
+* An fp8 cache is converted once per tile, to fp16 rather than bf16: e4m3 -> f16 is one
+  `cvt.rn.f16x2.e4m3x2` per two codes, -> bf16 one more convert per element. The dots then
+  run in fp16 (q cast to fp16, clamped to its range: exact for every bf16 q in fp16's normal
+  range; p in [0, 1] gets 3 more mantissa bits than bf16) with fp32 accumulation. The scales
+  never touch the tiles: k_scale folds into the softmax scale, v_scale into the output.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.attention_metadata import AttentionMetadata
+from kernels.triton import dual_jit, is_interpreted
+
+_LOG2E = 1.4426950408889634
+
+# Split heuristics: aim for this many programs per SM (one wave of resident programs: a
+# second wave pays every program's start-up chain again; at 1 x 32k bf16 on an H200, 64 or 128
+# splits took 1.1-2.5x the time of 32), never split below this many context tokens per
+# segment, never more than this many segments.
+_SPLIT_PROGRAMS_PER_SM = 2
+_SPLIT_MIN_TOKENS = 256
+_SPLIT_MAX = 64
+
+
+@dual_jit(do_not_specialize=["num_splits", "stride_pt", "stride_ph", "stride_ps", "stride_lt", "stride_lh"])
+def _paged_decode_kernel(
+    q_ptr,  # [B, H, D]: one query token per sequence
+    k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    v_cache_ptr,
+    out_ptr,  # [B, H, D] (unsplit launch)
+    part_out_ptr,  # [B, H, NUM_SPLITS, D] fp32 (split launch)
+    part_lse_ptr,  # [B, H, NUM_SPLITS] fp32 (split launch)
+    block_tables_ptr,  # [B, max_blocks] int32
+    seq_lens_ptr,  # [B] int32
+    query_start_loc_ptr,  # [B + 1] int32 (token of sequence i: query_start_loc[i])
+    counter_ptr,  # [B * Hkv] int32, zero between launches (FUSED_MERGE): segments finished
+    kv_scale_ptr,  # fp32 [4]: k_scale, v_scale, 1 / k_scale, 1 / v_scale (read when KV_FP8)
+    scale_log2,  # softmax scale * log2(e)
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_lt,
+    stride_lh,
+    GROUP: tl.constexpr,  # query heads per KV head
+    ROWS: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot's smallest M)
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,  # HEAD_DIM rounded up to a power of two (>= 16)
+    BLOCK_SIZE: tl.constexpr,  # KV-cache block size (tokens)
+    TILE: tl.constexpr,  # context tokens per iteration
+    SPLIT: tl.constexpr,  # write partials per segment (grid axis 2) instead of the output
+    KV_FP8: tl.constexpr,  # the cache holds e4m3 codes times the scales at kv_scale_ptr
+    DOT_F16: tl.constexpr,  # run both dots in fp16 (the fp8 cache's cheap conversion)
+    DOT_UPCAST: tl.constexpr,  # feed tl.dot fp32 (interpreter: its bf16/fp16 dot is broken)
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no silent tf32)
+    FUSED_MERGE: tl.constexpr,  # the last segment of each (sequence, KV head) merges them all
+    SPLIT_PAD: tl.constexpr,  # num_splits rounded up to a power of two (FUSED_MERGE)
+):
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
+    segment = tl.program_id(2)
+    num_kv_heads = tl.num_programs(0)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_tiles = tl.cdiv(seq_len, TILE)
+    if SPLIT:
+        tiles_per_split = tl.cdiv(num_tiles, num_splits)
+        tile_lo = segment * tiles_per_split
+        tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    else:
+        tile_lo = 0
+        tile_hi = num_tiles
+
+    offs_g = tl.arange(0, ROWS)
+    offs_d = tl.arange(0, HEAD_PAD)
+    row_valid = offs_g < GROUP
+    d_valid = offs_d < HEAD_DIM
+    head = kv_head * GROUP + offs_g
+    tok = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    q_mask = row_valid[:, None] & d_valid[None, :]
+    q = tl.load(q_ptr + tok * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
+    if DOT_F16:
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    if DOT_UPCAST:
+        q = q.to(tl.float32)
+
+    if KV_FP8:
+        qk_scale = scale_log2 * tl.load(kv_scale_ptr)
+    else:
+        qk_scale = scale_log2
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, HEAD_PAD], dtype=tl.float32)
+
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    offs_t = tl.arange(0, TILE)
+    k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
+    v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
+    # The query sits at position seq_len - 1 and sees every key: only the ragged last tile
+    # needs a mask. Phase 0 walks the full tiles with no mask at all, phase 1 the last one.
+    n_full = seq_len // TILE
+    for phase in tl.static_range(2):
+        if phase == 0:
+            lo = tile_lo
+            hi = tl.minimum(tile_hi, n_full)
+        else:
+            lo = tl.maximum(tile_lo, n_full)
+            hi = tile_hi
+        for tile in range(lo, hi):
+            kv_pos = tile * TILE + offs_t
+            kv_valid = kv_pos < seq_len
+            if phase == 0:
+                phys = tl.load(block_table + kv_pos // BLOCK_SIZE).to(tl.int64)
+            else:
+                phys = tl.load(block_table + kv_pos // BLOCK_SIZE, mask=kv_valid, other=0).to(tl.int64)
+            in_block = kv_pos % BLOCK_SIZE
+            k_ptrs = k_head + phys[None, :] * stride_kb + in_block[None, :] * stride_ks + offs_d[:, None]
+            v_ptrs = v_head + phys[:, None] * stride_vb + in_block[:, None] * stride_vs + offs_d[None, :]
+            if phase == 0 and HEAD_PAD == HEAD_DIM:
+                k = tl.load(k_ptrs)  # [HEAD_PAD, TILE]
+                v = tl.load(v_ptrs)  # [TILE, HEAD_PAD]
+            elif phase == 0:
+                k = tl.load(k_ptrs, mask=d_valid[:, None], other=0.0)
+                v = tl.load(v_ptrs, mask=d_valid[None, :], other=0.0)
+            else:
+                k = tl.load(k_ptrs, mask=kv_valid[None, :] & d_valid[:, None], other=0.0)
+                v = tl.load(v_ptrs, mask=kv_valid[:, None] & d_valid[None, :], other=0.0)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+
+            s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [ROWS, TILE], log2 units
+            if phase == 1:
+                s = tl.where(kv_valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # Padding rows see only zeros (finite); a row with no key keeps m = -inf, made safe.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+            m_i = m_new
+
+    has_keys = l_i > 0.0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    if KV_FP8:
+        o = o * tl.load(kv_scale_ptr + 1)
+    if SPLIT:
+        part = part_out_ptr + tok * stride_pt + head[:, None] * stride_ph + segment * stride_ps
+        tl.store(part + offs_d[None, :], o, mask=q_mask)
+        # Natural-log logsumexp of the segment's scores; -inf when it saw no key.
+        lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        tl.store(part_lse_ptr + tok * stride_lt + head * stride_lh + segment, lse, mask=row_valid)
+        if FUSED_MERGE:
+            # Split-K's serial reduction (CUTLASS's semaphore): every thread's partials are
+            # stored before the barrier, the counter's release publishes them GPU-wide, and the
+            # segment that finishes last (acquire) merges the group's segments itself: no
+            # second launch. It then zeroes the counter for the next launch (graph replay).
+            tl.debug_barrier()
+            counter = counter_ptr + seq * num_kv_heads + kv_head
+            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if done == num_splits - 1:
+                offs_s = tl.arange(0, SPLIT_PAD)
+                s_valid = offs_s < num_splits
+                for g in tl.static_range(GROUP):
+                    h = kv_head * GROUP + g
+                    lse_s = tl.load(
+                        part_lse_ptr + tok * stride_lt + h * stride_lh + offs_s,
+                        mask=s_valid,
+                        other=float("-inf"),
+                        cache_modifier=".cg",
+                    )
+                    lse_max = tl.max(lse_s, axis=0)
+                    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+                    w = tl.exp(lse_s - lse_max)  # 0 for segments without keys
+                    denom = tl.sum(w, axis=0)
+                    o_s = tl.load(
+                        part_out_ptr
+                        + tok * stride_pt
+                        + h * stride_ph
+                        + offs_s[:, None] * stride_ps
+                        + offs_d[None, :],
+                        mask=s_valid[:, None] & d_valid[None, :],
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+                    res = tl.sum(w[:, None] * o_s, axis=0) / tl.where(denom > 0.0, denom, 1.0)
+                    tl.store(
+                        out_ptr + tok * stride_ot + h * stride_oh + offs_d,
+                        res.to(out_ptr.dtype.element_ty),
+                        mask=d_valid,
+                    )
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+    else:
+        tl.store(
+            out_ptr + tok * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=q_mask,
+        )
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    tile: int
+    num_warps: int
+    num_stages: int
+    dot_f16: bool  # fp8 cache only: convert to fp16 and run the dots in fp16
+    fused_merge: bool = False  # the last segment merges (no merge launch); see the kernel
+
+
+def pick_decode_config(head_pad: int, kv_fp8: bool, programs_per_sm: float = 0.0) -> DecodeConfig:
+    """Tile, warps and pipelining depth of the decode kernel for a grid of this many programs
+    per SM (0 = unknown: the small-grid choice).
+
+    Swept on an H200 (1 x 32k, 32/8 heads, D=128, 256 programs; docs/benchmarks.md, "Decode
+    attention at long contexts"): every program of a batch-1 grid must be resident at once
+    (a second wave costs each program's whole start-up chain again), and then the more bytes
+    each has in flight the better. bf16: 128-token tiles, one buffer (depth 4: 64 KiB of K/V
+    per iteration, ~3 programs fit an SM) 43.6 us against 45.7 for 64-token tiles two deep
+    and 49.9 for 128-token tiles two deep (one program an SM); on grids of several programs
+    per SM (batches) the 64-token single buffer of the unified kernel (80 registers, 39 KiB:
+    5 an SM) reached 84-96 % of copy BW. fp8: 128-token tiles two deep with fp16 dots 34.4 us,
+    one deep 35.6, 256-token tiles 41.7, bf16 dots 48.5 (at 64 splits).
+    """
+    if head_pad > 128:  # keep the fp32 accumulator and the K/V tiles within registers/smem
+        return DecodeConfig(tile=32, num_warps=4, num_stages=2, dot_f16=kv_fp8)
+    if kv_fp8:
+        return DecodeConfig(tile=128, num_warps=4, num_stages=6, dot_f16=True)
+    if programs_per_sm > _SPLIT_PROGRAMS_PER_SM:
+        return DecodeConfig(tile=64, num_warps=4, num_stages=2, dot_f16=False)
+    return DecodeConfig(tile=128, num_warps=4, num_stages=4, dot_f16=False)
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 16  # the interpreter has no SMs; any plausible count keeps the heuristic testable
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_decode_splits(meta: AttentionMetadata, num_kv_heads: int, device: torch.device) -> int:
+    """Segments per sequence (1 = no split), from host-side lengths only.
+
+    About `_SPLIT_PROGRAMS_PER_SM` (sequence, KV head, segment) programs per SM, each segment
+    at least `_SPLIT_MIN_TOKENS` of the longest context, a power of two (segments split a
+    context's tiles evenly: 33 segments of 256 tiles leave one empty).
+    """
+    if meta.num_seqs == 0:
+        return 1
+    programs = meta.num_seqs * num_kv_heads
+    want = triton.cdiv(_SPLIT_PROGRAMS_PER_SM * _num_sms(device), programs)
+    want = 1 << round(math.log2(want))
+    useful = meta.max_seq_len // _SPLIT_MIN_TOKENS
+    if useful < 2 or want < 2:
+        return 1
+    return min(want, 1 << (useful.bit_length() - 1), _SPLIT_MAX)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS_MIN = 1 << 14
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """A zeroed int32 scratch of >= n counters for FUSED_MERGE, one per device, kept for good:
+    every launch leaves it zeroed again. None when it would have to be allocated during a CUDA
+    graph capture (the caller then merges in a second launch)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = torch.zeros(max(n, _COUNTERS_MIN), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+def paged_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+    *,
+    num_splits: int | None = None,
+    kv_scale: torch.Tensor | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """Decode attention into `out` ([B, H, D]) for a pure-decode batch (one query a sequence).
+
+    Arguments as `kernels.triton.paged_attention.paged_attention` (checked there); `config`
+    overrides `pick_decode_config` (benchmarks, tests). Reads host-side metadata only.
+    """
+    from kernels.triton.paged_attention import merge_attn_partials
+
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    group = num_heads // num_kv_heads
+    head_pad = max(16, triton.next_power_of_2(head_dim))
+    kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    if num_splits is None:
+        num_splits = choose_decode_splits(meta, num_kv_heads, q.device)
+    per_sm = meta.num_seqs * num_kv_heads * num_splits / _num_sms(q.device)
+    cfg = config or pick_decode_config(head_pad, kv_fp8, per_sm)
+    dot_f16 = cfg.dot_f16 and kv_fp8 and q.dtype != torch.float32  # fp32 q: fp32 dots, exact
+    split = num_splits > 1
+    if kv_fp8 and kv_scale is None:
+        kv_scale = torch.ones(4, dtype=torch.float32, device=q.device)
+    if split:
+        shape = (num_tokens, num_heads, num_splits)
+        part_out = torch.empty((*shape, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(shape, dtype=torch.float32, device=q.device)
+    else:
+        part_out, part_lse = out, out  # unused by the unsplit launch; any pointer does
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    interpreted = is_interpreted(q.device)
+    counters = _counters(q.device, meta.num_seqs * num_kv_heads) if split and cfg.fused_merge else None
+    _paged_decode_kernel[(num_kv_heads, meta.num_seqs, num_splits)](
+        q,
+        key_cache,
+        value_cache,
+        out,
+        part_out,
+        part_lse,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        counters if counters is not None else meta.seq_lens,  # any pointer when unused
+        kv_scale if kv_fp8 else meta.seq_lens,  # any pointer when unused
+        scale * _LOG2E,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        meta.block_tables.stride(0),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2) if split else 0,
+        part_lse.stride(0),
+        part_lse.stride(1),
+        GROUP=group,
+        ROWS=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        HEAD_PAD=head_pad,
+        BLOCK_SIZE=block_size,
+        TILE=cfg.tile,
+        SPLIT=split,
+        KV_FP8=kv_fp8,
+        DOT_F16=dot_f16,
+        DOT_UPCAST=interpreted and (q.dtype == torch.bfloat16 or dot_f16),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 and not dot_f16 else "tf32",
+        FUSED_MERGE=counters is not None,
+        SPLIT_PAD=max(2, triton.next_power_of_2(num_splits)) if counters is not None else 2,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if split and counters is None:
+        merge_attn_partials(part_out, part_lse, out=out)
+    return out

@@ -1,0 +1,97 @@
+"""The decode kernel (`kernels.triton.paged_decode`) against the PyTorch twin, interpreted on the CPU.
+
+Pure-decode batches (one query per sequence) of uneven lengths, so that split segments past a
+short sequence's end see no key; the fp8 cache with non-unit scales and fp16 dots; the fused
+merge (the last segment merges, its counters left zeroed for the next launch); the split
+heuristic; and the switch back to the unified kernel.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import kernels.triton as kt
+from kernels import reference
+from kernels.triton import paged_decode as pd
+from tests.unit.kernels import make_paged_batch
+
+pa_mod = importlib.import_module("kernels.triton.paged_attention")
+
+# (new tokens, context length): pure decode, lengths around the tile and block sizes.
+DECODES = [(1, 1), (1, 37), (1, 130), (1, 64)]
+SCALES = torch.tensor([0.5, 2.0, 2.0, 0.5])
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    assert torch.isfinite(out).all()
+    err = float((out.float() - ref.float()).norm() / ref.float().norm())
+    assert err < tol, err
+
+
+def _batch(dtype: torch.dtype, group: int, head_dim: int = 32, block_size: int = 16):  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    return make_paged_batch(
+        DECODES, num_heads=2 * group, num_kv_heads=2, head_dim=head_dim, block_size=block_size, dtype=dtype
+    )
+
+
+@pytest.mark.parametrize(("group", "num_splits"), [(1, 1), (4, 4), (6, 4)])
+def test_decode_matches_twin(group: int, num_splits: int) -> None:
+    b = _batch(torch.float32, group)
+    cfg = pd.DecodeConfig(tile=32, num_warps=4, num_stages=2, dot_f16=False)
+    out = pd.paged_decode(
+        b.q, b.kv_cache, b.meta, 0.3, torch.full_like(b.q, float("nan")), num_splits=num_splits, config=cfg
+    )
+    _close(out, reference.paged_attention(b.q, b.kv_cache, b.meta, 0.3), 1e-5)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+def test_decode_fp8_cache_matches_twin(fused: bool, q_dtype: torch.dtype) -> None:
+    b = _batch(q_dtype, 4)
+    cache = (b.kv_cache.float() * 4).to(torch.float8_e4m3fn)
+    cfg = pd.DecodeConfig(tile=32, num_warps=4, num_stages=2, dot_f16=True, fused_merge=fused)
+    out = torch.full_like(b.q, float("nan"))
+    pd.paged_decode(b.q, cache, b.meta, 0.2, out, num_splits=8, kv_scale=SCALES, config=cfg)
+    expected = reference.paged_attention(b.q.float(), cache, b.meta, 0.2, SCALES)
+    _close(out, expected, 2e-2 if q_dtype == torch.bfloat16 else 1e-5)
+    if fused:  # every counter back to zero for the next launch
+        assert int(pd._counters(b.q.device, 1).abs().sum()) == 0
+
+
+def test_decode_odd_head_dim_and_block_size() -> None:
+    torch.manual_seed(1)
+    b = make_paged_batch(
+        DECODES, num_heads=6, num_kv_heads=2, head_dim=24, block_size=32, dtype=torch.float32
+    )
+    out = kt.paged_attention(b.q, b.kv_cache, b.meta, 0.3, num_splits=2)
+    _close(out, reference.paged_attention(b.q, b.kv_cache, b.meta, 0.3), 1e-5)
+
+
+def test_split_heuristic_fills_the_sms_once() -> None:
+    def meta(num_seqs: int, ctx: int):  # type: ignore[no-untyped-def]
+        return make_paged_batch(
+            [(1, ctx)] * num_seqs,
+            num_heads=2,
+            num_kv_heads=1,
+            head_dim=16,
+            block_size=16,
+            dtype=torch.float32,
+        ).meta
+
+    cpu = torch.device("cpu")  # 16 "SMs" (pd._num_sms): 2 programs each = 32 programs
+    assert pd.choose_decode_splits(meta(1, 4096), 8, cpu) == 4  # 8 KV heads x 4 segments
+    assert pd.choose_decode_splits(meta(1, 4096), 1, cpu) == 16  # capped by 4096 / 256 tokens
+    assert pd.choose_decode_splits(meta(1, 300), 1, cpu) == 1  # too short to split
+    assert pd.choose_decode_splits(meta(8, 4096), 4, cpu) == 1  # the batch fills the SMs
+
+
+def test_unified_switch_keeps_the_old_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    b = _batch(torch.float32, 2)
+    monkeypatch.setattr(pa_mod, "_UNIFIED_DECODE", True)
+    monkeypatch.setattr(pa_mod, "paged_decode", None)  # would raise if called
+    out = kt.paged_attention(b.q, b.kv_cache, b.meta, 0.25, num_splits=4)
+    _close(out, reference.paged_attention(b.q, b.kv_cache, b.meta, 0.25), 1e-5)
