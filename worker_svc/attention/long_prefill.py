@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 import kernels.triton as triton_kernels
 from kernels.attention_metadata import AttentionMetadata
@@ -100,19 +99,60 @@ def _flash_chunk(
     scale: float,
     kv_scale: torch.Tensor | None,
 ) -> torch.Tensor:
-    """One sequence's chunk q [C, H, D] over its whole context (cached prefix + the chunk)."""
+    """One sequence's chunk q [C, H, D] over its whole context (cached prefix + the chunk).
+
+    A chunk over a cached prefix of P tokens is two causal-free pieces of work plus one square
+    causal one: the chunk against the prefix (no mask) and against itself (causal, where top-left
+    and bottom-right alignment agree), merged by their logsumexps. SDPA's fast path on Hopper
+    (cuDNN) takes only those two shapes; its bottom-right causal mask (`causal_lower_right`) runs
+    FlashAttention-2 instead, at about half the rate (H200: 330-370 against 560-630 TFLOP/s).
+    """
     q_len, seq_len = q.shape[0], meta.seq_lens_cpu[seq]
     k, v = gather_kv(kv_cache, meta.block_tables[seq], seq_len)  # [S, Hkv, D] each
     if is_fp8_cache(kv_cache):
         s = (kv_scale if kv_scale is not None else unit_kv_scale(q.device)).to(q.dtype)
         k, v = k.to(q.dtype) * s[0], v.to(q.dtype) * s[1]
     # [1, heads, tokens, D] views: SDPA needs only the last dim contiguous.
-    o = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None],
-        k.transpose(0, 1)[None],
-        v.transpose(0, 1)[None],
-        attn_mask=causal_lower_right(q_len, seq_len),
-        scale=scale,
-        enable_gqa=True,
-    )
-    return o[0].transpose(0, 1)
+    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    prefix = seq_len - q_len
+    if prefix == 0:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+        return o[0].transpose(0, 1)
+    o_pre, lse_pre = _attend_with_lse(qh, kh[:, :, :prefix], vh[:, :, :prefix], False, scale)
+    o_new, lse_new = _attend_with_lse(qh, kh[:, :, prefix:], vh[:, :, prefix:], True, scale)
+    # softmax over both key sets = the two normalised parts weighted by their exp(lse) shares.
+    w_pre = torch.sigmoid(lse_pre - lse_new)[..., None]  # [1, H, C, 1]
+    o = torch.lerp(o_new.float(), o_pre.float(), w_pre)
+    return o[0].transpose(0, 1).to(q.dtype)
+
+
+def _attend_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [1, H, L, D] to k, v [1, Hkv, S, D] (causal: square, L == S) and the
+    natural logsumexp of each row's scores, [1, H, L] fp32."""
+    if q.device.type == "cuda":
+        global _CUDNN_NEEDS_HEADS
+        cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention
+        if not _CUDNN_NEEDS_HEADS:
+            try:
+                res = cudnn(q, k, v, None, True, 0.0, causal, False, scale=scale)
+                return res[0], res[1].reshape(q.shape[:3]).float()
+            except RuntimeError:  # this cuDNN takes no GQA: expand K/V from now on
+                _CUDNN_NEEDS_HEADS = True
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        res = cudnn(q, k, v, None, True, 0.0, causal, False, scale=scale)
+        return res[0], res[1].reshape(q.shape[:3]).float()
+    # The CPU (tests): the same function spelled out.
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1).float()
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1).float()
+    scores = (q.float() @ k.transpose(-1, -2)) * scale
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return (torch.softmax(scores, dim=-1) @ v).to(q.dtype), lse
+
+
+# Set when cuDNN refused K/V with fewer heads than q (GQA): they are expanded from then on.
+_CUDNN_NEEDS_HEADS = False
