@@ -9,6 +9,12 @@ reaches the core through a `CoreClient`: one Serve stream, one message per step
 (protos/llmesh/v1/core.proto). Workers register at the public address as
 before: an API process forwards `Registry` calls to the core, and a router's `KVEvents` stream.
 
+The kernel hands each *connection* to one API process, by a hash: a caller that wants its streams
+even over the processes must know which one each of its connections reached. `GetModelInfo` says
+so in its initial metadata (`x-llmesh-api-process`: this process's id; `x-llmesh-api-processes`:
+how many the shard has), and gateway/shard_routing.py's `ShardChannels` asks it once per
+connection. Generate itself carries nothing more (no per-token cost).
+
 The core starts the processes (`python -m scheduler_svc.api_server`, the core's
 config as JSON in their environment, secrets included: never argv), restarts
 one that dies (with a backoff), and they leave when it does (LLMESH_LAUNCHER_PID).
@@ -39,6 +45,10 @@ from services.parent_watch import launcher_env
 log = logging.getLogger(__name__)
 
 CONFIG_ENV = "LLMESH_SCHEDULER_API_CONFIG"  # the core's config, as JSON, for its API processes
+COUNT_ENV = "LLMESH_SCHEDULER_API_COUNT"  # how many API processes the core runs (said to callers)
+# Initial metadata of GetModelInfo: which API process a connection reached, and of how many.
+PROCESS_KEY = "x-llmesh-api-process"
+PROCESSES_KEY = "x-llmesh-api-processes"
 QUICK_EXIT_S = 10.0  # an API process that dies sooner than this after its start failed to start
 RESTART_MAX_S = 30.0
 
@@ -81,13 +91,27 @@ class KVEventsProxy(router_pb2_grpc.KVEventsServicer):
             await context.abort(e.code(), f"scheduler core: {e.details()}")
 
 
+class ApiSchedulerServicer(SchedulerServicer):
+    """The public API as an API process serves it: GetModelInfo also names the process."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        count = os.environ.get(COUNT_ENV, "")
+        self._who = ((PROCESS_KEY, str(os.getpid())), *([(PROCESSES_KEY, count)] if count else []))
+
+    async def GetModelInfo(self, request, context):
+        # Sent before the answer, so that a refusal (no worker yet) names the process too.
+        await context.send_initial_metadata(self._who)
+        return await super().GetModelInfo(request, context)
+
+
 async def run_api_server(
     config: Any, card: ModelCard, load_tokenizer: Callable[[Any], tuple[Any, int]]
 ) -> None:
     """Serve the public API on `config.port` for the core at `config.core_address`."""
     security = ChannelSecurity.of(config, config.internal_key)
     core = CoreClient(config.core_address, security)
-    scheduler = SchedulerServicer(core, card, config)  # type: ignore[arg-type]
+    scheduler = ApiSchedulerServicer(core, card, config)  # type: ignore[arg-type]
     registry = RegistryProxy(config.core_address, security)
     health_updates: set[asyncio.Task] = set()
     # Ready before it binds: the kernel hands a process connections as soon as it listens, so
@@ -132,7 +156,8 @@ class ApiServers:
     def __init__(self, config: Any, core_address: str, public_port: int) -> None:
         child = flat_values(config)
         child.update(core_address=core_address, port=public_port, api_server_count=0)
-        self._env = launcher_env({**os.environ, CONFIG_ENV: json.dumps(child, default=str)})
+        env = {**os.environ, CONFIG_ENV: json.dumps(child, default=str)}
+        self._env = launcher_env({**env, COUNT_ENV: str(config.api_server_count)})
         self.count = config.api_server_count
         self._procs: list[subprocess.Popen] = []
         self._task: asyncio.Task | None = None

@@ -78,3 +78,69 @@ async def test_the_relay_spreads_its_calls_over_connections_of_its_own():
     finally:
         await lanes.close()
         await server.stop(None)
+
+
+class NamedProcess(gg.SchedulerServicer):
+    """An API process of a shard: GetModelInfo names it (as scheduler_svc/api_server.py does)."""
+
+    def __init__(self, name: str, count: int) -> None:
+        self.name, self.count = name, count
+
+    async def GetModelInfo(self, request, context):
+        await context.send_initial_metadata(
+            (("x-llmesh-api-process", self.name), ("x-llmesh-api-processes", str(self.count)))
+        )
+        return g.ModelInfo()
+
+
+async def test_streams_are_even_over_a_shards_processes_not_its_connections():
+    # Two "API processes" on one port (SO_REUSEPORT): the kernel hands each connection to one.
+    servers, port = [], 0
+    for name in ("p0", "p1"):
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
+        gg.add_SchedulerServicer_to_server(NamedProcess(name, 2), server)
+        port = server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        servers.append(server)
+    address = f"127.0.0.1:{port}"
+    channels = ShardChannels(PLAINTEXT, connections=4)
+    try:
+        channels.release(address, channels.acquire(address))  # opens and identifies the lanes
+        entry = channels.channels[address]
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if all(lane.process for lane in entry.lanes) and {lane.process for lane in entry.lanes} == {
+                "p0",
+                "p1",
+            }:
+                break
+        assert entry.processes == 2 and {lane.process for lane in entry.lanes} == {"p0", "p1"}
+        lanes = [channels.acquire(address) for _ in range(10)]
+        per_process = {name: sum(lane.process == name for lane in lanes) for name in ("p0", "p1")}
+        assert per_process == {"p0": 5, "p1": 5}, [lane.process for lane in entry.lanes]
+        for lane in lanes:
+            channels.release(address, lane)
+    finally:
+        await channels.close()
+        for server in servers:
+            await server.stop(None)
+
+
+async def test_connections_are_added_until_every_process_is_reached_and_no_further():
+    server = grpc.aio.server()
+    gg.add_SchedulerServicer_to_server(NamedProcess("p0", 3), server)  # says 3: 2 never reached
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    channels = ShardChannels(PLAINTEXT, connections=2)
+    try:
+        channels.release(address, channels.acquire(address))
+        entry = channels.channels[address]
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if len(entry.lanes) == 8 and all(lane.process for lane in entry.lanes):
+                break
+        await asyncio.sleep(0.1)
+        assert len(entry.lanes) == 8 and {lane.process for lane in entry.lanes} == {"p0"}  # 2 x (1 + 3)
+    finally:
+        await channels.close()
+        await server.stop(None)
