@@ -6,7 +6,7 @@ so what it publishes here is exact, not sampled. Keys are counted over the pool:
 forgotten, or its worker left), which is all a router needs to pick a shard (within the shard, the
 scheduler's own router picks the worker).
 
-Changes made in one turn of the event loop (one planner step, usually) are netted and sent as one
+Changes made within `flush_interval_s` (10 ms: a few planner steps) are netted and sent as one
 batch; each subscriber (a router's Subscribe stream) gets them through a bounded queue. A
 subscriber that falls behind loses batches and sees a gap in the sequence numbers, upon which it
 subscribes again and starts from a snapshot: memory here stays bounded whatever a router does.
@@ -29,6 +29,11 @@ from services.shard_load import ShardLoad
 MAX_QUEUED_BATCHES = 1024
 # How often the load is recomputed at most (it walks every request of the pool).
 LOAD_REFRESH_S = 0.01
+# How long changes gather before they go out as one batch. A batch per loop turn was a batch per
+# planner step (~200-500 a second per shard at 256 streams), each built here, relayed by an API
+# process and parsed by every router; 10 ms is a few steps' keys in one message (a key stored and
+# evicted within it is never sent), and as stale as the load reports a router books against.
+FLUSH_INTERVAL_S = 0.01
 
 
 @dataclass
@@ -71,8 +76,14 @@ class WorkerKeys:
 
 
 class KVEventLog:
-    def __init__(self, shard_id: str = "", load: Callable[[], ShardLoad] | None = None) -> None:
+    def __init__(
+        self,
+        shard_id: str = "",
+        load: Callable[[], ShardLoad] | None = None,
+        flush_interval_s: float = FLUSH_INTERVAL_S,
+    ) -> None:
         self.shard_id = shard_id
+        self.flush_interval_s = flush_interval_s  # 0: at the end of the loop's turn
         self.epoch = uuid.uuid4().hex  # this process: a restarted shard is told apart by it
         self.holders: dict[int, int] = {}  # key -> workers of the pool holding it
         self.block_size = 0
@@ -130,7 +141,11 @@ class KVEventLog:
             self._changes[k] = stored
         if not self._flush_scheduled:
             try:
-                asyncio.get_running_loop().call_soon(self.flush)
+                loop = asyncio.get_running_loop()
+                if self.flush_interval_s > 0:
+                    loop.call_later(self.flush_interval_s, self.flush)
+                else:
+                    loop.call_soon(self.flush)
                 self._flush_scheduled = True
             except RuntimeError:  # no loop (a test driving the planner synchronously)
                 pass

@@ -82,7 +82,7 @@ def test_the_reorder_buffer_is_bounded():
 
 
 async def test_the_pool_publishes_a_key_once_while_any_worker_holds_it():
-    log = KVEventLog("s")
+    log = KVEventLog("s", flush_interval_s=0.005)
     sub, snapshot = log.subscribe()
     assert snapshot == []
     w0, w1 = log.worker("w0", 4, b"fp"), log.worker("w1", 4, b"fp")
@@ -90,7 +90,9 @@ async def test_the_pool_publishes_a_key_once_while_any_worker_holds_it():
     w1.stored(b"k" * 32)
     w0.stored(b"j" * 32)
     w0.removed(b"j" * 32)  # netted within the batch: never published
-    await asyncio.sleep(0)  # the batch goes out at the end of this turn of the loop
+    await asyncio.sleep(0)
+    assert sub.queue.empty()  # changes gather for flush_interval_s, then go out as one batch
+    await asyncio.sleep(0.02)
     batch = sub.queue.get_nowait()
     assert batch.stored == [short_key(b"k" * 32)] and batch.removed == []
     w0.removed(b"k" * 32)
