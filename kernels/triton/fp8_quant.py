@@ -3,9 +3,12 @@
 W8A8's activation side: every row (token) gets its own scale, amax(|x|) / 448, so one outlier
 token does not flatten the others' precision (per-tensor scales would need a calibration pass,
 and a static one breaks on inputs unlike the calibration set). One program per row, two
-passes over it: the amax, then the scaled cast. The second read hits L2 for rows of up to a few
-thousand columns, and the kernel costs one read and a half-width write of the activations,
-where torch's ops (abs, amax, div, clamp, cast) cost five round trips.
+passes over it: the amax, then the scaled cast; a row of up to ROW_BLOCK columns (every hidden
+size here: o_proj's input is 4,096 wide in the 8B model) is loaded once and quantized from
+registers, a wider one is read twice (the second read mostly from L2). The kernel costs one
+read and a half-width write of the activations, where torch's ops (abs, amax, div, clamp,
+cast) cost five round trips. (Most GEMMs get their rows quantized by the kernel before them:
+`rms_norm_fp8`, `silu_and_mul_fp8`; this one serves o_proj's input, the attention output.)
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import triton.language as tl
 
 from kernels.triton import dual_jit
 
+ROW_BLOCK = 16384  # the widest row quantized from registers in one load
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # an all-zero row still gets a finite, nonzero scale
 
@@ -32,13 +36,19 @@ def _quantize_fp8_rows_kernel(
     inv_fp8_max,
     min_scale,
     BLOCK_N: tl.constexpr,
+    ONE_BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    amax = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for start in range(0, n_cols, BLOCK_N):
-        offs = start + tl.arange(0, BLOCK_N)
+    if ONE_BLOCK:  # the whole row in one load, kept for the cast below
+        offs = tl.arange(0, BLOCK_N)
         x = tl.load(x_ptr + row * stride_x + offs, mask=offs < n_cols, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
+        amax = tl.abs(x)
+    else:
+        amax = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_N):
+            offs = start + tl.arange(0, BLOCK_N)
+            x = tl.load(x_ptr + row * stride_x + offs, mask=offs < n_cols, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
     # The scale is amax times the fp32 reciprocal of 448 (what torch computes for a division by
     # a scalar on CUDA), and x / scale an IEEE division (div_rn, torch's tensor / tensor):
     # Triton's `/` on fp32 is approximate, and a last-bit difference moves a value across one of
@@ -48,7 +58,8 @@ def _quantize_fp8_rows_kernel(
     for start in range(0, n_cols, BLOCK_N):
         offs = start + tl.arange(0, BLOCK_N)
         mask = offs < n_cols
-        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        if not ONE_BLOCK:
+            x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
         q = tl.clamp(tl.div_rn(x, scale), -fp8_max, fp8_max)
         # Round to e4m3's grid here, to nearest even, so that the cast below is exact: the
         # hardware's cast would round the same, but Triton's interpreter (the CPU tests) rounds
@@ -66,8 +77,9 @@ def _quantize_fp8_rows_kernel(
         tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
-def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., K] -> (q [M, K] float8_e4m3fn, scale [M, 1] fp32), M = rows of x, x ≈ q * scale."""
+def quantize_fp8_rows(x: torch.Tensor, row_block: int = ROW_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (q [M, K] float8_e4m3fn, scale [M, 1] fp32), M = rows of x, x ≈ q * scale.
+    `row_block`: the widest row loaded once (wider rows take two passes)."""
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
     if x2.stride(-1) != 1:
@@ -77,7 +89,8 @@ def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m == 0:
         return q, scale
-    block_n = min(triton.next_power_of_2(n), 2048)
+    one_block = n <= row_block
+    block_n = triton.next_power_of_2(n) if one_block else min(2048, row_block)
     _quantize_fp8_rows_kernel[(m,)](
         x2,
         q,
@@ -89,6 +102,7 @@ def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         1.0 / FP8_MAX,
         MIN_SCALE,
         BLOCK_N=block_n,
-        num_warps=min(max(block_n // 256, 1), 8),
+        ONE_BLOCK=one_block,
+        num_warps=min(max(block_n // 256, 1), 16),
     )
     return q, scale

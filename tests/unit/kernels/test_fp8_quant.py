@@ -11,10 +11,13 @@ from kernels.triton.fp8_quant import quantize_fp8_rows
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(5, 3000), (3, 64), (1, 16)])
-def test_quantize_fp8_rows_matches_twin_bit_for_bit(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+@pytest.mark.parametrize("row_block", [16384, 1024])  # the row loaded once; two passes over it
+def test_quantize_fp8_rows_matches_twin_bit_for_bit(
+    dtype: torch.dtype, shape: tuple[int, int], row_block: int
+) -> None:
     x = (torch.randn(shape) * 3).to(dtype)
     x[0] = 0  # an all-zero row: finite scale, zero codes
-    q, scale = quantize_fp8_rows(x)
+    q, scale = quantize_fp8_rows(x, row_block=row_block)
     q_ref, scale_ref = reference.quantize_fp8_rows(x)
     assert torch.equal(scale, scale_ref)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
@@ -69,7 +72,6 @@ def test_skinny_gemm_with_fp8_rows_and_weights_matches_twin(m: int) -> None:
     out = skinny_gemm(xq, wq, torch.float32, SkinnyConfig(block_n=32, block_k=64), scale=scale, x_scale=xs)
     expected = reference.linear(xq, wq, torch.float32, scale=scale, x_scale=xs)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
-
 
 
 # ------------------------------------------------------- the quantization fused into its producer
