@@ -404,6 +404,7 @@ def main(argv: list[str] | None = None) -> None:
         if "e2e" in sections:
             e2e(args, row)
     finally:
+        row("notes", "cuDNN took GQA K/V unexpanded", str(not lp_mod._CUDNN_NEEDS_HEADS), "(long_prefill)")
         pf_mod.PREFILL_MIN_QUERY = saved_min
         lines = [
             f"GPU: {gpu}; {time.perf_counter() - t0:.0f} s",
