@@ -33,7 +33,7 @@ from torch import nn
 
 from kernels import reference
 from worker_svc.models.fp8 import Fp8Rows, fp8_linear, fp8_skinny_linear
-from worker_svc.models.parallel_layers import ShardedLinear, linear_fp32_out
+from worker_svc.models.parallel_layers import SKINNY_MAX_ROWS, ShardedLinear, linear_fp32_out
 
 if TYPE_CHECKING:
     from kernels.triton.skinny_gemm import SkinnyConfig
@@ -44,6 +44,12 @@ MIN_GAIN = 0.02  # a config must beat cuBLAS by this much: smaller wins are with
 CUBLAS = "cublas"
 CACHE_FILE = "decode_gemms.json"
 _ROWS = 1  # timed at batch 1 (the sweep's best config was the same from 1 to 16 rows)
+# FP8 layers whose skinny config beats `_scaled_mm` at WIDE_ROWS rows too run it in the decode
+# graphs of up to that many rows: CUTLASS's rowwise FP8 GEMM streams the weights at a fraction
+# of the bandwidth at few rows (H200, 8B shapes, 16 rows: 0.48-0.79x the skinny GEMM's time),
+# and a ShareGPT-shaped run spends a third of its decode steps at 17-64 sequences.
+WIDE_ROWS = 64
+_WIDE = f"@{WIDE_ROWS}"  # suffix of the times (and cache keys) of that second timing
 
 # (layers of one shape, output in fp32) -> {candidate name: microseconds per call}
 Timer = Callable[[list[ShardedLinear], bool], dict[str, float]]
@@ -105,15 +111,24 @@ def choose_decode_gemms(
     for (shape, dtype, fp32_out), layers in groups.items():
         key = _key(device, shape, dtype, fp32_out)
         name = known.get(key)
+        rows = known.get(key + _WIDE)
         how = "cached"
         if name not in configs and name != CUBLAS:  # not chosen yet (or a config since retired)
             times = timer(layers, fp32_out)
             name = _fastest(times)
             known[key], learned, how = name, True, _times_text(times)
+            rows = str(_wide_rows(times, name))
+            if rows == str(WIDE_ROWS):  # recorded only where raised: no entry means SKINNY_MAX_ROWS
+                known[key + _WIDE] = rows
+            else:
+                known.pop(key + _WIDE, None)
+        max_rows = WIDE_ROWS if rows == str(WIDE_ROWS) else SKINNY_MAX_ROWS
         for layer in layers:
             layer.decode_gemm = None if name == CUBLAS else configs[name]  # type: ignore[assignment]
+            layer.decode_gemm_rows = max_rows
         out = "fp32" if fp32_out else str(dtype).removeprefix("torch.")
-        lines.append(f"{shape[1]}->{shape[0]} {out} x{len(layers)}: {name} ({how})")
+        upto = f" up to {max_rows} rows" if name != CUBLAS else ""
+        lines.append(f"{shape[1]}->{shape[0]} {out} x{len(layers)}: {name}{upto} ({how})")
     if learned and path:
         _write(path, known)
     log.info("decode GEMMs chosen in %.1f s: %s", time.perf_counter() - t0, "; ".join(lines))
@@ -124,9 +139,18 @@ def _fastest(times: dict[str, float]) -> str:
     cublas_us = times[CUBLAS]
     best, best_us = CUBLAS, cublas_us
     for name, us in times.items():
-        if name != CUBLAS and us < cublas_us * (1 - MIN_GAIN) and us < best_us:
+        if name != CUBLAS and not name.endswith(_WIDE) and us < cublas_us * (1 - MIN_GAIN) and us < best_us:
             best, best_us = name, us
     return best
+
+
+def _wide_rows(times: dict[str, float], name: str) -> int:
+    """The most rows the chosen config runs in the decode graphs: WIDE_ROWS where it was timed
+    there (FP8 layers) and beat the library by MIN_GAIN, else SKINNY_MAX_ROWS."""
+    wide, library = times.get(name + _WIDE), times.get(CUBLAS + _WIDE)
+    if name == CUBLAS or wide is None or library is None:
+        return SKINNY_MAX_ROWS
+    return WIDE_ROWS if wide < library * (1 - MIN_GAIN) else SKINNY_MAX_ROWS
 
 
 def _times_text(times: dict[str, float]) -> str:
@@ -206,6 +230,15 @@ def _time_candidates(layers: list[ShardedLinear], fp32_out: bool) -> dict[str, f
             times[name] = _time_us(lambda layer, c=cfg: skinny(layer, c), layers)
         except Exception as e:  # noqa: BLE001 - a config this GPU cannot run (shared memory...)
             log.debug("skinny GEMM %s refused for %s: %s", name, (n, k), e)
+    best = _fastest(times)
+    if fp8 and best != CUBLAS:  # the chosen config and the library again at WIDE_ROWS rows
+        x = torch.randn(WIDE_ROWS, k, dtype=x.dtype, device=x.device)
+        rows = Fp8Rows(*reference.quantize_fp8_rows(x), x.dtype)
+        times[CUBLAS + _WIDE] = _time_us(cublas, layers)
+        try:
+            times[best + _WIDE] = _time_us(lambda layer, c=candidates(fp8)[best]: skinny(layer, c), layers)
+        except Exception as e:  # noqa: BLE001 - its tiles of WIDE_ROWS rows do not fit: stay at 16
+            log.debug("skinny GEMM %s refused at %d rows for %s: %s", best, WIDE_ROWS, (n, k), e)
     return times
 
 

@@ -51,6 +51,7 @@ def _rows(src: Any, dim: int, start: int, length: int) -> torch.Tensor:
 
 
 SKINNY_MAX_ROWS = 16  # the skinny GEMM pads rows to 16 for the tensor cores: above, cuBLAS
+# (an FP8 layer's start-time timing may raise its own limit: `ShardedLinear.decode_gemm_rows`)
 
 
 class _DecodeGraphScope(threading.local):
@@ -109,6 +110,7 @@ class ShardedLinear(nn.Module):
         # The Triton skinny GEMM config chosen for this shape at start (worker_svc.decode_gemms),
         # used inside decode graphs; None: cuBLAS everywhere.
         self.decode_gemm: SkinnyConfig | None = None
+        self.decode_gemm_rows = SKINNY_MAX_ROWS  # the most rows it runs (decode_gemms may raise it)
         # LoRA adapters (worker_svc.lora.layer.LoRALayer, set when the worker serves them): adds
         # each adapter row's low-rank product to this rank's GEMM output. None: nothing to add.
         self.lora: LoRAHook | None = None
@@ -143,12 +145,12 @@ class ShardedLinear(nn.Module):
         """x @ W.T + bias, in fp32 with `fp32_out`, else in x's dtype.
 
         Inside a decode graph's warm-up and capture (`decode_graph_gemms`) a batch of at most
-        SKINNY_MAX_ROWS rows goes through the skinny GEMM chosen for this shape; everywhere
+        `decode_gemm_rows` rows goes through the skinny GEMM chosen for this shape; everywhere
         else, cuBLAS. Launched eagerly, a Triton kernel costs more host time than cuBLAS, and
         eager small batches are bound by the host."""
         cfg = self.decode_gemm
         rows = x.shape[0] if isinstance(x, Fp8Rows) else x.numel() // max(x.shape[-1], 1)
-        if cfg is not None and _DECODE_GRAPH.active and rows <= SKINNY_MAX_ROWS:
+        if cfg is not None and _DECODE_GRAPH.active and rows <= self.decode_gemm_rows:
             from kernels.triton.skinny_gemm import skinny_gemm
 
             if self.weight_scale is not None:

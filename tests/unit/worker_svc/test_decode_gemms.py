@@ -183,3 +183,34 @@ def test_an_unwritable_cache_still_chooses(tmp_path) -> None:
         [model], torch.device("cpu"), str(blocked / "sub"), _timer({CUBLAS: 10.0, names[0]: 5.0}, [])
     )
     assert str(model.other.decode_gemm) == names[0]
+
+
+def test_an_fp8_choice_that_wins_at_64_rows_runs_up_to_64_and_is_remembered(tmp_path) -> None:
+    """FP8 layers are timed again at WIDE_ROWS rows (their chosen config against `_scaled_mm`);
+    a win there raises the layer's limit, recorded beside the choice for the next start."""
+    from worker_svc.decode_gemms import WIDE_ROWS
+
+    names = list(candidates())
+    wins = {CUBLAS: 10.0, names[1]: 5.0, f"{CUBLAS}@{WIDE_ROWS}": 30.0, f"{names[1]}@{WIDE_ROWS}": 20.0}
+    model = _Model()
+    lines = choose_decode_gemms([model], torch.device("cpu"), str(tmp_path), _timer(wins, []))
+    assert all(layer.decode_gemm_rows == WIDE_ROWS for layer in model.same) and "up to 64 rows" in lines[0]
+    again, calls = _Model(), []
+    choose_decode_gemms([again], torch.device("cpu"), str(tmp_path), _timer({CUBLAS: 1.0}, calls))
+    assert calls == [] and again.other.decode_gemm_rows == WIDE_ROWS
+    # A loss at 64 rows (or no timing there: bf16 layers) keeps the limit at 16 rows.
+    loses = {**wins, f"{names[1]}@{WIDE_ROWS}": 29.9}
+    third = _Model()
+    choose_decode_gemms([third], torch.device("cpu"), str(tmp_path / "new"), _timer(loses, []))
+    assert third.other.decode_gemm_rows == SKINNY_MAX_ROWS and str(third.other.decode_gemm) == names[1]
+
+
+def test_a_layer_runs_the_skinny_gemm_up_to_its_own_row_limit() -> None:
+    layer = _qkv(bias=False)
+    layer.decode_gemm = CFG
+    layer.decode_gemm_rows = 64
+    x = torch.randn(SKINNY_MAX_ROWS + 1, 64)
+    with decode_graph_gemms():
+        out = layer(x)
+    torch.testing.assert_close(out, reference.linear(x, layer.weight), atol=1e-5, rtol=1e-5)
+    assert not torch.equal(out, torch.nn.functional.linear(x, layer.weight))  # not cuBLAS's sums
