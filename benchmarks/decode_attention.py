@@ -13,7 +13,7 @@ call reads HBM, not L2, with block tables in random order. Rows per cache dtype 
 * `decode`: the default (`kernels.triton.paged_decode` with its picked config and splits);
 * diagnostics: the default config at other split counts (batch 1) or unsplit (batches), with
   the merge fused into the kernel, and the split kernel alone (merge skipped, output unchecked);
-* with --sweep, at --sweep-context: the decode kernel over (tile, pipelining depth, warps)
+* with --sweep, at --sweep-contexts: the decode kernel over (tile, pipelining depth, warps)
   x split counts x fused merge, best first.
 
 Every timed variant is first checked on the GPU against the PyTorch twin
@@ -113,6 +113,12 @@ class Workload:
             # Scores with a standard deviation of ~3: a peaked softmax, not a plain mean of V.
             q = 3 * torch.randn(case.batch, args.heads, d, dtype=torch.bfloat16, device=dev)
             self.sets.append((q, meta, torch.empty_like(q)))
+        # The same sets over blocks in allocation order (a fresh cache) instead of scattered.
+        self.in_order = {}
+        for r, (_, meta, _) in enumerate(self.sets):
+            first = r * case.batch * nb
+            tables = torch.arange(first, first + case.batch * nb, dtype=torch.int32, device=dev)
+            self.in_order[id(meta)] = dataclasses.replace(meta, block_tables=tables.view(case.batch, nb))
         self.scale = d**-0.5
         self.ref: torch.Tensor | None = None
 
@@ -205,6 +211,15 @@ def _sweep_configs(args: argparse.Namespace, kv: str) -> list[tuple[pd.DecodeCon
     ]
 
 
+def _in_order(w: Workload, call):  # type: ignore[no-untyped-def]
+    """`call` over the workload's blocks in allocation order (output unchecked: other K/V)."""
+
+    def run(q, meta, out) -> None:  # type: ignore[no-untyped-def]
+        call(q, w.in_order[id(meta)], out)
+
+    return run
+
+
 def _without_merge(call):  # type: ignore[no-untyped-def]
     """`call` with the split path's merge launch skipped: the split kernel's time alone (wrong output)."""
 
@@ -229,16 +244,22 @@ def _variants(case: Case, w: Workload, args: argparse.Namespace) -> list[tuple[s
     base = pd.pick_decode_config(args.head_dim, fp8, case.batch * args.kv_heads * n_def / pd._num_sms(dev))
     out = [("unified (before)", _unified(w), n_old, True), ("decode (default)", _decode(w), n_def, True)]
     if n_def > 1:
-        fused = dataclasses.replace(base, fused_merge=True)
-        out.append(("decode (default, fused merge)", _decode(w, fused, n_def), n_def, True))
-        out.append(("decode (default, no merge: kernel alone)", _without_merge(_decode(w)), n_def, False))
+        other = dataclasses.replace(base, fused_merge=not base.fused_merge)
+        label = (
+            "decode (default, merge launched apart)" if base.fused_merge else "decode (default, fused merge)"
+        )
+        out.append((label, _decode(w, other, n_def), n_def, True))
+        alone = _without_merge(_decode(w, dataclasses.replace(base, fused_merge=False), n_def))
+        out.append(("decode (default, no merge: kernel alone)", alone, n_def, False))
+    out.append(("unified (before), blocks in order", _in_order(w, _unified(w)), n_old, False))
+    out.append(("decode (default), blocks in order", _in_order(w, _decode(w)), n_def, False))
     if case.batch > 1:
         out.append(("decode (default config, unsplit)", _decode(w, base, 1), 1, True))
     else:
         for n in (int(x) for x in args.diag_splits.split(",") if x):
             if n != n_def:
                 out.append((f"decode (default config, {n} splits)", _decode(w, base, n), n, True))
-    if args.sweep and case.batch == 1 and case.ctx == args.sweep_context:
+    if args.sweep and case.batch == 1 and case.ctx in args.sweep_contexts:
         if fp8:  # what the fp16 conversion buys: the default with bf16 dots
             bf16_dots = dataclasses.replace(base, dot_f16=False)
             out.append(("default, bf16 dots", _decode(w, bf16_dots, n_def), n_def, True))
@@ -309,7 +330,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--copy-mib", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="time the decode kernel's config grid too")
-    ap.add_argument("--sweep-context", type=int, default=32768)
+    ap.add_argument("--sweep-contexts", default="32768,122880")
     ap.add_argument("--sweep-bf16", default="128/4/4,64/6/4,64/2/4,32/6/4,64/4/2,64/6/2,32/4/2,128/6/8")
     ap.add_argument("--sweep-fp8", default="128/6/4,128/4/4,64/6/4,64/4/2,64/6/2,32/6/4,128/6/8")
     ap.add_argument("--sweep-splits", default="16,32,64,128", help="tile/stages/warps triples and splits")
@@ -322,11 +343,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
         args.contexts, args.batched, args.heads, args.kv_heads, args.head_dim = "100", "2x40", 2, 1, 16
-        args.sweep, args.sweep_context, args.reps, args.copy_mib, args.rotate_mib = True, 100, 1, 8, 1
+        args.sweep, args.sweep_contexts, args.reps, args.copy_mib, args.rotate_mib = True, "100", 1, 8, 1
         args.sweep_bf16 = args.sweep_fp8 = "32/2/4"
         args.sweep_splits, args.diag_splits = "2", ""
         args.out = None
     args.contexts = [int(x) for x in args.contexts.split(",") if x]
+    args.sweep_contexts = [int(x) for x in args.sweep_contexts.split(",") if x]
     args.batched = [tuple(int(v) for v in x.split("x")) for x in args.batched.split(",") if x]
     args.kv_dtypes = args.kv_dtypes.split(",")
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -262,12 +262,12 @@ def pick_decode_config(head_pad: int, kv_fp8: bool, programs_per_sm: float = 0.0
     one deep 35.6, 256-token tiles 41.7, bf16 dots 48.5 (at 64 splits).
     """
     if head_pad > 128:  # keep the fp32 accumulator and the K/V tiles within registers/smem
-        return DecodeConfig(tile=32, num_warps=4, num_stages=2, dot_f16=kv_fp8)
+        return DecodeConfig(tile=32, num_warps=4, num_stages=2, dot_f16=kv_fp8, fused_merge=True)
     if kv_fp8:
-        return DecodeConfig(tile=128, num_warps=4, num_stages=6, dot_f16=True)
+        return DecodeConfig(tile=128, num_warps=4, num_stages=6, dot_f16=True, fused_merge=True)
     if programs_per_sm > _SPLIT_PROGRAMS_PER_SM:
-        return DecodeConfig(tile=64, num_warps=4, num_stages=2, dot_f16=False)
-    return DecodeConfig(tile=128, num_warps=4, num_stages=4, dot_f16=False)
+        return DecodeConfig(tile=64, num_warps=4, num_stages=2, dot_f16=False, fused_merge=True)
+    return DecodeConfig(tile=128, num_warps=4, num_stages=4, dot_f16=False, fused_merge=True)
 
 
 @functools.lru_cache(maxsize=8)
