@@ -25,7 +25,6 @@ quantization and no block is shared between the two.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -40,10 +39,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("fp8",)
-# `_scaled_mm`'s fast accumulation (CUTLASS's FP8FastAccum schedules, which vLLM's own FP8
-# kernels use on Hopper): the tensor cores' partial sums are not promoted to fp32 every few K
-# steps. Off unless LLMESH_FP8_FAST_ACCUM=1 (docs/benchmarks.md has its speed and error).
-FAST_ACCUM = os.environ.get("LLMESH_FP8_FAST_ACCUM", "0") == "1"
 _FP8_MAX = reference.FP8_MAX
 
 
@@ -119,9 +114,7 @@ def fp8_linear(
     if q.shape[0] == 0:
         return torch.empty((*lead, n_out), dtype=out_dtype, device=q.device)
     gemm_dtype = out_dtype if out_dtype != torch.float32 or _fp32_out(q.device) else torch.bfloat16
-    out = torch._scaled_mm(
-        q, weight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=gemm_dtype, use_fast_accum=FAST_ACCUM
-    )
+    out = torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=gemm_dtype)
     if out.dtype != out_dtype:
         out = out.to(out_dtype)
     if bias is not None:
