@@ -46,8 +46,9 @@ CACHE_FILE = "decode_gemms.json"
 _ROWS = 1  # timed at batch 1 (the sweep's best config was the same from 1 to 16 rows)
 # FP8 layers whose skinny config beats `_scaled_mm` at WIDE_ROWS rows too run it in the decode
 # graphs of up to that many rows: CUTLASS's rowwise FP8 GEMM streams the weights at a fraction
-# of the bandwidth at few rows (H200, 8B shapes, 16 rows: 0.48-0.79x the skinny GEMM's time),
-# and a ShareGPT-shaped run spends a third of its decode steps at 17-64 sequences.
+# of the bandwidth at few rows (H200, 8B shapes, 16 rows: the skinny GEMM took 0.48-0.79x its
+# time), and a ShareGPT-shaped run spends over a third of its decode steps at 17-64 sequences.
+# (Not yet measured end to end: docs/benchmarks.md, "FP8 activation quantization fused".)
 WIDE_ROWS = 64
 _WIDE = f"@{WIDE_ROWS}"  # suffix of the times (and cache keys) of that second timing
 
