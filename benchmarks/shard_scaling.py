@@ -4,7 +4,7 @@
         [--streams-per-shard 256] [--requests-per-shard 2048] [--prompt-len 128] [--output-len 128]
         [--stream-interval 1] [--api-server-count 6] [--client-procs-per-shard 8]
         [--router-procs 2N] [--router-reuse-port] [--router-policy index] [--one-via-router]
-        [--cpus-per-shard C] [--rows one,relay,direct] [--connections-per-client 8]
+        [--cpus-per-shard C] [--rows one,relay,direct,split,isolated] [--connections-per-client 8]
     .venv/bin/python benchmarks/shard_scaling.py --smoke    # seconds, 2-core machine (make test)
 
 Issue 30's must-show "8 null workers over 4 shards >= 3.5x one shard", in one run and one table.
@@ -19,7 +19,13 @@ by streaming gRPC clients in several processes (prompt 128, output 128, stream i
     N times the streams, requests and client processes;
   * `N shards + router (direct)`: the same, but the router only picks: each request asks it
     (`ShardPicker.Route`) and streams from the chosen shard itself (gateway/shard_routing.py, what
-    the gateway does with --direct-to-shards). `--rows` picks the rows (default one,relay,direct).
+    the gateway does with --direct-to-shards). `--rows` picks the rows (default one,relay,direct);
+  * `N shards, no router` (`split`): client process i streams straight to shard i mod N, no Route,
+    the same streams per shard: what the N shards carry with routing free and the split even;
+  * `N x 1 shard, own cores` (`isolated`, needs `--cpus-per-shard C`): the same, but each shard
+    and its client processes pinned to C cores of their own: N copies of the 1-shard row side by
+    side, nothing shared but the host. Its ratio to the 1-shard row is the most N shards can give
+    on this host, whatever the router does.
 
 In the relay rows the router relays every response message, so at stream interval 1 it carries
 each token of the cluster once more: one process would be the ceiling, so the router tier is
@@ -37,8 +43,9 @@ share of a fixed host. Shards not in a row are started but idle (no request reac
 
 Each client process keeps `--connections-per-client` TCP connections per shard (or router) and
 spreads its streams over them: a shard's API processes share its port, and the kernel hands
-each connection, not each stream, to one of them, so with one connection per client process a
-shard's load lands on as few API processes as it has client processes, by chance.
+each connection, not each stream, to one of them, by a hash. The 1-shard, split, isolated and
+direct rows go through gateway/shard_routing.py's ShardChannels, which learns which API process
+each connection reached and keeps the streams even over the processes.
 
 Reported per row: out tok/s, failed (errors other than RESOURCE_EXHAUSTED) and refused, TTFT
 and ITL, and the ratio of the N-shard row to the 1-shard row; and where the CPU went (from
@@ -48,8 +55,9 @@ busiest shard core (its planning loop is single-threaded), `row us/t` every proc
 (shards, API processes, workers, routers, clients) per output token: a host of C cores carries
 at most C / `row us/t` tokens a second, whatever the sharding; `API busy` / `cli busy` the
 busiest and idlest API process and client process; `Route p50` the direct row's Route call as
-its caller waits for it, the opening burst (each stream's first request) left out. Exit 1 when
-any request failed.
+its caller waits for it, the opening burst (each stream's first request) left out; and a second
+table of the row's CPU per output token by role (shard cores, API processes, workers, routers,
+clients) with the cores the row used. Exit 1 when any request failed.
 """
 
 from __future__ import annotations
@@ -72,7 +80,7 @@ from serving import RequestStats, grpc_request, make_prompts, report  # noqa: E4
 from services.launcher import free_port, grpc_serving, wait_until  # noqa: E402
 
 HOST = "127.0.0.1"
-ROWS = {"one", "one-relay", "relay", "direct"}
+ROWS = {"one", "one-relay", "relay", "direct", "split", "isolated"}
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -162,41 +170,43 @@ def _client_process(
     return [asdict(r) for r in results], end, routes
 
 
-def _own_connection_stubs(target: str, connections: int) -> tuple[list, list]:
-    """`connections` channels to `target`, each a TCP connection of its own (gRPC otherwise shares
-    one among a process's channels to one target: its global subchannel pool)."""
-    import grpc
+class _Balanced:
+    """What serving.grpc_request calls: Generate on `address` over `channels` (ShardChannels: the
+    least busy API process of the shard, then its least busy connection), as the direct path does.
+    The call is the grpc.aio call itself (no wrapper: nothing more per token)."""
 
-    from gateway.shard_routing import OWN_CONNECTION
-    from llmesh.v1 import generation_pb2_grpc as gg
-    from services.grpc_server import channel_options
+    def __init__(self, channels, address: str) -> None:
+        self.channels, self.address = channels, address
 
-    channels = [
-        grpc.aio.insecure_channel(target, options=[*channel_options(), OWN_CONNECTION])
-        for _ in range(max(1, connections))
-    ]
-    return channels, [gg.SchedulerStub(c) for c in channels]
+    def Generate(self, request, timeout: float):  # noqa: N802
+        lane = self.channels.acquire(self.address)
+        call = lane.generate(request, timeout=timeout, metadata=self.channels.metadata, wait_for_ready=False)
+        call.add_done_callback(lambda _: self.channels.release(self.address, lane))
+        return call
 
 
 async def run_grpc_clients(
     target: str, prompts: list[list[int]], output_len: int, concurrency: int, timeout: float, connections: int
 ) -> tuple[list[RequestStats], float, list[float]]:
-    """`concurrency` streams straight to `target` over `connections` connections (stream i on
-    connection i mod n): a shard's API processes share its port and the kernel spreads connections,
-    not streams, over them."""
+    """`concurrency` streams straight to `target` over `connections` connections, each request on
+    the least busy API process's least busy connection (gateway/shard_routing.py's ShardChannels):
+    a shard's API processes share its port and the kernel spreads connections, not streams, over
+    them, by a hash."""
+    from gateway.shard_routing import ShardChannels
+
     queue = list(reversed(prompts))
     results: list[RequestStats] = []
-    channels, stubs = _own_connection_stubs(target, connections)
+    channels = ShardChannels(connections=connections)
+    stub = _Balanced(channels, target)
 
-    async def loop(stub) -> None:
+    async def loop() -> None:
         while queue:
             results.append(await grpc_request(stub, queue.pop(), output_len, timeout))
 
     try:
-        await asyncio.gather(*(loop(stubs[i % len(stubs)]) for i in range(concurrency)))
+        await asyncio.gather(*(loop() for _ in range(concurrency)))
     finally:
-        for c in channels:
-            await c.close()
+        await channels.close()
     return results, time.time(), []
 
 
@@ -272,15 +282,18 @@ def drive(
     direct: bool = False,
     connections: int = 1,
 ) -> tuple[list[RequestStats], float, list[float]]:
-    """`streams` streams in `procs` client processes, process i against targets[i % len]; (stats,
-    wall seconds, Route's seconds per request)."""
+    """`streams` streams in `procs` client processes, process i against targets[i % len] on
+    cpus[i % len(cpus)] (`cpus`: one set for all, or one per target); (stats, wall seconds, Route's
+    seconds per request)."""
+    cpu_sets = cpus if isinstance(cpus, list) else [cpus]
     procs = max(1, min(procs, streams))
     start_at = time.time() + 1.0
     futures = [
         pool.submit(
             _client_process, targets[i % len(targets)], prompts[i::procs], output_len,
             streams // procs + (i < streams % procs), timeout, start_at,
-            sorted(cpus) if cpus is not None else None, direct, connections,
+            sorted(cpu_sets[i % len(cpu_sets)]) if cpu_sets[i % len(cpu_sets)] is not None else None,
+            direct, connections,
         )
         for i in range(procs)
     ]  # fmt: skip
@@ -468,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     rows_wanted = set(args.rows.split(","))
     if args.one_via_router:
         rows_wanted.add("one-relay")
+    if "isolated" in rows_wanted and not args.cpus_per_shard:
+        ap.error("--rows isolated needs --cpus-per-shard")
     if rows_wanted - ROWS:
         ap.error(f"--rows: unknown {sorted(rows_wanted - ROWS)}; choose from {sorted(ROWS)}")
     many = f"{args.shards} shard{'s' if args.shards > 1 else ''} + router"
@@ -478,6 +493,8 @@ def main(argv: list[str] | None = None) -> int:
             ("one-relay", "1 shard + router", 1, "relay"),
             ("relay", many, args.shards, "relay"),
             ("direct", f"{many} (direct)", args.shards, "direct"),
+            ("split", f"{args.shards} shards, no router", args.shards, "split"),
+            ("isolated", f"{args.shards} x 1 shard, own cores", args.shards, "isolated"),
         ]
         if key in rows_wanted and not (key == "one-relay" and args.shards == 1)
     ]
@@ -498,16 +515,24 @@ def main(argv: list[str] | None = None) -> int:
             for row_index, (label, n, how) in enumerate(plan):
                 shards = mesh.shards[:n]
                 cpus = set(cpu_order()[: args.cpus_per_shard * n]) if args.cpus_per_shard else None
-                if how:
+                if how in ("relay", "direct"):
                     procs = args.direct_router_procs if how == "direct" else args.router_procs
                     mesh.start_routers(shards, procs)
                     targets = mesh.router_addresses
                     # One router's address per client process: processes spread over every address.
                     router_procs = len(mesh.routers)
-                else:
+                else:  # the clients straight to the shards: client process i to shard i mod n
                     mesh.stop(mesh.routers)
-                    mesh.routers, targets, router_procs = [], [shards[0].address], 0
-                pin([p.pid for s in shards for p in s.procs] + [p.pid for p in mesh.routers], cpus)
+                    mesh.routers, targets, router_procs = [], [s.address for s in shards], 0
+                client_cpus: set[int] | None | list = cpus
+                if how == "isolated":  # each shard and its clients on C cores of their own
+                    c = args.cpus_per_shard
+                    own = [set(cpu_order()[k * c : (k + 1) * c]) for k in range(n)]
+                    for shard, its in zip(shards, own, strict=True):
+                        pin([p.pid for p in shard.procs], its)
+                    client_cpus = own
+                else:
+                    pin([p.pid for s in shards for p in s.procs] + [p.pid for p in mesh.routers], cpus)
                 wait_until(lambda s=shards: idle(s), "the shards to drain", mesh.procs, 120)
                 streams = args.streams_per_shard * n
                 # Prompts of its own per row: a row routed by the prefix index must not find the
@@ -523,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
                 before_all = {p: cpu_seconds(p) for p in everything}
                 served_before = [served(s.address) for s in shards]
                 results, wall, routes = drive(
-                    pool, targets, clients, prompts, args.output_len, streams, args.timeout, cpus,
+                    pool, targets, clients, prompts, args.output_len, streams, args.timeout, client_cpus,
                     direct=how == "direct", connections=args.connections_per_client,
                 )  # fmt: skip
                 row = report(label, streams, results, wall)
@@ -532,6 +557,13 @@ def main(argv: list[str] | None = None) -> int:
                 row_cpu = sum(busy(everything, before_all, 1.0))  # CPU seconds of the whole row
                 # Who was busy (a process at 100 % is a ceiling): API processes, workers, clients.
                 share = dict(zip(everything, busy(everything, before_all, wall + 1.0), strict=True))
+                # The row's CPU per token by role: where a row's extra CPU per token goes.
+                cores = [s.procs[0].pid for s in shards]
+                api_pids = [p for s in shards for p in _tree(s.procs[0].pid)[1:] if p in share]
+                roles = {
+                    "core": cores, "api": api_pids, "workers": [p.pid for s in shards for p in s.procs[1:]],
+                    "router": [p.pid for p in mesh.routers], "clients": sorted(client_pids),
+                }  # fmt: skip
                 apis = [share[p] for s in shards for p in _tree(s.procs[0].pid)[1:] if p in share]
                 workers = [share[p.pid] for s in shards for p in s.procs[1:]]
                 client_load = sorted((share[p] for p in client_pids), reverse=True)[: min(clients, streams)]
@@ -549,6 +581,11 @@ def main(argv: list[str] | None = None) -> int:
                     client_min=min(client_load, default=0.0),
                     route_p50=routes[len(routes) // 2] * 1e3 if routes else 0.0,
                     route_p99=routes[int(len(routes) * 0.99)] * 1e3 if routes else 0.0,
+                    us_by_role={
+                        role: 1e6 * sum(share[p] for p in pids) * (wall + 1.0) / tokens
+                        for role, pids in roles.items()
+                    },
+                    cores_used=row_cpu / wall,
                 )  # fmt: skip
                 rows.append(row)
                 per = [served(s.address) - b for s, b in zip(shards, served_before, strict=True)]
@@ -606,6 +643,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         if r["errors"]:
             print(f"    errors: {r['errors']}")
+    print("\nCPU per output token by role (us; the row's cores used = out tok/s x row us/t)")
+    roles = ["core", "api", "workers", "router", "clients"]
+    print(f"{'row':<28}" + "".join(f"{role:>9}" for role in roles) + f"{'row':>9}{'cores used':>12}")
+    for r in rows:
+        cells = "".join(f"{r['us_by_role'][role]:>9.1f}" for role in roles)
+        print(f"{r['path']:<28}{cells}{r['row_us_tok']:>9.1f}{r['cores_used']:>7.1f} of {r['cpus']}")
     last = rows[-1]
     ratio = f"{last['path']} / 1 shard: {last['tok_s'] / base:.2f}x out tok/s; " if base else ""
     print(f"\n{ratio}failed {sum(r['failed'] for r in rows)} of {sum(r['requests'] for r in rows)} requests")
