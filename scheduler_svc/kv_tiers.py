@@ -105,7 +105,7 @@ class KVTierPlanner:
         # Predicted seconds of each store load of the plan being built / of each plan in flight.
         self._predicted_now: list[float | None] = []
         self._predicted_by_step: dict[int, list[float | None]] = {}
-        # Plans sent whose results have not come back (see has_pending).
+        # Plans that compute whose results have not come back (see finish_plan).
         self._in_flight: set[int] = set()
 
     @property
@@ -191,15 +191,43 @@ class KVTierPlanner:
             self._remember([hit.keys[(k + 1) * c - 1] for k in range(found)])
 
     # ----- the plan -----
-    def finish_plan(self, step_id: int, keyed: list[tuple[int, bytes]]) -> KVTransfers:
+    def finish_plan(
+        self, step_id: int, keyed: list[tuple[int, bytes]], runs_forward: bool = True
+    ) -> KVTransfers:
         """The transfers of plan `step_id`: last plan's saves and puts, this plan's loads.
 
         `keyed`: the (block, key) pairs this plan made full, saved by the next plan.
+        `runs_forward`: whether the plan computes anything. One that does not (only finished ids,
+        say), made behind a plan still running, carries no saves or puts: the worker launches it
+        before that plan's tokens are read, and its copies and its put sender (34 MB for a
+        256-token chunk of an 8B model) would delay them (a prompt that filled a chunk paid for
+        its put in its first token). They go with the next plan instead: what the plan between
+        runs cannot overwrite their blocks, as it runs no forward.
         """
         kv, self._kv = self._kv, KVTransfers()
-        self._in_flight.add(step_id)
+        if runs_forward:
+            self._in_flight.add(step_id)
         if self._predicted_now:
             self._predicted_by_step[step_id], self._predicted_now = self._predicted_now, []
+        hold = not runs_forward and bool(self._in_flight)
+        if not hold:
+            self._attach_saves_and_puts(kv, step_id)
+        self.host.unpin_all()
+        # What this plan makes full is saved by the next one; loaded blocks are already in a tier.
+        loaded = self._loaded_now
+        saves = [(b, k) for b, k in keyed if b not in loaded] if self.host.num_slots else []
+        chunked = self.blocks.take_newly_chunked()
+        puts = [(k, ids) for k, ids in chunked if loaded.isdisjoint(ids) and k not in self._in_store]
+        if hold:
+            self._pending_saves += saves
+            self._pending_puts += puts
+        else:
+            self._pending_saves, self._pending_puts = saves, puts
+        self._loaded_now = set()
+        return kv
+
+    def _attach_saves_and_puts(self, kv: KVTransfers, step_id: int) -> None:
+        """Give plan `step_id` the saves and puts pending (blocks the plans before it made full)."""
         assigned = []
         for block_id, key in self._pending_saves:
             slot = self.host.assign(key)
@@ -214,16 +242,7 @@ class KVTierPlanner:
         self.stats.stored_chunks += len(kv.store_puts)
         if assigned:
             self._assigned_by_step[step_id] = assigned
-        self.host.unpin_all()
-        # What this plan makes full is saved by the next one; loaded blocks are already in a tier.
-        loaded = self._loaded_now
-        self._pending_saves = [(b, k) for b, k in keyed if b not in loaded] if self.host.num_slots else []
-        chunked = self.blocks.take_newly_chunked()
-        self._pending_puts = [
-            (k, ids) for k, ids in chunked if loaded.isdisjoint(ids) and k not in self._in_store
-        ]
-        self._loaded_now = set()
-        return kv
+        self._pending_saves, self._pending_puts = [], []
 
     def _remember(self, chunk_keys: list[bytes]) -> None:
         known = self._in_store
@@ -234,11 +253,8 @@ class KVTierPlanner:
             known.popitem(last=False)
 
     def has_pending(self) -> bool:
-        """Whether saves or puts wait for a plan of their own: only while no plan is in flight.
-        Behind a step still running, a plan of only transfers is launched by the worker before
-        that step's tokens are read, and its copies and its sender (34 MB a 256-token chunk of an
-        8B model) delay them: a prompt that filled a chunk paid for its put in its first token.
-        They ride with the next plan that has work, or go once the results are in."""
+        """Whether saves or puts wait for a plan of their own: only while no plan that computes is
+        in flight (see finish_plan); until then they ride with the next plan that computes."""
         return bool(self._pending_saves or self._pending_puts) and not self._in_flight
 
     # ----- results -----

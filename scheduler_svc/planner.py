@@ -361,7 +361,7 @@ class Planner:
         if keyed:
             self._keyed_by_step[plan.step_id] = keyed
         if self.tiers.enabled:
-            plan.kv = self.tiers.finish_plan(plan.step_id, keyed)
+            plan.kv = self.tiers.finish_plan(plan.step_id, keyed, plan.num_seqs > 0)
         return plan
 
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestDelta]:

@@ -248,10 +248,16 @@ async def test_a_skipped_prompt_never_calls_the_store_and_a_lookup_holds_back_no
 def test_puts_wait_for_the_plan_in_flight_instead_of_riding_ahead_of_its_tokens():
     blocks = BlockManager(64, BS, b"fp", True)
     tiers = KVTierPlanner(blocks, 0, 1, LoadPredictor(BS))
-    tiers._pending_puts = [(b"k", [0])]  # a chunk the plan in flight made full
-    tiers.finish_plan(1, [])  # ... that plan
-    tiers._pending_puts = [(b"k2", [1])]
-    assert not tiers.has_pending()  # not a plan of its own while plan 1 runs
+    tiers.finish_plan(1, [])  # a prefill, running
+    tiers._pending_puts = [(b"k", [0])]  # a chunk it made full
+    assert not tiers.has_pending()  # no plan of their own while plan 1 runs ...
+    assert not tiers.finish_plan(
+        2, [], runs_forward=False
+    ).store_puts  # ... nor a ride on one that computes nothing
     tiers.executed(1, [])
+    tiers.executed(2, [])
     assert tiers.has_pending()  # its tokens are in: now
-    assert [p.key for p in tiers.finish_plan(2, []).store_puts] == [b"k2"]
+    assert [p.key for p in tiers.finish_plan(3, [], runs_forward=False).store_puts] == [b"k"]
+    tiers.finish_plan(4, [])  # a plan that computes carries them at once, as before
+    tiers._pending_puts = [(b"k2", [1])]
+    assert [p.key for p in tiers.finish_plan(5, []).store_puts] == [b"k2"]
