@@ -1,23 +1,27 @@
-"""Long-context prefill (issue 31): the prefill attention kernel alone, and one prompt end to end.
+"""Long-context prefill (issue 31): the attention of long chunks alone, and one prompt end to end.
 
     python3 benchmarks/prefill_attention.py [--lens 16384,32768,65536,131072] [--sections peak,check,...]
     python3 benchmarks/prefill_attention.py --smoke          # tiny shapes, CPU interpreter
+
+Three paths for the attention of long chunks (PATHS; the backend's switches): "flash", the
+default (worker_svc/attention/long_prefill.py: SDPA on K/V gathered from the paged cache over
+long contexts, the Triton prefill kernel over short ones), "triton" (the Triton prefill kernel
+for every long chunk) and "unified" (the unified paged kernel for everything, the path before).
 
 Sections (Llama-3.1-8B's attention: 32 query / 8 KV heads, D=128, bf16, cache block 16):
 
 * peak: the bf16 matmul rate measured in the same run (8192^3), the ceiling every TFLOP/s
   below is compared with;
-* check: `prefill_attention` and the unified `paged_attention` against their twin (torch SDPA
-  on the gathered K/V) on a whole prompt and on a chunk over a cached prefix, as
-  ||out - ref|| / ||ref||;
-* sweep: tile shapes (BLOCK_M, BLOCK_N, warps, stages) at --sweep-len, one whole prompt;
-* kernel: one causal prompt of L tokens in one call, per L of --lens: the prefill kernel, the
-  unified kernel, and torch SDPA (flash) on contiguous K/V for scale. FLOPs = 4 * H * D *
-  L(L+1)/2 (QK^T and PV, causal). Also the engine's shape: the same prompt as chunks of
-  --chunk tokens over the cached prefix, summed;
-* e2e: an 8B engine (random weights) prefills one fresh prompt of each of --e2e-lens tokens
-  (generate with max_tokens=1, best of --e2e-reps), with the prefill kernel and with the
-  unified kernel (PREFILL_MIN_QUERY set past any chunk), at --max-num-batched-tokens.
+* check: each path against the twin (torch SDPA on the gathered K/V, fp32) on a whole prompt,
+  on a chunk over a cached prefix and on a mixed step, as ||out - ref|| / ||ref||;
+* sweep: the Triton prefill kernel's tile shapes (BLOCK_M, BLOCK_N, warps, stages[, warp
+  specialisation]) at --sweep-len, one whole prompt;
+* kernel: per L of --lens, each path on one causal prompt of L tokens in one call and as the
+  engine runs it (chunks of --chunk tokens over the cached prefix, summed), and torch SDPA on
+  contiguous K/V for scale. FLOPs = 4 * H * D * L(L+1)/2 (QK^T and PV, causal);
+* e2e: an 8B engine (random weights, no prefix caching) per --e2e-chunks (max_num_batched_tokens)
+  prefills one fresh prompt of each of --e2e-lens tokens (generate with max_tokens=1, best of
+  --e2e-reps) per path (the first --more-chunk-paths paths only after the first chunk size).
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ lp_mod = importlib.import_module("worker_svc.attention.long_prefill")
 
 # The attention paths a prefill can take (the backend's switches: PREFILL_MIN_QUERY, LONG_ROWS).
 PATHS = {
-    "flash": ("FlashAttention on gathered K/V (default)", None, "flash"),  # None: the module's
+    "flash": ("SDPA (cuDNN) on gathered K/V (default)", None, "flash"),  # None: the module's
     "triton": ("Triton prefill kernel", None, "triton"),
     "unified": ("unified kernel (before)", 1 << 30, "flash"),
 }
@@ -252,7 +256,7 @@ def kernel(args: argparse.Namespace, peak: float, row) -> None:  # type: ignore[
                         attend(q_c, case.cache, m_c, case.scale, o_c)
 
                 calls[(key, shape)] = run
-        if args.device == "cuda":  # flash on a contiguous K/V, [1, H, L, D]: the scale, no gather
+        if args.device == "cuda":  # SDPA on a contiguous K/V, [1, H, L, D]: the scale, no gather
             k = case.cache[0].view(-1, args.kv_heads, args.head_dim)[:length].transpose(0, 1)[None]
             v = case.cache[1].view(-1, args.kv_heads, args.head_dim)[:length].transpose(0, 1)[None]
             qt = case.q.transpose(0, 1)[None]
@@ -261,7 +265,7 @@ def kernel(args: argparse.Namespace, peak: float, row) -> None:  # type: ignore[
             )
         for (key, shape), fn in calls.items():
             with attention_path(key or "flash") as label:
-                label = label if key else "torch SDPA flash"
+                label = label if key else "torch SDPA (cuDNN)"
                 try:
                     t = _time(fn, args)
                 except Exception as e:

@@ -1,22 +1,23 @@
 """Attention of a batch holding long prefill chunks (issue 31): which rows go to which kernel.
 
 A chunk of `PREFILL_MIN_QUERY` (kernels/triton/prefill_attention.py) or more query tokens is
-"long". On a CUDA device it is computed by FlashAttention (torch SDPA's flash backend, causal
-aligned to the bottom right: query j of a chunk over a cached prefix of P tokens sees keys
-0..P + j) on its context gathered from the paged cache into contiguous K/V. FlashAttention
-cannot read our block table, and the gather is cheap next to the attention it feeds: a chunk
-of C tokens over a context of S does 4 * H * D * C * S FLOPs for 2 * S * Hkv * D elements
-moved twice (at C = 8k, D = 128, GQA 4: ~16,000 FLOPs per byte, so the copy costs ~1 % of the
-chunk's time on an H100/H200). Elsewhere (the interpreter in tests) or with
-`LONG_ROWS = "triton"` (the benchmark's switch), the Triton prefill kernel takes the long rows.
+"long". Over a context of `FLASH_MIN_CONTEXT` tokens or more, on a CUDA device, it is computed
+by torch SDPA's fused attention (cuDNN's on Hopper, FlashAttention-3 class) on its context
+gathered from the paged cache into contiguous K/V: SDPA cannot read our block table, and the
+gather is cheap next to the attention it feeds (a chunk of C tokens over a context of S does
+4 * H * D * C * S FLOPs for 2 * S * Hkv * D elements copied; at C = 8k, D = 128, GQA 4 that is
+~16,000 FLOPs per byte, the copy ~1 % of the chunk's time on an H100/H200). Query j of a chunk
+over a cached prefix of P tokens sees keys 0..P + j (causal from the bottom right), which SDPA
+runs fast only as two calls: see `_flash_chunk`.
 
-The other rows of the batch (decodes riding along, short chunks) go through the unified
-`paged_attention` kernel, one launch per run of consecutive short sequences, as they would
-without a long chunk beside them.
+The other long chunks (short contexts, no CUDA as in the tests, or `LONG_ROWS = "triton"`, the
+benchmark's switch) go through the Triton prefill kernel; decodes and short chunks riding in
+the same batch through the unified `paged_attention` kernel, as they would alone. Each run of
+consecutive sequences going the same way is one launch on its slice of the batch.
 
-Measured (docs/benchmarks.md, issue 31, H200): one causal 32k prompt, 417 TFLOP/s in the
-Triton prefill kernel (53 % of the 783 TFLOP/s matmul peak), 385 in the unified kernel, 632 in
-SDPA's flash on contiguous K/V.
+Measured on an H200 (docs/benchmarks.md, issue 31; 784 TFLOP/s bf16 matmul peak): one 128k
+prompt in 8k chunks, 582 TFLOP/s here (74 %), 396 in the Triton prefill kernel, 358 in the
+unified kernel; the 120,000-token prefill of an 8B model 9.88 s against 13.23 s before.
 """
 
 from __future__ import annotations
@@ -31,6 +32,13 @@ from kernels.triton import prefill_attention as prefill_mod
 
 # "flash": long rows through FlashAttention (CUDA); "triton": through the Triton prefill kernel.
 LONG_ROWS = "flash"
+# A long chunk takes FlashAttention only over a context of at least this many tokens. cuDNN
+# builds an execution plan per new (chunk, context) shape on each thread (tens of ms: a fresh
+# 4k prompt took 143 ms through it against 102 ms through the Triton kernel on an H200, whose
+# attention there is ~10 ms); over long contexts a chunk's attention is long enough to pay that.
+FLASH_MIN_CONTEXT = 16384
+
+_SHORT, _TRITON, _FLASH = "short", "triton", "flash"
 
 
 def long_prefill_attention(
@@ -43,34 +51,43 @@ def long_prefill_attention(
     """`paged_attention`'s function for a batch with long chunks: q [T, H, D] against the paged
     cache [2, num_blocks, block_size, Hkv, D] (new K/V already written); returns [T, H, D]."""
     out = torch.empty_like(q)
-    min_long = prefill_mod.PREFILL_MIN_QUERY
-    lens = meta.query_lens_cpu
+    kinds = _route(meta, LONG_ROWS == "flash" and _flash_available(q.device))
     starts = [0]
-    for n in lens:
+    for n in meta.query_lens_cpu:
         starts.append(starts[-1] + n)
-    long_rows = [i for i, n in enumerate(lens) if n >= min_long]
-    if LONG_ROWS == "flash" and _flash_available(q.device):
-        for i in long_rows:
-            rows = slice(starts[i], starts[i + 1])
-            out[rows] = _flash_chunk(q[rows], kv_cache, meta, i, scale, kv_scale)
-    elif long_rows:
-        prefill_mod.prefill_attention(
-            q, kv_cache, meta, scale, out=out, kv_scale=kv_scale, min_query_len=min_long
-        )
-    # Runs of consecutive short sequences: the unified kernel on that slice of the batch.
     a = 0
-    while a < meta.num_seqs:
-        if lens[a] >= min_long:
-            a += 1
-            continue
-        b = a
-        while b < meta.num_seqs and lens[b] < min_long:
+    while a < meta.num_seqs:  # runs of consecutive sequences going the same way
+        b = a + 1
+        while b < meta.num_seqs and kinds[b] == kinds[a]:
             b += 1
         rows = slice(starts[a], starts[b])
-        sub = _sub_batch(meta, a, b, starts)
-        triton_kernels.paged_attention(q[rows], kv_cache, sub, scale, out=out[rows], kv_scale=kv_scale)
+        if kinds[a] == _FLASH:
+            for i in range(a, b):
+                seq_rows = slice(starts[i], starts[i + 1])
+                out[seq_rows] = _flash_chunk(q[seq_rows], kv_cache, meta, i, scale, kv_scale)
+        elif kinds[a] == _TRITON:
+            sub = _sub_batch(meta, a, b, starts)
+            prefill_mod.prefill_attention(q[rows], kv_cache, sub, scale, out=out[rows], kv_scale=kv_scale)
+        else:
+            sub = _sub_batch(meta, a, b, starts)
+            triton_kernels.paged_attention(q[rows], kv_cache, sub, scale, out=out[rows], kv_scale=kv_scale)
         a = b
     return out
+
+
+def _route(meta: AttentionMetadata, flash: bool) -> list[str]:
+    """Per sequence: the unified kernel (short chunks, decodes), FlashAttention (long chunks over
+    long contexts, when available) or the Triton prefill kernel (the other long chunks)."""
+    min_long = prefill_mod.PREFILL_MIN_QUERY
+    kinds = []
+    for q_len, seq_len in zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True):
+        if q_len < min_long:
+            kinds.append(_SHORT)
+        elif flash and seq_len >= FLASH_MIN_CONTEXT:
+            kinds.append(_FLASH)
+        else:
+            kinds.append(_TRITON)
+    return kinds
 
 
 def _sub_batch(meta: AttentionMetadata, a: int, b: int, starts: list[int]) -> AttentionMetadata:

@@ -89,16 +89,21 @@ def test_dispatch_by_longest_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("flash", [True, False])
 def test_backend_split_of_a_batch_with_long_chunks(monkeypatch: pytest.MonkeyPatch, flash: bool) -> None:
-    """Chunks of PREFILL_MIN_QUERY or more tokens through SDPA (causal from the bottom right, on
-    K/V gathered from the cache) or, without flash, the Triton prefill kernel (which skips the
-    short rows); runs of short rows through the unified kernel on a slice of the batch. An fp8
-    cache is upcast with its scales on the flash side."""
+    """Chunks of PREFILL_MIN_QUERY or more tokens over FLASH_MIN_CONTEXT or more through SDPA
+    (prefix and chunk apart, merged by logsumexp, on K/V gathered from the cache), the other long
+    ones (all, without flash) through the Triton prefill kernel, runs of short rows through the
+    unified kernel, each on its slice of the batch. An fp8 cache is upcast on the SDPA side."""
     from worker_svc.attention import long_prefill
 
     monkeypatch.setattr(long_prefill, "_flash_available", lambda device: flash)
+    monkeypatch.setattr(long_prefill, "FLASH_MIN_CONTEXT", 50)  # (37, 100), (20, 71); not (24, 24)
     monkeypatch.setattr(pf_mod, "PREFILL_MIN_QUERY", 20)
     monkeypatch.setattr(pf_mod, "default_config", lambda *_: PrefillConfig(32, 16, 4, 2))
     b = make_paged_batch(SEQS, num_heads=4, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32)
+    kinds = ["flash", "short", "triton", "short", "short", "flash"] if flash else None
+    assert long_prefill._route(b.meta, flash) == (
+        kinds or ["triton", "short", "triton", "short", "short", "triton"]
+    )
     _check(b, long_prefill.long_prefill_attention(b.q, b.kv_cache, b.meta, 0.3), 0.3, torch.float32)
     if flash:
         scales = torch.tensor([0.5, 0.125, 2.0, 8.0])
