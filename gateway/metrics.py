@@ -163,6 +163,10 @@ def pd_metrics(stats: worker_pb2.SchedulerStats) -> Iterable[Metric]:
         ("handover_seconds", stats.pd_handover_seconds, "Seconds from first token to decode placement (sum)"),
         ("fallbacks", stats.pd_fallbacks, "Handovers whose KV the decode worker partly recomputed"),
         ("kept_whole", stats.pd_kept_whole, "Requests kept whole on a decode worker (short prompt)"),
+        ("direct", stats.pd_direct, "Handovers the decode worker copied from the prefill worker's cache"),
+        ("direct_failed", stats.pd_direct_failed, "Direct handovers whose copy failed (recomputed)"),
+        ("direct_bytes", stats.pd_direct_bytes, "KV bytes copied by direct handovers"),
+        ("direct_copy_seconds", stats.pd_direct_copy_seconds, "Decode workers' seconds copying them (sum)"),
     ):
         family = CounterMetricFamily(f"llmesh:pd_{name}", doc)
         family.add_metric([], float(value))

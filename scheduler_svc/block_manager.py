@@ -59,6 +59,9 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}  # content key -> block id
         self.tables: dict[str, BlockTable] = {}
+        # Finished sequences whose blocks stay referenced until released (a prefill worker's blocks
+        # while a decode worker copies them: scheduler_svc/disaggregation.py).
+        self.held: dict[str, BlockTable] = {}
         self.stats = PrefixCacheStats()
         # (block id, key) registered since the last take_newly_keyed(): the planner ties them to
         # the plan that computes them, to forget them if that plan is lost with its worker link.
@@ -161,14 +164,34 @@ class BlockManager:
     def free_seq(self, seq_id: str) -> None:
         """Drop a sequence's references; its blocks join the free list, tail first."""
         table = self.tables.pop(seq_id, None)
-        if table is None:
-            return
+        if table is not None:
+            self._unref(table)
+
+    def _unref(self, table: BlockTable) -> None:
         for block_id in reversed(table.block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0
             if block.ref_count == 0:
                 self.free[block_id] = None
+
+    def hold(self, seq_id: str) -> list[int]:
+        """Keep a finishing sequence's blocks referenced (under its id, apart from the running
+        ones) until `release_hold`: its free_seq then frees nothing. Returns the block ids."""
+        table = self.tables.pop(seq_id, None)
+        if table is None:
+            return []
+        self.release_hold(seq_id)  # an older hold of the same id (never twice, but never leaked)
+        self.held[seq_id] = table
+        return table.block_ids
+
+    def release_hold(self, seq_id: str) -> bool:
+        """Free a held sequence's blocks (idempotent); True if it held any."""
+        table = self.held.pop(seq_id, None)
+        if table is None:
+            return False
+        self._unref(table)
+        return True
 
     def record_lookup(self, num_tokens: int, num_hit: int) -> None:
         self.stats.queries += num_tokens
@@ -257,7 +280,7 @@ class BlockManager:
     def check_invariants(self) -> None:
         """Ref counts equal table references; free list = unreferenced blocks (tests call this)."""
         refs = [0] * self.num_blocks
-        for table in self.tables.values():
+        for table in [*self.tables.values(), *self.held.values()]:
             for block_id in table.block_ids:
                 refs[block_id] += 1
         for block in self.blocks:

@@ -8,11 +8,26 @@ every request whole, as before; one with prefill workers only serves whole reque
 Per request, Dynamo's conditional disaggregation: a request goes to a prefill worker when the
 prompt tokens its decode worker would have to compute (those not in its GPU cache or host tier)
 reach `threshold`, and it is a plain generation: no output yet (a moved request continues where
-it is), more than one token wanted, no prompt logprobs, not pooling, and a KV store to hand the
-KV over through. Short prompts stay whole on the decode worker: their prefill costs the decode
-batch less than a handover would.
+it is), more than one token wanted, no prompt logprobs, not pooling, and a way to hand the KV
+over (a KV store, or a decode worker that copies directly). Short prompts stay whole on the decode
+worker: their prefill costs the decode batch less than a handover would.
 
-The handover goes through the KV store, reusing what every worker already does:
+The direct handover (one host; vLLM's NixlConnector is the model): where a decode worker can copy
+out of the prefill worker's cache (`direct_compatible`: same host, an export it opens, the same
+fingerprint), the prefill-side request holds its blocks when its first token finishes it (its
+planner moves its block table to `BlockManager.held`); the request (prompt + first token) is placed
+at once on such a decode worker with the held block ids (`Request.peer`); that worker's admission
+allocates the prompt's blocks and its plan carries a `PeerCopy` (worker_svc/kv_peer.py copies the
+whole prompt, the last partial block too, so it computes the first token only, on the prefill
+worker's KV bit for bit); once that plan's result is back the prefill side's blocks are freed
+(`copied`). A copy that fails on the worker is computed there in the same forward. A hold whose
+copy was never planned goes when the request ends or is aborted, when the prefill worker leaves
+(then the decode worker computes the prompt), or after HOLD_MAX_S; one whose copy a plan makes is
+freed only once that plan's result is in or the plan is known lost (the decode worker reconnected
+or is gone), so a free never races a copy.
+
+Otherwise (another host, no export, --no-direct-handover) the handover goes through the KV store,
+reusing what every worker already does:
 1. the prefill worker gets the request with max_tokens = 1 (its caller's parameters kept here):
    it computes the prompt, puts each completed chunk into the store (as any worker does, from a
    background thread after the step) and samples the first token, which streams to the caller
@@ -41,16 +56,21 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 from scheduler_svc.prefix_hash import extend_block_keys
-from scheduler_svc.request import FinishReason, Request, RequestDelta
+from scheduler_svc.request import FinishReason, PeerBlocks, Request, RequestDelta
 from services.sampling_params import SamplingParams
-from services.step import WorkerInfo, store_fingerprint
+from services.step import PeerCopy, StepPlan, StepResult, WorkerInfo, store_fingerprint
 
 if TYPE_CHECKING:
+    from scheduler_svc.block_manager import BlockManager
     from scheduler_svc.mesh import WorkerSlot
 
 log = logging.getLogger(__name__)
 
 ROLES = ("both", "prefill", "decode")
+# A direct handover's blocks stay held on the prefill worker at most this long before a decode
+# plan copies them; past it the decode worker computes the prompt (the prefill worker's cache
+# must not fill up with the prompts of a decode worker that does not admit them).
+HOLD_MAX_S = 30.0
 # Polling the store for a handover's chunks: first interval, then doubled up to the last.
 POLL_FIRST_S, POLL_MAX_S = 0.002, 0.01
 
@@ -63,6 +83,38 @@ def is_prefill_only(info: WorkerInfo) -> bool:
     return info.role == "prefill"
 
 
+def direct_compatible(src: WorkerInfo, dst: WorkerInfo) -> bool:
+    """Whether `dst` can copy blocks straight out of `src`'s cache: `src` exports it, both are on
+    one host, `dst` opens that kind of export, and their blocks are alike (the fingerprint holds
+    the model, dtype, block size, layers and head layout)."""
+    e = src.kv_export
+    if e is None or not e.host_id or e.host_id != dst.host_id or e.kind != dst.kv_peer_import:
+        return False
+    return src.fingerprint == dst.fingerprint and src.block_size == dst.block_size
+
+
+def usable_peer(req: Request, block_size: int, num_tokens: int) -> PeerBlocks | None:
+    """The request's peer blocks if they cover its prompt (None: none, or they are dropped)."""
+    p = req.peer
+    if p is None:
+        return None
+    if not 0 < p.num_tokens < num_tokens or len(p.block_ids) < -(-p.num_tokens // block_size):
+        req.peer = None  # never planned: the hold goes when the request does
+        return None
+    return p
+
+
+def peer_copy(req: Request, peer: PeerBlocks, block_ids: list[int], num_gpu_blocks: int, bs: int) -> PeerCopy:
+    """The plan's copy of the prompt's blocks past the decode worker's own prefix hit, the last
+    partial one included: the decode worker then computes only the first token, on KV that is
+    bit for bit the prefill worker's (as an aggregated worker's would be)."""
+    n = -(-peer.num_tokens // bs)
+    peer.planned = True
+    req.peer = None  # copied by this plan or never: a restart computes the prompt
+    src, dst = peer.block_ids[num_gpu_blocks:n], block_ids[num_gpu_blocks:n]
+    return PeerCopy(req.request_id, peer.export, src, dst)
+
+
 @dataclass
 class DisaggregationStats:
     handovers: int = 0  # requests moved from a prefill worker to a decode worker
@@ -72,6 +124,23 @@ class DisaggregationStats:
     fallbacks: int = 0
     kept_whole: int = 0  # requests a prefill worker could have taken, kept whole (short prompt)
     disaggregated: int = 0  # requests sent to a prefill worker
+    # Direct handovers (the decode worker copied the prefill worker's blocks): how many, those
+    # whose copy failed (recomputed), the bytes copied and the decode workers' seconds for it.
+    direct: int = 0
+    direct_failed: int = 0
+    direct_bytes: int = 0
+    direct_copy_seconds: float = 0.0
+
+
+@dataclass
+class Hold:
+    """A prefill worker's blocks held for a direct handover until the decode worker copied them."""
+
+    blocks: BlockManager  # the prefill worker's (the held table is under the request id)
+    peer: PeerBlocks  # the decode-side request's, `planned` once a plan copies it
+    request: Request  # the decode-side request
+    decode_worker: str
+    expiry: asyncio.TimerHandle | None = None
 
 
 @dataclass
@@ -83,6 +152,8 @@ class Handover:
     prefill_worker: str
     first_token_at: float = 0.0
     task: asyncio.Task | None = None
+    # The prefill worker's planner held the prompt's blocks (a direct handover may copy them).
+    held: BlockManager | None = None
 
     def aborted(self) -> RequestDelta:
         """The last delta of a request aborted between the two workers."""
@@ -96,6 +167,7 @@ class Disaggregation:
         self.threshold = threshold
         self.timeout_s = timeout_s
         self.pending: dict[str, Handover] = {}
+        self.holds: dict[str, Hold] = {}  # direct handovers placed, by request id
         self.stats = DisaggregationStats()
 
     # ----- routing -----
@@ -107,21 +179,26 @@ class Disaggregation:
         decode = [s for s in slots if not is_prefill_only(s.info)]
         return (decode, prefill) if decode else (prefill, [])
 
-    def wants(self, req: Request, uncached_tokens: int, chunk_blocks: int, has_store: bool) -> bool:
-        """Whether a request whose decode worker lacks `uncached_tokens` of it goes to a prefill worker."""
+    def wants(
+        self, req: Request, uncached_tokens: int, chunk_blocks: int, has_store: bool, direct: bool = False
+    ) -> bool:
+        """Whether a request whose decode worker lacks `uncached_tokens` of it goes to a prefill
+        worker. `direct`: a decode worker can copy a prefill worker's blocks (no store needed)."""
         sp = req.sampling_params
         plain = not (req.output_token_ids or req.computes_whole_prompt or sp.max_tokens == 1)
-        if not (plain and has_store and chunk_blocks):
+        if not (plain and ((has_store and chunk_blocks) or direct)):
             return False
         if uncached_tokens < self.threshold:
             self.stats.kept_whole += 1
             return False
         return True
 
-    def send_to_prefill(self, req: Request, worker_id: str) -> None:
-        """Make `req` a prefill-side request: it ends after its first token (its params kept here)."""
+    def send_to_prefill(self, req: Request, worker_id: str, hold: bool = False) -> None:
+        """Make `req` a prefill-side request: it ends after its first token (its params kept here).
+        `hold`: its blocks stay held then, for a decode worker to copy (a direct handover)."""
         sp = req.sampling_params
         self.pending[req.request_id] = Handover(req, sp, worker_id)
+        req.hold_blocks = hold
         # min_tokens stays 1 where it was more: the first token is sampled with EOS masked alike.
         req.sampling_params = replace(sp, max_tokens=1, min_tokens=min(sp.min_tokens, 1))
         self.stats.disaggregated += 1
@@ -181,15 +258,78 @@ class Disaggregation:
             await asyncio.sleep(delay)
             delay = min(delay * 2, POLL_MAX_S)
 
-    def placed(self, h: Handover, complete: bool) -> None:
+    def placed(self, h: Handover, complete: bool, direct: bool = False) -> None:
         self.stats.handovers += 1
         self.stats.handover_seconds += time.monotonic() - h.first_token_at
-        if not complete:
+        self.stats.direct += direct
+        if not (complete or direct):
             self.stats.fallbacks += 1
 
     def cancel(self, request_id: str) -> Handover | None:
-        """The request was aborted: forget it, stop its handover."""
+        """The request was aborted: forget it, stop its handover, let go of its held blocks."""
         h = self.pending.pop(request_id, None)
         if h is not None and h.task is not None and h.task is not asyncio.current_task():
             h.task.cancel()
+        if h is not None and h.held is not None:  # never placed: no plan copies them
+            h.held.release_hold(request_id)
+        self.release(request_id, planned_too=False)
         return h
+
+    # ----- direct handovers: the prefill worker's held blocks -----
+    def peer_blocks(
+        self, h: Handover, src: WorkerSlot | None, decoders: list[WorkerSlot]
+    ) -> PeerBlocks | None:
+        """The held prompt blocks a decode worker may copy, if the prefill worker is still there
+        (connected) and a decode worker can copy from it; None: the store path (or a recompute)."""
+        rid = h.request.request_id
+        if h.held is None or src is None or not src.connected or src.planner.blocks is not h.held:
+            return None
+        if not any(direct_compatible(src.info, d.info) for d in decoders):
+            return None
+        table = h.held.held.get(rid)
+        export = src.info.kv_export
+        if table is None or export is None:
+            return None
+        n = len(h.request.prompt_token_ids)
+        return PeerBlocks(src.worker_id, export, list(table.block_ids), n)
+
+    def hold(self, h: Handover, peer: PeerBlocks, req: Request, decode_worker: str) -> None:
+        """The decode-side request `req` was placed with `peer`: hold until its copy has run."""
+        assert h.held is not None
+        rid = req.request_id
+        hold = Hold(h.held, peer, req, decode_worker)
+        hold.expiry = asyncio.get_running_loop().call_later(HOLD_MAX_S, self.release, rid, False)
+        self.holds[rid] = hold
+
+    def release(self, request_id: str, planned_too: bool = True) -> None:
+        """Free a direct handover's held blocks; one whose copy a plan in flight makes only with
+        `planned_too` (its result is in, or that plan is lost for good). Idempotent."""
+        hold = self.holds.get(request_id)
+        if hold is None or (hold.peer.planned and not planned_too):
+            return
+        del self.holds[request_id]
+        if hold.expiry is not None:
+            hold.expiry.cancel()
+        if hold.request.peer is hold.peer:
+            hold.request.peer = None  # not copied yet: its decode worker computes the prompt
+        hold.blocks.release_hold(request_id)
+
+    def release_decoder(self, worker_id: str, planned_too: bool) -> None:
+        """A decode worker's link broke (`planned_too` False: its plans may still run) or it is
+        gone or back (True: what it ran is known)."""
+        for rid in [r for r, hold in self.holds.items() if hold.decode_worker == worker_id]:
+            self.release(rid, planned_too)
+
+    def peer_gone(self, worker_id: str) -> None:
+        """A prefill worker left: copies not planned yet become recomputes."""
+        for rid in [r for r, hold in self.holds.items() if hold.peer.worker_id == worker_id]:
+            self.release(rid, planned_too=False)
+
+    def copied(self, plan: StepPlan, result: StepResult) -> None:
+        """A decode worker's plan with peer copies ran: count them, free the prefill side's blocks."""
+        failed = set(result.failed_peer_seq_ids)
+        for c in plan.kv.peer_copies:
+            self.stats.direct_failed += c.seq_id in failed
+            self.release(c.seq_id)
+        self.stats.direct_bytes += result.peer_copy_bytes
+        self.stats.direct_copy_seconds += result.peer_copy_seconds

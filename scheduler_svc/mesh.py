@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.disaggregation import Disaggregation, Handover
+from scheduler_svc.disaggregation import Disaggregation, Handover, direct_compatible
 from scheduler_svc.kv_events import KVEventLog
 from scheduler_svc.kv_tiers import KVTierPlanner
 from scheduler_svc.load_predictor import LoadPredictor
@@ -195,6 +195,12 @@ class MeshConfig:
         help="a handover waits this long at most for the prompt's chunks to reach the KV store; then "
         "the decode worker computes what is missing",
     )
+    direct_handover: bool = option(
+        True,
+        help="a decode worker on the prefill worker's host copies the prompt's KV blocks straight out "
+        "of its cache (GPU to GPU through CUDA IPC; shared memory on the CPU) instead of through the "
+        "KV store (--no-direct-handover: always the store)",
+    )
 
     def __post_init__(self) -> None:
         check_bounds(self)
@@ -312,6 +318,8 @@ class Mesh:
         slot = self.workers.pop(worker_id, None)
         if slot is None:
             return None
+        self.pd.peer_gone(worker_id)  # its held blocks: copies not planned yet are recomputes
+        self.pd.release_decoder(worker_id, planned_too=True)  # its plans run no more
         if self.kv_events is not None:
             self.kv_events.worker_gone(worker_id)
         if not self.workers:
@@ -532,10 +540,11 @@ class Mesh:
         for callback in self.on_workers_changed:
             callback(len(self.workers))
 
-    def _place(self, req: Request, queue: asyncio.Queue, exclude: str | None = None) -> None:
+    def _place(self, req: Request, queue: asyncio.Queue, exclude: str | None = None, only=None) -> None:
         # Connected workers first; a lone worker being re-dialled still queues requests for its return.
+        # `only(slot)`: the workers it may go to (a direct handover's: those that can copy its KV).
         req = self.pd.restore(req)  # a prefill-side request moved: its caller's params again
-        slots = [s for s in self.workers.values() if s.worker_id != exclude]
+        slots = [s for s in self.workers.values() if s.worker_id != exclude and (only is None or only(s))]
         connected = [s for s in slots if s.connected]
         decoders, prefillers = self.pd.pools(connected or slots)
         planners = {s.worker_id: s.planner for s in decoders}
@@ -545,15 +554,22 @@ class Mesh:
             raise NoWorkerAvailable("no worker is registered")
         slot = self.workers[choice.worker_id]
         uncached = req.num_tokens - choice.cached_tokens
-        if prefillers and self.pd.wants(req, uncached, slot.info.kv_chunk_blocks, self.kv_store is not None):
+        direct = self.config.direct_handover and any(
+            direct_compatible(p.info, d.info) for p in prefillers for d in decoders
+        )
+        has_store = self.kv_store is not None
+        if prefillers and self.pd.wants(req, uncached, slot.info.kv_chunk_blocks, has_store, direct):
             planners = {s.worker_id: s.planner for s in prefillers}
             pick = route(planners, req.all_token_ids, margin, req.cache_root, lora_key(req))
             if pick is not None:
                 choice, slot = pick, self.workers[pick.worker_id]
-                self.pd.send_to_prefill(req, pick.worker_id)
+                # Its blocks are held after its first token if a decode worker can copy them.
+                hold = direct and any(direct_compatible(slot.info, d.info) for d in decoders)
+                self.pd.send_to_prefill(req, pick.worker_id, hold)
         chunk_tokens = slot.info.kv_chunk_blocks * slot.info.block_size
         # Worth a lookup only if a whole chunk past what this worker's GPU cache holds may be there.
         wanted = chunk_tokens and req.num_tokens > choice.cached_tokens + chunk_tokens
+        wanted = wanted and req.peer is None  # a direct handover copies its prompt: no store
         if self.kv_store is not None and wanted and not req.handed_over:  # ... and if a hit could load faster
             wanted = slot.planner.tiers.worth_looking(req.num_tokens - choice.cached_tokens)
         if self.kv_store is not None and wanted:
@@ -594,6 +610,7 @@ class Mesh:
 
     def _requeue(self, dead: WorkerSlot) -> None:
         """Move every unfinished request of a worker to the others, tokens so far kept."""
+        self.pd.release_decoder(dead.worker_id, planned_too=False)  # they move: recomputed
         for old in dead.planner.take_all():
             stream = self.streams.pop(old.request_id, None)
             if stream is None:
@@ -671,6 +688,7 @@ class Mesh:
             return False
         same_process = bool(info.instance_id) and info.instance_id == old.instance_id
         slot.planner.resync(connected.last_step_id if same_process else None)
+        self.pd.release_decoder(slot.worker_id, planned_too=True)  # plans lost with the link run no more
         slot.info = info
         slot.connected = True
         slot.num_reconnects += 1
@@ -713,6 +731,8 @@ class Mesh:
             now = time.perf_counter()
             slot.step_seconds += now - sent_at
             planner.tiers.observe(plan, result, now - max(sent_at, last_result_at))  # the load predictor
+            if plan.kv.peer_copies:  # direct handovers copied: the prefill side's blocks go
+                self.pd.copied(plan, result)
             last_result_at = now
             slot.num_steps += 1
             slot.breaks_without_progress = 0
@@ -736,6 +756,7 @@ class Mesh:
             self._hand_over(delta, stream)
         if delta.finished:
             del self.streams[delta.request_id]
+            self.pd.release(delta.request_id, planned_too=False)  # a hold no plan copied
             self._finished_at.append(time.monotonic())  # the drain rate (retry_after_s)
         owned = stream.held is not None
         if owned:
@@ -755,6 +776,11 @@ class Mesh:
         slot = self.workers.get(stream.worker_id)
         max_len = slot.planner.config.max_model_len if slot is not None else 0
         h = self.pd.continues(delta.request_id, max_len)
+        if slot is not None and delta.request_id in slot.planner.blocks.held:
+            if h is None:  # done for good: nothing copies the blocks its planner held
+                slot.planner.blocks.release_hold(delta.request_id)
+            else:
+                h.held = slot.planner.blocks
         if h is None:
             return
         delta.finish_reason = None
@@ -763,10 +789,14 @@ class Mesh:
 
     async def _finish_handover(self, h: Handover) -> None:
         rid = h.request.request_id
+        held = h.held
         try:
             complete = False
             slot = self.workers.get(h.prefill_worker)
-            if slot is not None and self.kv_store is not None:
+            # Direct: a decode worker of the prefill worker's host copies the held blocks (no wait).
+            decoders = self.pd.pools([s for s in self.workers.values() if s.connected])[0]
+            peer = self.pd.peer_blocks(h, slot, decoders)
+            if peer is None and slot is not None and self.kv_store is not None:
                 alive = lambda: (s := self.workers.get(h.prefill_worker)) is not None and s.connected  # noqa: E731
                 complete = await self.pd.wait_for_kv(self.kv_store, slot.info, h.request, alive)
             self.pd.pending.pop(rid, None)
@@ -774,17 +804,29 @@ class Mesh:
             if stream is None:
                 return  # aborted meanwhile
             stream.flush()
+            req = self.pd.decode_request(h)
+            only = None
+            if peer is not None:
+                assert slot is not None
+                req.peer, src = peer, slot.info
+                only = lambda s: direct_compatible(src, s.info)  # noqa: E731
             try:
-                self._place(self.pd.decode_request(h), stream.queue)
+                self._place(req, stream.queue, only=only)
             except (NoWorkerAvailable, RequestRejected) as e:
                 stream.queue.put_nowait(NoWorkerAvailable(f"no decode worker takes request {rid}: {e}"))
                 return
+            if peer is not None:
+                self.pd.hold(h, peer, req, self.streams[rid].worker_id)
+                held = None  # the hold is the Disaggregation's now: released once copied
             self.streams[rid].started = True
-            self.pd.placed(h, complete)
+            self.pd.placed(h, complete, direct=peer is not None)
             log.info(
                 "request handed over",
                 extra={"request_id": rid, "from": h.prefill_worker, "to": self.streams[rid].worker_id,
-                       "kv_complete": complete, "wait_s": round(time.monotonic() - h.first_token_at, 4)},
+                       "kv_complete": complete, "direct": peer is not None,
+                       "wait_s": round(time.monotonic() - h.first_token_at, 4)},
             )  # fmt: skip
         finally:
+            if held is not None:  # not placed as a direct handover: nothing copies them
+                held.release_hold(rid)
             self._lookups.discard(asyncio.current_task())  # type: ignore[arg-type]

@@ -36,13 +36,14 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.disaggregation import peer_copy, usable_peer
 from scheduler_svc.kv_tiers import KVTierPlanner
 from scheduler_svc.lora import LoRAMirror
 from scheduler_svc.prefix_hash import ROOT_KEY, extend_block_keys
 from scheduler_svc.request import FinishReason, Request, RequestDelta, RequestStatus
 from scheduler_svc.spec_decode import SpecDecodePolicy
 from services.config import option
-from services.step import NewSequence, PromptLogprobs, ScheduledSequence, StepPlan, StepResult
+from services.step import NewSequence, PeerCopy, PromptLogprobs, ScheduledSequence, StepPlan, StepResult
 
 
 @dataclass
@@ -129,6 +130,7 @@ class Planner:
         # Per plan in flight: sequences that verify drafts or propose them (SpecEntry).
         self._spec_by_step: dict[int, dict[str, SpecEntry]] = {}
         # Running sequences per group (a caller's request with its n choices), for fair admission.
+        self._peer_copies: list[PeerCopy] = []  # direct handovers' copies of the plan being built
         self._group_running: Counter[str] = Counter()
         self._groups: Counter[str] = Counter()  # unfinished sequences per group
         self.num_preemptions = 0
@@ -328,8 +330,14 @@ class Planner:
             num_gpu = min(len(hits), max_blocks)
             # Past the GPU hit, the worker's host tier and then the KV store may hold more blocks:
             # they are loaded into fresh blocks by this plan instead of being computed.
-            tier_hit = tiers.find(req, keys, num_gpu, max_blocks) if tiers is not None else None  # type: ignore[arg-type]
+            # A direct handover's prompt is copied whole from its prefill worker (the decode
+            # worker computes its first token only): the tiers are not looked at.
+            peer = usable_peer(req, bs, len(tokens))
+            tiers_now = tiers if peer is None else None
+            tier_hit = tiers_now.find(req, keys, num_gpu, max_blocks) if tiers_now is not None else None  # type: ignore[arg-type]
             num_computed = (num_gpu + (tier_hit.num_blocks(num_gpu) if tier_hit else 0)) * bs
+            if peer is not None:
+                num_computed = peer.num_tokens
             num_new = min(len(tokens) - num_computed, budget, chunk)
             if not cfg.enable_chunked_prefill and num_new < len(tokens) - num_computed:
                 break
@@ -342,6 +350,9 @@ class Planner:
             self._group_running[req.group] += 1
             if tier_hit is not None:
                 tiers.admit(req, self.blocks.block_ids(req.request_id), num_gpu, tier_hit)  # type: ignore[union-attr]
+            if peer is not None:
+                ids = self.blocks.block_ids(req.request_id)
+                self._peer_copies.append(peer_copy(req, peer, ids, num_gpu, bs))
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_computed
                 self.blocks.record_lookup(len(tokens), num_computed)
@@ -362,6 +373,8 @@ class Planner:
             self._keyed_by_step[plan.step_id] = keyed
         if self.tiers.enabled:
             plan.kv = self.tiers.finish_plan(plan.step_id, keyed, plan.num_seqs > 0)
+        if self._peer_copies:
+            plan.kv.peer_copies, self._peer_copies = self._peer_copies, []
         return plan
 
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestDelta]:
@@ -631,6 +644,8 @@ class Planner:
             tell_worker.append(req.request_id)
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
+        if req.hold_blocks and reason is FinishReason.LENGTH:
+            self.blocks.hold(req.request_id)  # a decode worker copies them (disaggregation.py)
         self._release(req, self._to_drop)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason

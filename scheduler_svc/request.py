@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from scheduler_svc.prefix_hash import root_key
 from services.lora_config import lora_cache_root
 from services.sampling_params import SamplingParams
-from services.step import TokenLogprobs
+from services.step import KVExport, TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -23,6 +23,18 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the context length
     ABORT = "abort"
+
+
+@dataclass
+class PeerBlocks:
+    """A prompt's KV in a prefill worker's cache, for a decode worker to copy (a direct handover):
+    block i of the prompt is `block_ids[i]` there; the prompt is `num_tokens` long."""
+
+    worker_id: str
+    export: KVExport
+    block_ids: list[int]
+    num_tokens: int
+    planned: bool = False  # a decode plan copies them (the prefill side holds them until its result)
 
 
 @dataclass(eq=False)  # identity: `req in running` must not compare token lists field by field
@@ -56,6 +68,11 @@ class Request:
     # Handed over by a prefill worker (scheduler_svc/disaggregation.py): its prompt's store hit is
     # loaded whole, never recomputed on the decode worker by the load predictor's choice.
     handed_over: bool = False
+    # Direct handovers (scheduler_svc/disaggregation.py). On a prefill worker: keep the blocks
+    # referenced when its first token finishes it (the decode worker copies them). On a decode
+    # worker: where its prompt's KV is to be copied from, until a plan copies it.
+    hold_blocks: bool = False
+    peer: PeerBlocks | None = None
     # Speculative decoding (scheduler_svc/spec_decode.py): drafts the worker holds for this
     # sequence; whether a plan in flight verifies or proposes drafts for it (it is not planned
     # again before that result); the adaptive back-off.

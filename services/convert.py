@@ -25,8 +25,11 @@ from llmesh.v1 import generation_pb2, worker_pb2
 from services.choices import ABORT, LENGTH, STOP
 from services.sampling_params import SamplingParams, SamplingParamsError
 from services.step import (
+    CudaIpcHandle,
+    KVExport,
     KVTransfers,
     NewSequence,
+    PeerCopy,
     PooledOutput,
     PromptLogprobs,
     ScheduledSequence,
@@ -337,6 +340,7 @@ def step_plan_to_proto(plan: StepPlan) -> worker_pb2.StepPlan:
                     worker_pb2.StoreLoad(seq_id=s.seq_id, keys=s.keys, block_ids=s.block_ids)
                     for s in kv.store_loads
                 ],
+                peer_copies=[peer_copy_to_proto(c) for c in kv.peer_copies],
             )
         )
     return msg
@@ -350,7 +354,11 @@ def kv_transfers_from_proto(msg: worker_pb2.KVTransfers) -> KVTransfers:
         load_host_slots=list(msg.load_host_slots),
         load_block_ids=list(msg.load_block_ids),
         store_loads=[StoreLoad(s.seq_id, list(s.keys), list(s.block_ids)) for s in msg.store_loads],
+        peer_copies=[peer_copy_from_proto(c) for c in msg.peer_copies],
     )
+    for c in kv.peer_copies:
+        if len(c.src_block_ids) != len(c.dst_block_ids):
+            raise ValueError(f"PeerCopy {c.seq_id!r}: src_block_ids and dst_block_ids differ in length")
     if len(kv.save_block_ids) != len(kv.save_host_slots):
         raise ValueError("KVTransfers: save_block_ids and save_host_slots differ in length")
     if len(kv.load_block_ids) != len(kv.load_host_slots):
@@ -414,6 +422,9 @@ def step_result_to_proto(result: StepResult) -> worker_pb2.StepResult:
         kv_load_blocks=result.kv_load_blocks,
         kv_load_bytes=result.kv_load_bytes,
         kv_load_seconds=result.kv_load_seconds,
+        failed_peer_seq_ids=result.failed_peer_seq_ids,
+        peer_copy_bytes=result.peer_copy_bytes,
+        peer_copy_seconds=result.peer_copy_seconds,
     )
     if len(result.draft_seq_ids) != len(result.num_draft_tokens):
         raise ValueError("StepResult: draft_seq_ids and num_draft_tokens differ in length")
@@ -446,6 +457,9 @@ def step_result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
         kv_load_blocks=list(msg.kv_load_blocks),
         kv_load_bytes=list(msg.kv_load_bytes),
         kv_load_seconds=list(msg.kv_load_seconds),
+        failed_peer_seq_ids=list(msg.failed_peer_seq_ids),
+        peer_copy_bytes=msg.peer_copy_bytes,
+        peer_copy_seconds=msg.peer_copy_seconds,
     )
 
 
@@ -459,11 +473,61 @@ _WORKER_INFO_FIELDS = [f.name for f in dataclasses.fields(WorkerInfo)]
 def worker_info_to_proto(info: WorkerInfo, **proto_only: object) -> worker_pb2.WorkerInfo:
     """`proto_only` sets fields the dataclass lacks, e.g. instance_id=..., device=...."""
     values = {name: getattr(info, name) for name in _WORKER_INFO_FIELDS}
+    export = values.pop("kv_export")
     values.update(proto_only)
-    return worker_pb2.WorkerInfo(**values)
+    msg = worker_pb2.WorkerInfo(**values)
+    if export is not None:
+        msg.kv_export.CopyFrom(kv_export_to_proto(export))
+    return msg
 
 
 def worker_info_from_proto(msg: worker_pb2.WorkerInfo) -> WorkerInfo:
     values = {name: getattr(msg, name) for name in _WORKER_INFO_FIELDS}
     values["eos_token_ids"] = list(values["eos_token_ids"])
+    values["kv_export"] = kv_export_from_proto(msg.kv_export) if msg.HasField("kv_export") else None
     return WorkerInfo(**values)
+
+
+# -- direct handovers (worker_svc/kv_peer.py) ---------------------------------------
+
+_IPC_FIELDS = [f.name for f in dataclasses.fields(CudaIpcHandle)]
+
+
+def kv_export_to_proto(e: KVExport) -> worker_pb2.KVExport:
+    return worker_pb2.KVExport(
+        kind=e.kind,
+        export_id=e.export_id,
+        host_id=e.host_id,
+        dtype=e.dtype,
+        num_layers=e.num_layers,
+        layer_shape=e.layer_shape,
+        shm_name=e.shm_name,
+        layers=[worker_pb2.CudaIpcHandle(**dataclasses.asdict(h)) for h in e.layers],
+    )
+
+
+def kv_export_from_proto(msg: worker_pb2.KVExport) -> KVExport:
+    return KVExport(
+        kind=msg.kind,
+        export_id=msg.export_id,
+        host_id=msg.host_id,
+        dtype=msg.dtype,
+        num_layers=msg.num_layers,
+        layer_shape=list(msg.layer_shape),
+        shm_name=msg.shm_name,
+        layers=[CudaIpcHandle(**{n: getattr(h, n) for n in _IPC_FIELDS}) for h in msg.layers],
+    )
+
+
+def peer_copy_to_proto(c: PeerCopy) -> worker_pb2.PeerCopy:
+    return worker_pb2.PeerCopy(
+        seq_id=c.seq_id,
+        source=kv_export_to_proto(c.source),
+        src_block_ids=c.src_block_ids,
+        dst_block_ids=c.dst_block_ids,
+    )
+
+
+def peer_copy_from_proto(msg: worker_pb2.PeerCopy) -> PeerCopy:
+    source = kv_export_from_proto(msg.source)
+    return PeerCopy(msg.seq_id, source, list(msg.src_block_ids), list(msg.dst_block_ids))

@@ -75,6 +75,57 @@ class StoreLoad:
 
 
 @dataclass
+class CudaIpcHandle:
+    """One layer's KV tensor as another process on the host opens it: the fields of torch's
+    `UntypedStorage._share_cuda_()` (a CUDA IPC handle of the allocation, the storage's place in
+    it, the producer's ref counter and its last write's event), sent as plain ints and bytes."""
+
+    device: int
+    handle: bytes
+    size_bytes: int
+    offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+
+@dataclass
+class KVExport:
+    """A worker's paged KV cache as peers on its host can open it (worker_svc/kv_peer.py).
+
+    kind "shm": every layer's [2, num_blocks, block_size, heads, head_dim] tensor back to back in
+    the POSIX shared-memory segment `shm_name` (mode 0600, the worker's user only); kind
+    "cuda_ipc": one `CudaIpcHandle` per layer. `export_id` is random per export (a peer caches
+    what it opened under it); `host_id` names the host (boot id and hostname): a peer on another
+    host never tries. `dtype` and `layer_shape` let a peer check the layout before it copies.
+    """
+
+    kind: str
+    export_id: str
+    host_id: str
+    dtype: str
+    num_layers: int
+    layer_shape: list[int]
+    shm_name: str = ""
+    layers: list[CudaIpcHandle] = field(default_factory=list)
+
+
+@dataclass
+class PeerCopy:
+    """Copy blocks of a peer worker's cache (the prefill worker of a direct handover) into this
+    worker's: block src_block_ids[i] of `source` -> block dst_block_ids[i], every layer, K and V.
+    Where the copy cannot be done (the peer's export does not open, the layout differs, the copy
+    raises) the worker computes the sequence from its first destination block on in the same
+    forward and lists it in `StepResult.failed_peer_seq_ids`."""
+
+    seq_id: str
+    source: KVExport
+    src_block_ids: list[int]
+    dst_block_ids: list[int]
+
+
+@dataclass
 class KVTransfers:
     """KV moves a plan asks for, done in this order before its forward.
 
@@ -94,9 +145,12 @@ class KVTransfers:
     load_host_slots: list[int] = field(default_factory=list)
     load_block_ids: list[int] = field(default_factory=list)
     store_loads: list[StoreLoad] = field(default_factory=list)
+    # 5. peer copies (a direct prefill -> decode handover): a peer's blocks -> fresh GPU blocks.
+    peer_copies: list[PeerCopy] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.save_block_ids or self.store_puts or self.load_block_ids or self.store_loads)
+        moves = self.save_block_ids or self.store_puts or self.load_block_ids or self.store_loads
+        return bool(moves or self.peer_copies)
 
 
 @dataclass
@@ -180,6 +234,11 @@ class StepResult:
     kv_load_blocks: list[int] = field(default_factory=list)
     kv_load_bytes: list[int] = field(default_factory=list)
     kv_load_seconds: list[float] = field(default_factory=list)
+    # Peer copies of the plan (direct handovers): sequences whose copy failed (computed instead),
+    # and the bytes copied and the worker's seconds for them in all.
+    failed_peer_seq_ids: list[str] = field(default_factory=list)
+    peer_copy_bytes: int = 0
+    peer_copy_seconds: float = 0.0
 
 
 @dataclass
@@ -219,6 +278,12 @@ class WorkerInfo:
     role: str = ""
     # Bytes of one KV block as the store holds it (0 = unknown): the load predictor's prior.
     kv_block_bytes: int = 0
+    # Direct handovers between workers of one host (worker_svc/kv_peer.py): the host's identity,
+    # the worker's KV cache as its peers open it (a prefill worker's; None: no export), and the
+    # export kind it can open and copy from ("shm", "cuda_ipc"; "": none).
+    host_id: str = ""
+    kv_export: KVExport | None = None
+    kv_peer_import: str = ""
 
 
 def store_fingerprint(fingerprint: bytes, chunk_blocks: int) -> bytes:

@@ -23,7 +23,13 @@ from kernels.attention_metadata import AttentionMetadata
 from services.model_files import default_cache_dir
 from worker_svc.config import WorkerConfig
 from worker_svc.decode_gemms import choose_decode_gemms
-from worker_svc.kv_cache import KVCacheSpec, allocate_kv_cache, kv_budget_bytes, num_blocks_for_budget
+from worker_svc.kv_cache import (
+    KVCacheSpec,
+    allocate_kv_cache,
+    kv_budget_bytes,
+    num_blocks_for_budget,
+    shared_kv_segment,
+)
 from worker_svc.kv_tiers import wait_for_loads
 from worker_svc.loader import load_model
 from worker_svc.lora.layer import LoRABatch
@@ -117,7 +123,14 @@ class ModelExecutor:
         self.kv_cache_dtype = config.kv_cache_torch_dtype()
         kv_spec = KVCacheSpec.of(mc, bs, self.kv_cache_dtype, tp.size)
         self.num_kv_blocks = self._count_blocks(kv_spec)
-        self.kv_caches = allocate_kv_cache(kv_spec, self.num_kv_blocks, self.device)
+        # A CPU prefill worker's cache lives in shared memory, so decode workers of its host copy
+        # handed-over blocks straight out of it (worker_svc/kv_peer.py); a CUDA one exports as is.
+        exportable = self.device.type == "cpu" and config.role == "prefill" and tp.size == 1
+        self.kv_segment = shared_kv_segment(kv_spec, self.num_kv_blocks) if exportable else None
+        if self.kv_segment is not None:
+            self.kv_caches = list(self.kv_segment.tensors)
+        else:
+            self.kv_caches = allocate_kv_cache(kv_spec, self.num_kv_blocks, self.device)
         # An fp8 cache's scales, measured once the cache is allocated: the calibration prefill's
         # kernels and workspaces then come out of the activation margin, as the first step's
         # do, not out of the KV budget (measured before: 1.94x a bf16 cache's blocks, not 2x).

@@ -6,11 +6,13 @@ element, so the same budget holds twice the blocks of a bf16 cache (`bytes_per_b
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from worker_svc.kv_peer import SHM_DIR, SharedKVSegment
 from worker_svc.models.config import ModelConfig
 
 
@@ -62,6 +64,15 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device |
     """
     shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
     return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+
+
+def shared_kv_segment(spec: KVCacheSpec, num_blocks: int) -> SharedKVSegment | None:
+    """`allocate_kv_cache`'s tensors in a shared-memory segment peers of this host can map (a CPU
+    prefill worker's, for direct handovers); None where the host has no /dev/shm."""
+    if not os.path.isdir(SHM_DIR):
+        return None
+    shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    return SharedKVSegment(shape, spec.dtype, spec.num_layers)
 
 
 class ByteViews(Sequence[torch.Tensor]):

@@ -32,6 +32,7 @@ from worker_svc.config import WorkerConfig, default_batch_limits
 from worker_svc.device_memory import ExecutorSleep, free_cached_memory, release
 from worker_svc.executor import ModelExecutor
 from worker_svc.kv_cache import ByteViews, KVCacheSpec
+from worker_svc.kv_peer import PeerCopier, export_caches, import_kind
 from worker_svc.kv_scales import describe as describe_kv_scales
 from worker_svc.kv_shards import KVShardExchange
 from worker_svc.kv_tiers import KVStoreLink, WorkerKVTiers
@@ -201,6 +202,13 @@ class ModelRunner:
             put_bytes=config.kv_store_put_bytes,
             mac=self._kv_mac(config) if kv_store is not None else None,
         )
+        # Direct handovers (worker_svc/kv_peer.py): a prefill worker's cache as its host's peers
+        # open it, and the copier that opens peers' caches and copies out of them.
+        peer_kind = import_kind(self.device, self.tp.size)
+        prefill = config.role == "prefill" and self.tp.size == 1
+        self.kv_export = export_caches(self.kv_caches, ex.kv_segment) if prefill else None
+        self.kv_peer_import = peer_kind
+        self.peer_copier = PeerCopier(self.kv_caches, self.device)
         self.sampler = Sampler(mc.vocab_size, self.device, seed=config.seed)
         self.proposer = self._make_proposer(self.spec)
         # Grammar matchers of constrained sequences (the tokenizer is loaded on first use).
@@ -261,6 +269,9 @@ class ModelRunner:
         self.structured.close()
         self.kv_tiers.close()
         self.drop_all()
+        self.peer_copier.forget()
+        if self.executor.kv_segment is not None:  # its name goes; peers' mappings live on
+            self.executor.kv_segment.close()
         release(self.executor)
         self.model = self.draft = self.executor = self._sleep = None  # type: ignore[assignment]
         self.sampler = None  # type: ignore[assignment]
@@ -309,6 +320,9 @@ class ModelRunner:
             max_lora_rank=self.executor.lora.max_rank if self.executor.lora is not None else 0,
             role=self.config.role,
             kv_block_bytes=self.kv_tiers.spec.bytes_per_block,
+            host_id=self.peer_copier.host,
+            kv_export=self.kv_export,
+            kv_peer_import=self.kv_peer_import,
         )
 
     @staticmethod
@@ -359,15 +373,22 @@ class ModelRunner:
     ) -> list[tuple[SequenceState, int]]:
         """Do the plan's KV moves; a sequence whose store chunks could not be had computes them now."""
         refused = self.kv_tiers.verify_failures
-        failed = self.kv_tiers.apply(plan.kv, lambda seq_id, block: self.seqs[seq_id].block_ids.index(block))
+        index_of = lambda seq_id, block: self.seqs[seq_id].block_ids.index(block)  # noqa: E731
+        failed = self.kv_tiers.apply(plan.kv, index_of)
         for blocks, nbytes, seconds in self.kv_tiers.take_load_reports():  # the load predictor's samples
             result.kv_load_blocks.append(blocks)
             result.kv_load_bytes.append(nbytes)
             result.kv_load_seconds.append(seconds)
-        if not failed:
-            return order
         result.kv_verify_failures = self.kv_tiers.verify_failures - refused
         result.failed_load_seq_ids = list(failed)
+        if plan.kv.peer_copies:  # direct handovers: blocks straight out of a prefill worker's cache
+            copied = self.peer_copier.apply(plan.kv.peer_copies, index_of)
+            result.peer_copy_bytes, result.peer_copy_seconds = copied.nbytes, copied.seconds
+            result.failed_peer_seq_ids = list(copied.failed)
+            for seq_id, first in copied.failed.items():
+                failed[seq_id] = min(first, failed.get(seq_id, first))
+        if not failed:
+            return order
         bs = self.config.block_size
         redone = []
         for st, num_new in order:

@@ -2,9 +2,11 @@
 one prefill worker and one or two decode workers sharing an in-process KV store.
 
 Long prompts are prefilled on the prefill worker and decoded on a decode worker after the KV
-handover through the store; short ones run whole on a decode worker. Every greedy token equals
-the aggregated engine's; a transfer cut, a prefill worker lost and a decode worker lost end in a
-recompute, and every block goes back to the free pool.
+handover, direct (the decode worker copies the blocks out of the prefill worker's cache, a shared
+memory segment on the CPU: worker_svc/kv_peer.py) or through the store; short ones run whole on a
+decode worker. Every greedy token equals the aggregated engine's; a transfer cut, a copy that
+fails, a peer whose export does not open, a prefill worker lost and a decode worker lost end in a
+recompute, and every block (the prefill side's held ones too) goes back to the free pool.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from scheduler_svc.planner import PlannerConfig
 from scheduler_svc.request import Request
 from services.sampling_params import SamplingParams
 from services.step import StepResult
+from worker_svc import kv_peer
 from worker_svc.config import WorkerConfig
 from worker_svc.pipeline import StepPipeline
 from worker_svc.runner import ModelRunner
@@ -159,8 +162,9 @@ def assert_no_leaks(mesh: Mesh) -> None:
     for slot in mesh.workers.values():
         blocks = slot.planner.blocks
         blocks.check_invariants()
+        assert not blocks.held, slot.worker_id
         assert blocks.num_free_blocks == blocks.num_blocks, slot.worker_id
-    assert not mesh.streams and not mesh.pd.pending
+    assert not mesh.streams and not mesh.pd.pending and not mesh.pd.holds
 
 
 async def close(mesh: Mesh) -> None:
@@ -173,9 +177,10 @@ def flush_puts(pool) -> None:
         runner.kv_tiers.flush(10.0)
 
 
-async def test_prefill_and_decode_roles_give_the_aggregated_greedy_tokens(pool, reference):
+@pytest.mark.parametrize("direct", [False, True], ids=["store", "direct"])
+async def test_prefill_and_decode_roles_give_the_aggregated_greedy_tokens(pool, reference, direct):
     prompts = make_prompts(1)
-    mesh = make_mesh(pool)
+    mesh = make_mesh(pool, direct_handover=direct)
     out = await generate_all(mesh, prompts)
     assert out == {rid: reference[rid] for rid in prompts}
     await settle(mesh)
@@ -183,10 +188,61 @@ async def test_prefill_and_decode_roles_give_the_aggregated_greedy_tokens(pool, 
     assert stats["pd_disaggregated"] == stats["pd_handovers"] == 3  # the three long prompts
     assert stats["pd_kept_whole"] == 3 and stats["pd_fallbacks"] == 0
     decode = stats["workers"]["decode-0"]
-    # The decode worker loaded every whole chunk of the long prompts, computed only the tails.
-    assert decode["store_hit_tokens"] == 3 * 4 * CHUNK_TOKENS
     assert decode["failed_loads"] == 0
-    assert stats["workers"]["prefill"]["store_hit_tokens"] == 0
+    if direct:  # every block of the long prompts copied from the prefill worker's cache, none loaded
+        assert stats["pd_direct"] == 3 and stats["pd_direct_failed"] == 0
+        kv_bytes = mesh.workers["decode-0"].info.kv_block_bytes
+        blocks = sum(-(-len(p) // 16) for p in prompts.values() if len(p) >= LONG)
+        assert stats["pd_direct_bytes"] == blocks * kv_bytes
+        assert decode["store_hit_tokens"] == 0
+    else:  # the decode worker loaded every whole chunk of the long prompts, computed only the tails
+        assert stats["pd_direct"] == 0
+        assert decode["store_hit_tokens"] == 3 * 4 * CHUNK_TOKENS
+        assert stats["workers"]["prefill"]["store_hit_tokens"] == 0
+    assert_no_leaks(mesh)
+    await close(mesh)
+
+
+async def test_a_direct_copy_that_fails_is_recomputed(pool, reference, monkeypatch):
+    """The copy raises on the decode worker (worker_svc/kv_peer.py's own tests open a segment that
+    is gone, a layout that differs, ids out of range): the decode worker computes the prompt."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the copy broke")
+
+    monkeypatch.setattr(kv_peer, "copy_blocks", broken)
+    # The first test's long prompts: a new mesh's planners find nothing cached.
+    prompts = {rid: p for rid, p in make_prompts(1).items() if len(p) >= LONG}
+    mesh = make_mesh(pool)
+    out = await generate_all(mesh, prompts)
+    assert out == {rid: reference[rid] for rid in prompts}
+    await settle(mesh)
+    stats = mesh.stats()
+    assert stats["pd_direct"] == stats["pd_direct_failed"] == 3 and stats["pd_direct_bytes"] == 0
+    assert_no_leaks(mesh)
+    await close(mesh)
+
+
+async def test_a_prefill_worker_gone_before_the_copy_is_planned_ends_in_a_recompute(pool, reference):
+    """The decode worker is full, so the handed-over requests wait; meanwhile the prefill worker
+    leaves (its held blocks with it): nothing copies from it, the decode worker computes them."""
+    prompts = {rid: p for rid, p in make_prompts(5).items() if len(p) >= LONG}
+    mesh = make_mesh(pool)
+    decode = mesh.workers["decode-0"]
+    decode.planner.config = dataclasses.replace(decode.planner.config, max_num_seqs=0)  # admits nothing
+    tasks = asyncio.gather(generate_all(mesh, prompts))
+    deadline = time.monotonic() + 60
+    while len(mesh.pd.holds) < len(prompts):
+        assert time.monotonic() < deadline, "the handovers were not placed"
+        await asyncio.sleep(0.01)
+    await mesh.remove_worker("prefill")
+    assert not mesh.pd.holds and all(decode.planner.requests[r].peer is None for r in prompts)
+    decode.planner.config = dataclasses.replace(decode.planner.config, max_num_seqs=8)
+    decode.wakeup.set()
+    (out,) = await tasks
+    assert out == {rid: reference[rid] for rid in prompts}
+    await settle(mesh)
+    assert mesh.stats()["pd_direct"] == 3 and mesh.stats()["pd_direct_bytes"] == 0
     assert_no_leaks(mesh)
     await close(mesh)
 
@@ -194,7 +250,7 @@ async def test_prefill_and_decode_roles_give_the_aggregated_greedy_tokens(pool, 
 @pytest.mark.parametrize("cut", ["missing", "corrupt"])
 async def test_a_cut_transfer_is_recomputed_by_the_decode_worker(pool, reference, cut):
     prompts = make_prompts(2 if cut == "missing" else 3)
-    mesh = make_mesh(pool)
+    mesh = make_mesh(pool, direct_handover=False)
     pool[1]["decode-0"][1].cut = cut
     out = await generate_all(mesh, prompts)
     assert out == {rid: reference[rid] for rid in prompts}
@@ -234,7 +290,7 @@ async def test_a_decode_worker_lost_moves_its_requests_to_another(pool, referenc
 async def test_an_abort_between_the_workers_ends_the_stream(pool):
     """A request aborted while its KV is on its way: the caller gets the end, nothing is left."""
     prompts = make_prompts(6)
-    mesh = make_mesh(pool, handover_timeout_s=30.0)
+    mesh = make_mesh(pool, handover_timeout_s=30.0, direct_handover=False)
     mesh.kv_store = ThreadedLookup(EmptyStore())
     rid, prompt = next(iter(prompts.items()))
     queue = mesh.submit(rid, prompt, GREEDY)
