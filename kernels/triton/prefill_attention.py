@@ -19,6 +19,13 @@ Triton's fused-attention tutorial:
   prompt the rows with the most keys), so the short blocks fill the tail of the launch
   instead of one long block running alone at the end.
 
+Measured on an H200 (docs/benchmarks.md, issue 31; bf16 matmul peak 772-784 TFLOP/s; 32 query /
+8 KV heads, D=128): one causal prompt of 16k-128k tokens at 403-416 TFLOP/s (51-54 %), in 8k
+chunks over the cached prefix 396-416, against the unified kernel's 358-384. Triton's warp
+specialisation (`tl.range(warp_specialize=True)`) changed nothing on Hopper (414 vs 416).
+torch SDPA (cuDNN) runs the same causal prompts at 555-645 TFLOP/s, which is why the backend
+gives it the long chunks over long contexts and keeps this kernel for the others.
+
 `paged_attention` stays the kernel of decodes and short chunks. Every row of any batch is
 correct here too (a decode's block of BLOCK_Q tokens holds one real row), but the backend
 gives this kernel only the chunks of `PREFILL_MIN_QUERY` tokens or more (`min_query_len`), and
