@@ -11,8 +11,12 @@ Sections:
   that each run lasts exactly --tokens steps), at each --batch; the overhead is what the bitmask
   costs where the GPU waits for it. A constrained row is launched ahead like any other: its mask
   is filled while the GPU runs its forward, one step behind (`LaunchedStep.deferred`), and
-  applied by one Triton pass. Unless --no-compare, the path before that runs too, in the same
-  process (`mask_in_step`: no launch-ahead for constrained rows, the mask applied by torch ops).
+  applied by one Triton pass. Unless --no-compare, the paths before run too, in the same
+  process: `fill_in_finish` (the masks filled, and the sampling queued, on the step thread before
+  the step before's result is handed over) and `mask_in_step` (no launch-ahead for constrained
+  rows, the mask applied by torch ops). On CUDA each row also counts the steps where the device
+  ran out of work: a forward queued after the last sampling had run, or a sampling queued after
+  its logits were ready.
 """
 
 from __future__ import annotations
@@ -152,6 +156,70 @@ def mask_in_step(llm: Any) -> Iterator[None]:
         del runner.can_follow, runner.sampler._apply_bitmask
 
 
+@contextlib.contextmanager
+def fill_in_finish(llm: Any) -> Iterator[None]:
+    """The path before the fill thread, for comparison in the same process: the step thread fills
+    the next step's masks and queues its sampling before it hands over the step's result."""
+    runner = llm.engine.runner
+
+    def fill_and_sample(launched: Any) -> None:
+        sample, launched.deferred = launched.deferred, None
+        launched.sampled = sample(runner.structured.bitmask([st.grammar for st in launched.sampling]))
+
+    runner._fill_masks = fill_and_sample
+    try:
+        yield
+    finally:
+        del runner._fill_masks
+
+
+@contextlib.contextmanager
+def device_starved(llm: Any) -> Iterator[dict[str, int]]:
+    """Counts, on CUDA, the forwards queued when the device had finished the last sampling queued,
+    and the samplings queued when their logits were already computed: steps the host held up."""
+    import torch
+
+    runner = llm.engine.runner
+    counts = {"forwards": 0, "forward late": 0, "samplings": 0, "sampling late": 0}
+    if not torch.cuda.is_available():
+        yield counts
+        return
+    ex, sampler = runner.executor, runner.sampler
+    forward, logits, sample, verify = ex.forward, ex.logits, sampler.sample_async, sampler.verify_async
+    last: dict[str, Any] = {"sampled": None, "logits": None}
+
+    def late(event: Any) -> bool:
+        return event is not None and event.query()
+
+    def fwd(*a: Any, **k: Any) -> Any:
+        counts["forwards"] += 1
+        counts["forward late"] += late(last["sampled"])
+        return forward(*a, **k)
+
+    def lgt(*a: Any, **k: Any) -> Any:
+        out = logits(*a, **k)
+        last["logits"] = torch.cuda.Event()
+        last["logits"].record()
+        return out
+
+    def sampling(fn: Any) -> Any:
+        def run(*a: Any, **k: Any) -> Any:
+            counts["samplings"] += 1
+            counts["sampling late"] += late(last["logits"])
+            out = fn(*a, **k)
+            last["sampled"] = out.done_event
+            return out
+
+        return run
+
+    ex.forward, ex.logits = fwd, lgt
+    sampler.sample_async, sampler.verify_async = sampling(sample), sampling(verify)
+    try:
+        yield counts
+    finally:
+        del ex.forward, ex.logits, sampler.sample_async, sampler.verify_async
+
+
 def step_section(
     llm: Any, batches: list[int], tokens: int, reps: int, compare: bool
 ) -> list[tuple[str, str]]:
@@ -162,35 +230,47 @@ def step_section(
     spec = StructuredOutputs(regex=r"[a-zA-Z ,.]*")
     modes = [("free", None, contextlib.nullcontext), ("constrained", spec, contextlib.nullcontext)]
     if compare:
+        modes.append(("constrained, fill in finish (before)", spec, lambda: fill_in_finish(llm)))
         modes.append(("constrained, mask in the step (before)", spec, lambda: mask_in_step(llm)))
     rows = []
     for b in batches:
         prompts = [[1 + (i * 7 + j) % 1000 for j in range(16)] for i in range(b)]
-        per, outs = {}, {}
+        per, outs, starved = {}, {}, {}
         for label, so, path in modes:
             sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, structured_outputs=so)
             with path():
                 llm.generate(prompts, sp, use_tqdm=False)  # warm-up (and the grammar compile)
                 best = float("inf")
-                for _ in range(reps):
-                    t = time.perf_counter()
-                    out = llm.generate(prompts, sp, use_tqdm=False)
-                    best = min(best, time.perf_counter() - t)
+                with device_starved(llm) as starved[label]:
+                    for _ in range(reps):
+                        t = time.perf_counter()
+                        out = llm.generate(prompts, sp, use_tqdm=False)
+                        best = min(best, time.perf_counter() - t)
             per[label] = best / tokens
             outs[label] = [o.outputs[0].token_ids for o in out]
         for label in per:
-            if label == "free":
-                continue
-            over = per[label] / per["free"] - 1
-            rows.append(
-                (
-                    f"batch {b}: ms per step free / {label}",
-                    f"{per['free'] * 1e3:.2f} / {per[label] * 1e3:.2f}  ({over * 100:+.1f} %)",
+            if label != "free":
+                over = per[label] / per["free"] - 1
+                rows.append(
+                    (
+                        f"batch {b}: ms per step free / {label}",
+                        f"{per['free'] * 1e3:.2f} / {per[label] * 1e3:.2f}  ({over * 100:+.1f} %)",
+                    )
                 )
-            )
+            c = starved[label]
+            if c["forwards"]:
+                rows.append(
+                    (
+                        f"batch {b}: {label}: device starved",
+                        f"forward late {c['forward late']} of {c['forwards']}, "
+                        f"sampling late {c['sampling late']} of {c['samplings']}",
+                    )
+                )
         if compare:
-            same = outs["constrained"] == outs["constrained, mask in the step (before)"]
-            rows.append((f"batch {b}: constrained tokens the same both ways", str(same)))
+            same = all(
+                outs["constrained"] == outs[label] for label in outs if label.startswith("constrained")
+            )
+            rows.append((f"batch {b}: constrained tokens the same every way", str(same)))
     return rows
 
 

@@ -39,7 +39,14 @@ class StepPipeline:
         at once, and the device does not idle while it is built.
         """
         pending = self._pending
-        if pending is None or pending.sampled is None:
+        if pending is None:
+            return None
+        if pending.masks is not None:  # structured outputs: nothing to launch, so queue its
+            try:  # sampling now (its masks were being filled)
+                self.runner.sample_deferred(pending)
+            except Exception:  # raised again by `flush`, which reports it
+                return None
+        if pending.sampled is None:
             return None
         return pending.sampled.done_event
 

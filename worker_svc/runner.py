@@ -47,7 +47,7 @@ from worker_svc.sampler import SampledIds, Sampler, SamplingRow
 from worker_svc.spec_decode.config import SpeculativeConfig
 from worker_svc.spec_decode.ngram import NgramProposer
 from worker_svc.step_inputs import BlockTableRows, prepare_step
-from worker_svc.structured import SequenceGrammar, StructuredOutputManager
+from worker_svc.structured import MaskFill, SequenceGrammar, StructuredOutputManager
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,7 @@ class LaunchedStep:
     # finished, whose tokens its rows' grammars must accept first (`then_sample` of that step).
     deferred: Callable[[torch.Tensor | None], SampledIds] | None = None  # bitmask -> sampled ids
     then_sample: LaunchedStep | None = None
+    masks: MaskFill | None = None  # the deferred sampling's masks, being filled (`sample_deferred`)
 
 
 class _TokenSpan(Sequence[int]):
@@ -218,6 +219,7 @@ class ModelRunner:
             mc.eos_token_ids,
             pin_memory=self.device.type == "cuda",
         )
+        self._filling: LaunchedStep | None = None  # a deferred sampling whose masks are being filled
         self.seqs: dict[str, SequenceState] = {}
         # Sequences that asked for prompt logprobs: only steps that run one look for prompt rows.
         self._prompt_lp_ids: set[str] = set()
@@ -489,6 +491,8 @@ class ModelRunner:
         """
         if self._sleep is not None:
             raise RuntimeError("the model runner is asleep: wake_up() first")
+        if self._filling is not None:  # the step in flight samples before anything of this one
+            self.sample_deferred(self._filling)
         order = self._apply(plan)
         result = StepResult(step_id=plan.step_id)
         if plan.kv:
@@ -605,11 +609,28 @@ class ModelRunner:
                 return st.inflight
         return None
 
-    def _sample_deferred(self, launched: LaunchedStep) -> None:
-        """Queue a deferred sampling, its rows masked by grammars that are now up to date."""
-        sample, launched.deferred = launched.deferred, None
-        assert sample is not None
-        launched.sampled = sample(self.structured.bitmask([st.grammar for st in launched.sampling]))
+    def _fill_masks(self, launched: LaunchedStep) -> None:
+        """Start filling a deferred sampling's masks (its grammars are up to date) on the fill
+        thread; `sample_deferred` queues the sampling."""
+        launched.masks = self.structured.bitmask_async([st.grammar for st in launched.sampling])
+        self._filling = launched
+
+    def sample_deferred(self, launched: LaunchedStep) -> None:
+        """Queue a deferred sampling (no-op if queued already), its rows masked by grammars that
+        are now up to date: once its masks are filled, before anything of a later step (which
+        may read its sampled ids, or overwrite the logits it samples). The step thread calls it
+        after handing over the result of the step before, or when it has nothing to launch."""
+        sample = launched.deferred
+        if sample is None:
+            return
+        if launched.masks is None:  # the step before never finished (it failed): fill here
+            mask = self.structured.bitmask([st.grammar for st in launched.sampling])
+        else:
+            mask = launched.masks.result()
+        launched.sampled = sample(mask)
+        launched.deferred = launched.masks = None
+        if self._filling is launched:
+            self._filling = None
 
     def _lora_slots(self, order: list[tuple[SequenceState, int]]) -> np.ndarray | None:
         """Each sequence's adapter slot, None when none uses one (the base path: no extra work)."""
@@ -621,8 +642,7 @@ class ModelRunner:
     def finish(self, launched: LaunchedStep) -> StepResult:
         """Read a launched step's sampled ids (waiting for the device) and append them."""
         result = launched.result
-        if launched.deferred is not None:  # the step before it never finished (it failed)
-            self._sample_deferred(launched)
+        self.sample_deferred(launched)  # nothing else queued it (e.g. the step before failed)
         if launched.prompt is not None:
             result.prompt_logprobs = launched.prompt.wait()
         if launched.pooled:
@@ -637,7 +657,10 @@ class ModelRunner:
             if st.inflight is launched:
                 st.inflight = None
         if launched.then_sample is not None:  # its grammars have accepted these tokens
-            self._sample_deferred(launched.then_sample)
+            # Filled on a thread of its own while this result is handed over; the sampling is
+            # queued next (`sample_deferred`): the step thread does not wait for the GIL
+            # behind the fill (issue 31).
+            self._fill_masks(launched.then_sample)
             launched.then_sample = None
         if launched.verified is None:
             result.seq_ids = [st.seq_id for st in launched.sampling]

@@ -14,6 +14,9 @@ The engine is llguidance (see services/structured_outputs.py).
 - A matcher that stopped (the grammar is complete and EOS was taken) or failed (a token it
   refused, or the engine's parser limits) lets only EOS through, so the choice ends; the token
   the scheduler may still plan after EOS never reaches a caller.
+- A batch's masks are filled on a thread of their own (`bitmask_async`): the engine's fill
+  releases the GIL, and the step thread, which would sit waiting to get it back from the other
+  Python threads (issue 31), hands the step's result over and launches meanwhile.
 """
 
 from __future__ import annotations
@@ -107,6 +110,21 @@ def _bit(i: int) -> int:
     return -(1 << 31) if i == 31 else 1 << i
 
 
+class MaskFill:
+    """A batch's host bitmask whose grammar rows are being filled on the fill thread."""
+
+    def __init__(self, mask: torch.Tensor, future: Future | None) -> None:
+        self._mask = mask
+        self._future = future  # None: nothing left to fill (no live grammar row)
+
+    def result(self) -> torch.Tensor:
+        """The mask, once filled (waits for the fill; re-raises its failure)."""
+        if self._future is not None:
+            self._future.result()
+            self._future = None
+        return self._mask
+
+
 class StructuredOutputManager:
     """Per worker: the tokenizer for the engine (built lazily), the grammar cache, the executor."""
 
@@ -132,6 +150,9 @@ class StructuredOutputManager:
         self._tokenizer: Future | None = None
         self._tokenizer_pool: ThreadPoolExecutor | None = None
         self._executor: Any = None  # llguidance.LLExecutor: fills a batch's masks on its threads
+        # One thread that runs the executor's fills: a batch's fill is one call, and one at a time
+        # keeps the fill from ever overlapping itself on the same matchers.
+        self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-fill")
 
     # -- compile (background) ---------------------------------------------------
 
@@ -199,11 +220,34 @@ class StructuredOutputManager:
 
     def bitmask(self, grammars: Sequence[SequenceGrammar | None]) -> torch.Tensor | None:
         """Host int32 [rows, width] allowed-token bits (all ones for free rows); None if no row
-        is constrained. Waits for matchers still compiling."""
+        is constrained. Waits for matchers still compiling, and for the fill."""
+        prepared = self._prepare(grammars)
+        if prepared is None:
+            return None
+        mask, live = prepared
+        if live:  # on this thread: a hop to the fill thread would only add a wait for the GIL
+            self._fill(live, mask)
+        return mask
+
+    def bitmask_async(self, grammars: Sequence[SequenceGrammar | None]) -> MaskFill | None:
+        """As `bitmask`, the grammar rows filled on the fill thread: until `result()`, the caller
+        must not advance or roll back these grammars. Waits for matchers still compiling."""
+        prepared = self._prepare(grammars)
+        if prepared is None:
+            return None
+        mask, live = prepared
+        if not live:
+            return MaskFill(mask, None)
+        # The task holds `mask` until the engine has written it, whatever becomes of the MaskFill.
+        return MaskFill(mask, self._fill_pool.submit(self._fill, live, mask))
+
+    def _prepare(
+        self, grammars: Sequence[SequenceGrammar | None]
+    ) -> tuple[torch.Tensor, list[tuple[Any, int]]] | None:
+        """(the mask with free and finished rows set, the live rows' (matcher, row) left to fill);
+        None if no row is constrained."""
         if not any(g is not None for g in grammars):
             return None
-        import llguidance
-
         # Page-locked on CUDA: a copy from pageable memory this large (~0.5 MB at 32 rows of a
         # 128k vocabulary) goes through the driver's staging buffers and held the step thread
         # until the forward queued before it had run, which undid the launch-ahead at batch 32.
@@ -227,14 +271,20 @@ class StructuredOutputManager:
                 g.fill_eos_only(mask[i])
             else:
                 live.append((g.matcher, i))
-        if live:
+        return mask, live
+
+    def _fill(self, live: list[tuple[Any, int]], mask: torch.Tensor) -> None:
+        """The engine writes each live row's bits (the GIL released meanwhile)."""
+        with self._lock:
             if self._executor is None:
+                import llguidance
+
                 self._executor = llguidance.LLExecutor(num_threads=executor_threads())
-            self._executor.unsafe_compute_mask_ptr(live, mask.data_ptr(), self.width * 4, len(grammars))
-        return mask
+        self._executor.unsafe_compute_mask_ptr(live, mask.data_ptr(), self.width * 4, mask.shape[0])
 
     def close(self) -> None:
         """Stop the compile threads (a compile still running finishes first)."""
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._fill_pool.shutdown(wait=True)  # a fill writes into its mask until it returns
         if self._tokenizer_pool is not None:
             self._tokenizer_pool.shutdown(wait=True, cancel_futures=True)
