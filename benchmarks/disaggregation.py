@@ -3,24 +3,34 @@
     python3 benchmarks/disaggregation.py --devices cuda:0,cuda:1 [--out DIR]     # two GPUs
     python3 benchmarks/disaggregation.py --smoke                                 # tiny, on the CPU
 
-Two rows, each a scheduler, a KV store and two workers as processes on loopback (random weights of
---shape, `--load-format dummy`), one worker per device of --devices:
+Rows (--rows), each a scheduler, a KV store (unless --no-store) and two workers as processes on
+loopback (random weights of --shape, `--load-format dummy`), one worker per device of --devices:
 * "aggregated": both workers serve whole requests (role both);
 * "1P+1D": the first is a prefill worker, the second a decode worker; prompts of at least
-  --threshold tokens are prefilled on the first and decoded on the second after the KV handover
-  through the store (scheduler_svc/disaggregation.py), shorter ones run whole on the second.
+  --threshold tokens are prefilled on the first and decoded on the second after the direct KV
+  handover (the decode worker copies the prompt's blocks out of the prefill worker's cache: GPU to
+  GPU through CUDA IPC, shared memory on the CPU; worker_svc/kv_peer.py), shorter ones run whole
+  on the second;
+* "1P+1D store": the same, the handover through the KV store (the scheduler's --no-direct-handover).
 
 The workload (seeded, the same schedule for both rows): decode-heavy chats (--chat-prompt,
 --chat-output tokens) arriving at --chat-rate per second, and long prompts (--long-prompt tokens,
 --long-output) at --long-rate among them. Per row: TTFT p50/p90 (every request), ITL p50/p99
 (gaps between the streamed tokens of each request, stream interval 1), output tok/s, handovers,
-fallbacks, and the prompt tokens the decode worker computed per handover (the tail past the
-prompt's last whole store chunk, with the first token). Greedy check: --check prompts long enough
-to hand over, sent one at a time to both rows: their tokens must be equal.
+fallbacks, direct handovers (and those whose copy failed), the KV bytes a direct handover copied
+and the decode worker's host time issuing the copy (on CUDA the copy itself runs on its stream,
+ahead of the forward), and the prompt tokens the decode worker computed per handover (the tail
+past the prompt's last whole store chunk, with the first token; 1 for a direct one). Greedy check:
+--check prompts long enough to hand over, sent one at a time to every row: their tokens must be
+equal to the first row's.
 
-With two CUDA devices, last: GPU-to-GPU copies of a --peer-gib prefix, layer by layer, from a
-process on the first device to one on the second through CUDA IPC (the transport a direct
-handover between workers of one host would use; the rows above hand over through the store).
+With two CUDA devices, first: the direct handover's own transport measured alone
+(`peer_copy`): a process on the first device exports a --peer-gib paged cache
+(`kv_peer.export_caches`, the handles as protobuf), a process that sees only the second device
+(CUDA_VISIBLE_DEVICES, as the workers) opens it on its own device and copies every block
+(`kv_peer.copy_blocks`), in order (slices) and shuffled (a gather and a scatter per layer), checked
+against the source; if a process that sees one GPU cannot open a peer's handle, the workers are
+given every GPU (--visible all) instead.
 """
 
 from __future__ import annotations
@@ -125,12 +135,12 @@ def scheduler_stats(address: str, security):
 
 def per_worker(args: argparse.Namespace) -> tuple[list[list[str]], list[dict[str, str]] | None]:
     """Each worker's flags and environment. On CUDA each sees only its GPU, as cuda:0
-    (CUDA_VISIBLE_DEVICES): a worker given --device cuda:1 steps on a thread whose current device
-    is cuda:0, where Triton launches its kernels (an H200 pair: "Pointer argument cannot be
-    accessed from Triton"). Two workers on one GPU split it (a worker's budget is its fraction of
-    the device less what is in use there)."""
+    (CUDA_VISIBLE_DEVICES, --visible own), as a deployment's pods do; a direct handover opens the
+    peer's memory on the worker's own device. With --visible all each sees every GPU and is given
+    its own (--device cuda:N). Two workers on one GPU split it (a worker's budget is its fraction
+    of the device less what is in use there)."""
     devices = args.devices.split(",")
-    if not args.cuda:
+    if not args.cuda or (args.visible == "all" and devices[0] != devices[1]):
         return [["--device", d] for d in devices], None
     shared = devices[0] == devices[1]
     flags = [["--device", "cuda", *(["--gpu-memory-utilization", f"{0.42 * (i + 1):.2f}"] if shared else [])]
@@ -139,7 +149,7 @@ def per_worker(args: argparse.Namespace) -> tuple[list[list[str]], list[dict[str
     return flags, env
 
 
-def run_row(name: str, roles: list[str] | None, model: str, reqs, checks, args) -> dict[str, Any]:
+def run_row(name: str, model: str, reqs, checks, args) -> dict[str, Any]:
     worker_args = [
         "--load-format", "dummy", "--dtype", "bfloat16" if args.cuda else "float32",
         "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
@@ -152,7 +162,9 @@ def run_row(name: str, roles: list[str] | None, model: str, reqs, checks, args) 
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         "--disaggregation-threshold", str(args.threshold), "--stream-interval", "1",
         "--handover-timeout-s", str(args.handover_timeout_s),
+        *(["--no-direct-handover"] if name == "1P+1D store" else []),
     ]  # fmt: skip
+    roles = None if name == "aggregated" else ["prefill", "decode"]
     with tempfile.TemporaryDirectory() as logs:
         try:
             return _measure_row(name, roles, model, reqs, checks, args, logs, worker_args, sched_args)
@@ -171,7 +183,7 @@ def _measure_row(name, roles, model, reqs, checks, args, logs, worker_args, sche
         model=model,
         worker_args=worker_args,
         scheduler_args=sched_args,
-        kvstore=True,
+        kvstore=args.store,
         kvstore_args=["--memory-bytes", args.store_bytes],
         worker_roles=roles,
         per_worker_args=per_worker(args)[0],
@@ -202,6 +214,11 @@ def _measure_row(name, roles, model, reqs, checks, args, logs, worker_args, sche
     handovers = after.pd_handovers - before.pd_handovers
     long_prompt_tokens = sum(len(p) for _, p, _, k in reqs if k == "long")
     loaded = sum(w.store_hit_tokens for w in after.workers) - sum(w.store_hit_tokens for w in before.workers)
+    direct = after.pd_direct - before.pd_direct
+    tail_tokens = float("nan")
+    if handovers:  # a direct handover computes the first token only; one through the store its tail too
+        store_tail = long_prompt_tokens * (handovers - direct) / handovers - loaded
+        tail_tokens = (store_tail + direct) / handovers
     return {
         "row": name,
         "requests": len(outs),
@@ -216,46 +233,92 @@ def _measure_row(name, roles, model, reqs, checks, args, logs, worker_args, sche
         "handovers": handovers,
         "fallbacks": after.pd_fallbacks - before.pd_fallbacks,
         "handover_ms": 1000 * (after.pd_handover_seconds - before.pd_handover_seconds) / max(handovers, 1),
-        "tail_tokens": (long_prompt_tokens - loaded) / handovers if handovers else float("nan"),
+        "direct": direct,
+        "direct_failed": after.pd_direct_failed - before.pd_direct_failed,
+        "direct_mib": (after.pd_direct_bytes - before.pd_direct_bytes) / max(direct, 1) / (1 << 20),
+        "copy_ms": 1000 * (after.pd_direct_copy_seconds - before.pd_direct_copy_seconds) / max(direct, 1),
+        "tail_tokens": tail_tokens,
         "greedy": greedy,
     }
 
 
-# ----- GPU to GPU -----
-def _peer_reader(src_q, out_q, device: str, repeats: int) -> None:
-    """The decode side: open the prefill side's layers (CUDA IPC) and copy them, layer by layer."""
+# ----- GPU to GPU: the direct handover's transport alone -----
+PEER_BLOCK = (16, 8, 128)  # block size, KV heads, head dim (llama-3.1-8b's blocks)
+
+
+def peer_copy(devices: list[str], gib: float, layers: int, visible: str, repeats: int = 5) -> dict[str, Any]:
+    """Export a `gib` paged cache on the first device, copy all of it from a process on the second
+    (`_peer_consumer`: it sees only its GPU with `visible` "own"); GB/s in order and shuffled."""
+    import subprocess
+
     import torch
 
-    layers = src_q.get()
-    dst = [torch.empty_like(t, device=device) for t in layers]
-    nbytes = sum(t.numel() * t.element_size() for t in layers)
-    torch.cuda.synchronize(device)
-    best = 0.0
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for d, s in zip(dst, layers, strict=True):
-            d.copy_(s, non_blocking=True)
-        torch.cuda.synchronize(device)
-        best = max(best, nbytes / (time.perf_counter() - t0) / 1e9)
-    ok = all(torch.equal(d.cpu()[:1], s.cpu()[:1]) for d, s in zip(dst[:2], layers[:2], strict=True))
-    out_q.put((best, ok, torch.cuda.can_device_access_peer(torch.device(device), layers[0].device)))
+    from services.convert import kv_export_to_proto
+    from worker_svc.kv_peer import export_caches
 
-
-def peer_copy(devices: list[str], gib: float, layers: int, repeats: int = 5) -> dict[str, Any]:
-    import torch
-    import torch.multiprocessing as mp
-
-    per_layer = int(gib * (1 << 30)) // layers // 2  # bf16 elements
-    src = [torch.randn(per_layer, device=devices[0]).to(torch.bfloat16) for _ in range(layers)]
+    bs, heads, dim = PEER_BLOCK
+    num_blocks = int(gib * (1 << 30)) // (layers * 2 * bs * heads * dim * 2)
+    shape = (2, num_blocks, bs, heads, dim)
+    src = [torch.randn(shape, device=devices[0]).to(torch.bfloat16) for _ in range(layers)]
+    sums = [t.float().sum(dim=(0, 2, 3, 4)).tolist() for t in (src[0], src[-1])]  # per block, to check
     torch.cuda.synchronize(devices[0])
-    ctx = mp.get_context("spawn")
-    src_q, out_q = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_peer_reader, args=(src_q, out_q, devices[1], repeats))
-    proc.start()
-    src_q.put(src)
-    gbps, ok, peer = out_q.get(timeout=300)
-    proc.join(60)
-    return {"gib": gib, "layers": layers, "gb_s": gbps, "equal": ok, "peer_access": peer}
+    export = export_caches(src, None)
+    assert export is not None
+    index = devices[1].partition(":")[2] or "0"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": index} if visible == "own" else dict(os.environ)
+    device = "cuda:0" if visible == "own" else devices[1]
+    header = json.dumps({"sums": sums, "repeats": repeats, "device": device}).encode()
+    payload = kv_export_to_proto(export).SerializeToString()
+    done = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--peer-consumer"],
+        input=len(header).to_bytes(8, "little") + header + payload,
+        capture_output=True, env=env, timeout=300,
+    )  # fmt: skip
+    del src
+    if done.returncode != 0:
+        raise RuntimeError(f"peer consumer ({visible}) failed: {done.stderr.decode()[-2000:]}")
+    out = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    return {"gib": gib, "layers": layers, "blocks": num_blocks, "visible": visible, **out}
+
+
+def _peer_consumer() -> int:
+    """The decode side of `peer_copy` (its own process): open the export, copy every block."""
+    import random as _random
+
+    import torch
+
+    from llmesh.v1 import worker_pb2
+    from services.convert import kv_export_from_proto
+    from worker_svc.kv_peer import PeerCopier, copy_blocks, torch_dtype
+
+    data = sys.stdin.buffer.read()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    export = kv_export_from_proto(worker_pb2.KVExport.FromString(data[8 + n :]))
+    device = torch.device(header["device"])
+    torch.cuda.set_device(device)
+    shape, dtype = tuple(export.layer_shape), torch_dtype(export.dtype)
+    dst = [torch.empty(shape, dtype=dtype, device=device) for _ in range(export.num_layers)]
+    src = PeerCopier(dst, device)._peer(export)
+    num_blocks = shape[1]
+    nbytes = sum(t.numel() * t.element_size() for t in dst)
+    out: dict[str, Any] = {"visible_gpus": torch.cuda.device_count()}
+    for name, order in (
+        ("in_order", list(range(num_blocks))),
+        ("shuffled", _random.Random(0).sample(range(num_blocks), num_blocks)),
+    ):
+        best = 0.0
+        for _ in range(header["repeats"]):
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            copy_blocks(src, dst, order, list(range(num_blocks)))
+            torch.cuda.synchronize(device)
+            best = max(best, nbytes / (time.perf_counter() - t0) / 1e9)
+        got = [t.float().sum(dim=(0, 2, 3, 4)).tolist() for t in (dst[0], dst[-1])]
+        want = [[s[i] for i in order] for s in header["sums"]]
+        out[name] = {"gb_s": best, "equal": got == want}
+    print(json.dumps(out))
+    return 0
 
 
 # ----- main -----
@@ -265,6 +328,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         ("long_ttft_p90_ms", "{:.0f}"), ("itl_p50_ms", "{:.1f}"), ("itl_p99_ms", "{:.1f}"),
         ("itl_p999_ms", "{:.0f}"), ("stalls_100ms", "{}"),
         ("out_tok_s", "{:.0f}"), ("handovers", "{}"), ("fallbacks", "{}"), ("handover_ms", "{:.1f}"),
+        ("direct", "{}"), ("direct_failed", "{}"), ("direct_mib", "{:.1f}"), ("copy_ms", "{:.2f}"),
         ("tail_tokens", "{:.0f}"),
     ]  # fmt: skip
     lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
@@ -298,7 +362,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check-tokens", type=int, default=32)
     ap.add_argument("--peer-gib", type=float, default=1.0)
     ap.add_argument("--peer-layers", type=int, default=32)
-    ap.add_argument("--rows", default="aggregated,1P+1D")
+    ap.add_argument("--rows", default="aggregated,1P+1D", help="of aggregated, 1P+1D, 1P+1D store")
+    ap.add_argument(
+        "--store", action=argparse.BooleanOptionalAction, default=True,
+        help="a KV store behind every row (--no-store: none; a direct handover needs none)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--visible", choices=["own", "all", "auto"], default="auto",
+        help="CUDA workers see their own GPU only (CUDA_VISIBLE_DEVICES) or all; auto: own if the "
+        "peer copy works that way, else all",
+    )  # fmt: skip
+    ap.add_argument("--peer-consumer", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument(
         "--worker-extra", default="", help="more flags for every worker (e.g. --decode-gemm cublas)"
     )
@@ -306,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="a tiny shape on the CPU, a few requests")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args(argv)
+    if args.peer_consumer:
+        return _peer_consumer()
     cfg = SHAPES[args.shape]
     if args.smoke:
         cfg = SMOKE_SHAPES["llama-tiny"]
@@ -326,27 +402,27 @@ def main(argv: list[str] | None = None) -> int:
     checks = [
         [rng.randrange(5, args.vocab - 10) for _ in range(args.long_prompt[0])] for _ in range(args.check)
     ]
+    peer = None
+    if args.cuda and len(set(args.devices.split(","))) == 2 and args.peer_gib > 0:
+        peer = measure_peer(args)  # first: it decides --visible auto for the rows
+    if args.visible == "auto":
+        args.visible = "own"
     rows = []
     with tempfile.TemporaryDirectory() as root:
         model = write_config(root, args.shape if not args.smoke else "llama-tiny", cfg)
         for name in args.rows.split(","):
-            roles = None if name == "aggregated" else ["prefill", "decode"]
             t0 = time.perf_counter()
             try:
-                rows.append(run_row(name, roles, model, reqs, checks, args))
+                rows.append(run_row(name, model, reqs, checks, args))
             except Exception as e:  # the other row still runs (one GPU call holds both)
                 if args.smoke:
                     raise
                 log(f"{name} failed: {e!r}")
                 continue
             log(table(rows[-1:]), f"\n({time.perf_counter() - t0:.0f} s)")
-    peer = None
-    if args.cuda and len(set(args.devices.split(","))) == 2:
-        log("GPU to GPU through CUDA IPC")
-        peer = peer_copy(args.devices.split(","), args.peer_gib, args.peer_layers)
     text = table(rows)
-    if len(rows) == 2:
-        a, d = rows
+    for d in rows[1:]:
+        a = rows[0]
         same = a["greedy"] == d["greedy"]
         text += (
             f"\n\n{d['row']} / {a['row']}: ITL p99 {a['itl_p99_ms'] / d['itl_p99_ms']:.2f}x lower, "
@@ -354,10 +430,7 @@ def main(argv: list[str] | None = None) -> int:
             f"time) {'identical' if same else 'DIFFERENT'}"
         )
     if peer is not None:
-        text += (
-            f"\nGPU to GPU (CUDA IPC, {peer['layers']} layers, {peer['gib']} GiB): {peer['gb_s']:.1f} GB/s, "
-            f"peer access {peer['peer_access']}, copies equal {peer['equal']}"
-        )
+        text += f"\nGPU to GPU (kv_peer: CUDA IPC export, copy_blocks on the reader's device): {peer}"
     print(text)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
@@ -367,8 +440,27 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"rows": rows, "peer": peer, "argv": sys.argv}, f)
     for r in rows:
         if r["handovers"] and args.smoke:
-            assert r["fallbacks"] == 0, r
+            assert r["fallbacks"] == 0 and r["direct_failed"] == 0, r
+            assert r["direct"] == (r["handovers"] if r["row"] == "1P+1D" else 0), r
+        if args.smoke:
+            assert r["greedy"] == rows[0]["greedy"], r["row"]
     return 0
+
+
+def measure_peer(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The transport alone, the workers' way first (each sees its own GPU), else seeing all."""
+    tries = ["own", "all"] if args.visible == "auto" else [args.visible]
+    for visible in tries:
+        log(f"GPU to GPU through kv_peer (visible: {visible})")
+        try:
+            peer = peer_copy(args.devices.split(","), args.peer_gib, args.peer_layers, visible)
+        except Exception as e:
+            log(f"peer copy with visible={visible} failed: {e!r}")
+            continue
+        log(json.dumps(peer))
+        args.visible = visible
+        return peer
+    return None
 
 
 if __name__ == "__main__":
