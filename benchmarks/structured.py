@@ -16,7 +16,9 @@ Sections:
   the step before's result is handed over) and `mask_in_step` (no launch-ahead for constrained
   rows, the mask applied by torch ops). On CUDA each row also counts the steps where the device
   ran out of work: a forward queued after the last sampling had run, or a sampling queued after
-  its logits were ready.
+  its logits were ready. With --timeline, CUDA events split each step's device time into the
+  forward (with its logits), the wait for the sampling to be queued, the sampling, and the wait
+  for the next forward (`DeviceTimeline`): where a constrained step's extra time goes.
 """
 
 from __future__ import annotations
@@ -220,8 +222,84 @@ def device_starved(llm: Any) -> Iterator[dict[str, int]]:
         del ex.forward, ex.logits, sampler.sample_async, sampler.verify_async
 
 
+class DeviceTimeline:
+    """CUDA timing events around each forward (entry, after its logits) and each sampling (entry,
+    after its last op), read back after a run. The device reaches an event once the work before it
+    is done, or once the host recorded it if that is later: the span from one event to the next is
+    the device's work between them plus any time it had nothing queued. Steps alternate forward,
+    sampling in stream order on every path of this benchmark."""
+
+    PARTS = ("forward", "until sampling queued", "sampling", "until next forward")
+
+    def __init__(self, llm: Any) -> None:
+        import torch
+
+        self._torch = torch
+        self._runner = llm.engine.runner
+        self.events: list[tuple[str, Any]] = []
+        self.totals = dict.fromkeys(self.PARTS, 0.0)  # ms, summed over the runs read
+        self.steps = 0
+
+    def _mark(self, name: str) -> None:
+        event = self._torch.cuda.Event(enable_timing=True)
+        event.record()
+        self.events.append((name, event))
+
+    def __enter__(self) -> DeviceTimeline:
+        ex, sampler = self._runner.executor, self._runner.sampler
+        forward, logits = ex.forward, ex.logits
+        sample, verify = sampler.sample_async, sampler.verify_async
+
+        def fwd(*a: Any, **k: Any) -> Any:
+            self._mark("f")
+            return forward(*a, **k)
+
+        def lgt(*a: Any, **k: Any) -> Any:
+            out = logits(*a, **k)
+            self._mark("l")
+            return out
+
+        def sampling(fn: Any) -> Any:
+            def run(*a: Any, **k: Any) -> Any:
+                self._mark("s")
+                out = fn(*a, **k)
+                self._mark("e")
+                return out
+
+            return run
+
+        ex.forward, ex.logits = fwd, lgt
+        sampler.sample_async, sampler.verify_async = sampling(sample), sampling(verify)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        ex, sampler = self._runner.executor, self._runner.sampler
+        del ex.forward, ex.logits, sampler.sample_async, sampler.verify_async
+
+    def read(self) -> None:
+        """Add the events recorded since the last read (one run: nothing between runs counts)."""
+        self._torch.cuda.synchronize()
+        ev = self.events
+        names = "".join(name for name, _ in ev)
+        i = names.find("flse")
+        while i >= 0:
+            f, lg, s, e = (ev[i + j][1] for j in range(4))
+            self.totals["forward"] += f.elapsed_time(lg)
+            self.totals["until sampling queued"] += lg.elapsed_time(s)
+            self.totals["sampling"] += s.elapsed_time(e)
+            if names.startswith("f", i + 4):
+                self.totals["until next forward"] += e.elapsed_time(ev[i + 4][1])
+            self.steps += 1
+            i = names.find("flse", i + 4)
+        self.events = []
+
+    def summary(self) -> str:
+        per = {k: v / max(self.steps, 1) for k, v in self.totals.items()}
+        return ", ".join(f"{k} {v:.3f}" for k, v in per.items()) + f" ms per step ({self.steps} steps)"
+
+
 def step_section(
-    llm: Any, batches: list[int], tokens: int, reps: int, compare: bool
+    llm: Any, batches: list[int], tokens: int, reps: int, compare: bool, timeline: bool = False
 ) -> list[tuple[str, str]]:
     from llmesh import SamplingParams, StructuredOutputs
 
@@ -235,7 +313,7 @@ def step_section(
     rows = []
     for b in batches:
         prompts = [[1 + (i * 7 + j) % 1000 for j in range(16)] for i in range(b)]
-        per, outs, starved = {}, {}, {}
+        per, outs, starved, spans = {}, {}, {}, {}
         for label, so, path in modes:
             sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, structured_outputs=so)
             with path():
@@ -246,6 +324,11 @@ def step_section(
                         t = time.perf_counter()
                         out = llm.generate(prompts, sp, use_tqdm=False)
                         best = min(best, time.perf_counter() - t)
+                if timeline:  # runs of their own: the events cost host time
+                    with DeviceTimeline(llm) as spans[label]:
+                        for _ in range(reps):
+                            llm.generate(prompts, sp, use_tqdm=False)
+                            spans[label].read()
             per[label] = best / tokens
             outs[label] = [o.outputs[0].token_ids for o in out]
         for label in per:
@@ -257,6 +340,8 @@ def step_section(
                         f"{per['free'] * 1e3:.2f} / {per[label] * 1e3:.2f}  ({over * 100:+.1f} %)",
                     )
                 )
+            if label in spans:
+                rows.append((f"batch {b}: {label}: device timeline", spans[label].summary()))
             c = starved[label]
             if c["forwards"]:
                 rows.append(
@@ -284,6 +369,9 @@ def main() -> None:
     ap.add_argument("--sections", default="compile,steps")
     ap.add_argument(
         "--no-compare", action="store_true", help="skip the path before issue 31 (mask filled between steps)"
+    )
+    ap.add_argument(
+        "--timeline", action="store_true", help="CUDA events: where each step's device time goes (extra runs)"
     )
     ap.add_argument("--smollm2", default=None, help="SmolLM2 .gguf or folder (default: the embedded package)")
     ap.add_argument("--smoke", action="store_true", help="3 schemas, batch 2, 4 tokens (make test)")
@@ -315,7 +403,8 @@ def main() -> None:
                     shutil.copy(os.path.join(smol, f), path)  # a tokenizer for the grammar engine
             kw.update(load_format="dummy", dtype="bfloat16" if args.device == "cuda" else "float32")
         llm = LLM(path, **kw)
-        rows += step_section(llm, args.batch, args.tokens, args.reps, not args.no_compare)
+        timeline = args.timeline and args.device.startswith("cuda")
+        rows += step_section(llm, args.batch, args.tokens, args.reps, not args.no_compare, timeline)
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
     width = max(len(r[0]) for r in rows)
