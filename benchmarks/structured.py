@@ -178,7 +178,9 @@ def fill_in_finish(llm: Any) -> Iterator[None]:
 @contextlib.contextmanager
 def device_starved(llm: Any) -> Iterator[dict[str, int]]:
     """Counts, on CUDA, the forwards queued when the device had finished the last sampling queued,
-    and the samplings queued when their logits were already computed: steps the host held up."""
+    and the samplings queued when their logits were already computed: steps the host held up;
+    and the caching allocator's retries and device frees (each frees cached blocks, which waits
+    for the device) and device allocations meanwhile."""
     import torch
 
     runner = llm.engine.runner
@@ -189,6 +191,8 @@ def device_starved(llm: Any) -> Iterator[dict[str, int]]:
     ex, sampler = runner.executor, runner.sampler
     forward, logits, sample, verify = ex.forward, ex.logits, sampler.sample_async, sampler.verify_async
     last: dict[str, Any] = {"sampled": None, "logits": None}
+    allocator = ("num_alloc_retries", "num_device_free", "num_device_alloc")
+    before = {k: torch.cuda.memory_stats().get(k, 0) for k in allocator}
 
     def late(event: Any) -> bool:
         return event is not None and event.query()
@@ -220,6 +224,8 @@ def device_starved(llm: Any) -> Iterator[dict[str, int]]:
         yield counts
     finally:
         del ex.forward, ex.logits, sampler.sample_async, sampler.verify_async
+        for k in allocator:
+            counts[k] = torch.cuda.memory_stats().get(k, 0) - before[k]
 
 
 class DeviceTimeline:
@@ -348,7 +354,9 @@ def step_section(
                     (
                         f"batch {b}: {label}: device starved",
                         f"forward late {c['forward late']} of {c['forwards']}, "
-                        f"sampling late {c['sampling late']} of {c['samplings']}",
+                        f"sampling late {c['sampling late']} of {c['samplings']}; allocator "
+                        f"retries {c['num_alloc_retries']}, frees {c['num_device_free']}, "
+                        f"allocs {c['num_device_alloc']}",
                     )
                 )
         if compare:
