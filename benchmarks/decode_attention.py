@@ -9,8 +9,9 @@ a large device copy, measured in the same run). Each row times `paged_attention`
 small batches) as a CUDA graph over enough distinct caches (>= 256 MiB together) that every
 call reads HBM, not L2, with block tables in random order. Rows per cache dtype (bf16, fp8):
 
-* `unified`: the path before issue 31's decode kernel (LLMESH_PAGED_DECODE=unified's);
-* `decode`: the default (`kernels.triton.paged_decode` with its picked config and splits);
+* `unified (before)`: the path before issue 31's decode kernel (LLMESH_PAGED_DECODE=unified's);
+* `default (now)`: `paged_attention` as it dispatches now (`paged_decode.takes_decode_kernel`);
+* `decode kernel`: `kernels.triton.paged_decode` with its picked config and splits;
 * diagnostics: the default config at other split counts (batch 1) or unsplit (batches), with
   the merge fused into the kernel, and the split kernel alone (merge skipped, output unchecked);
 * with --sweep, at --sweep-contexts: the decode kernel over (tile, pipelining depth, warps)
@@ -241,24 +242,26 @@ def _variants(case: Case, w: Workload, args: argparse.Namespace) -> list[tuple[s
     n_def = pd.choose_decode_splits(meta, args.kv_heads, dev)
     n_old = pa_mod._choose_num_splits(meta, args.kv_heads, dev)
     fp8 = case.kv == "fp8"
-    base = pd.pick_decode_config(args.head_dim, fp8, case.batch * args.kv_heads * n_def / pd._num_sms(dev))
-    out = [("unified (before)", _unified(w), n_old, True), ("decode (default)", _decode(w), n_def, True)]
+    base = pd.pick_decode_config(args.head_dim, fp8)
+    takes = pd.takes_decode_kernel(meta, args.kv_heads, fp8, dev, None)
+    now = f"default (now: {'decode kernel' if takes else 'unified'})"
+    out = [("unified (before)", _unified(w), n_old, True), (now, _decode(w), n_def if takes else n_old, True)]
+    if not takes:  # the decode kernel's own choice, for comparison
+        out.append(("decode kernel (its config)", _decode(w, base, n_def), n_def, True))
     if n_def > 1:
         other = dataclasses.replace(base, fused_merge=not base.fused_merge)
-        label = (
-            "decode (default, merge launched apart)" if base.fused_merge else "decode (default, fused merge)"
-        )
+        label = "decode kernel (merge launched apart)" if base.fused_merge else "decode kernel (fused merge)"
         out.append((label, _decode(w, other, n_def), n_def, True))
         alone = _without_merge(_decode(w, dataclasses.replace(base, fused_merge=False), n_def))
-        out.append(("decode (default, no merge: kernel alone)", alone, n_def, False))
+        out.append(("decode kernel (no merge: kernel alone)", alone, n_def, False))
     out.append(("unified (before), blocks in order", _in_order(w, _unified(w)), n_old, False))
-    out.append(("decode (default), blocks in order", _in_order(w, _decode(w)), n_def, False))
+    out.append(("decode kernel, blocks in order", _in_order(w, _decode(w, base, n_def)), n_def, False))
     if case.batch > 1:
-        out.append(("decode (default config, unsplit)", _decode(w, base, 1), 1, True))
+        out.append(("decode kernel (unsplit)", _decode(w, base, 1), 1, True))
     else:
         for n in (int(x) for x in args.diag_splits.split(",") if x):
             if n != n_def:
-                out.append((f"decode (default config, {n} splits)", _decode(w, base, n), n, True))
+                out.append((f"decode kernel ({n} splits)", _decode(w, base, n), n, True))
     if args.sweep and case.batch == 1 and case.ctx in args.sweep_contexts:
         if fp8:  # what the fp16 conversion buys: the default with bf16 dots
             bf16_dots = dataclasses.replace(base, dot_f16=False)

@@ -51,14 +51,15 @@ import triton.language as tl
 
 from kernels.attention_metadata import AttentionMetadata
 from kernels.triton import dual_jit, is_interpreted
-from kernels.triton.paged_decode import paged_decode
+from kernels.triton.paged_decode import paged_decode, takes_decode_kernel
 
 _LOG2E = 1.4426950408889634
 
-# Pure-decode batches go to `kernels.triton.paged_decode` (configs and splits for one wave of
-# resident programs, an fp16 path for the fp8 cache). LLMESH_PAGED_DECODE=unified keeps them
-# on this module's unified/split-K kernel with its own heuristics, the path before issue 31's
-# decode work: benchmarks run both in one call to compare them.
+# Pure-decode batches with an fp8 cache, and long-context ones that leave the SMs mostly idle,
+# go to `kernels.triton.paged_decode` (`takes_decode_kernel`: configs and splits for one wave
+# of resident programs, an fp16 path for the fp8 cache). LLMESH_PAGED_DECODE=unified keeps all
+# of them on this module's unified/split-K kernel, the path before issue 31's decode work, so
+# that a benchmark can run both side by side.
 _UNIFIED_DECODE = os.environ.get("LLMESH_PAGED_DECODE", "") == "unified"
 
 # Split-K heuristics (pure decode): aim for about this many waves of programs over the SMs,
@@ -395,7 +396,12 @@ def paged_attention(
     head_pad = max(16, triton.next_power_of_2(head_dim))
     assert head_pad <= 256, "head_dim > 256 is not supported"
     decode_only = meta.is_pure_decode
-    if decode_only and not _UNIFIED_DECODE:
+    kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    if (
+        decode_only
+        and not _UNIFIED_DECODE
+        and takes_decode_kernel(meta, num_kv_heads, kv_fp8, q.device, num_splits)
+    ):
         return paged_decode(q, kv_cache, meta, scale, out, num_splits=num_splits, kv_scale=kv_scale)
     if num_splits is None:
         num_splits = _choose_num_splits(meta, num_kv_heads, q.device)
@@ -403,7 +409,6 @@ def paged_attention(
         assert decode_only, "split-K is for pure-decode batches"
     split = num_splits > 1
 
-    kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
     cfg = _pick_config(meta.max_query_len, group, head_pad, kv_fp8)
     block_q = cfg.block_m // group
     key_cache, value_cache = kv_cache[0], kv_cache[1]

@@ -47,6 +47,9 @@ _LOG2E = 1.4426950408889634
 # segment, never more than this many segments.
 _SPLIT_PROGRAMS_PER_SM = 2
 _SPLIT_MIN_TOKENS = 256
+# A cache in the model's dtype takes this kernel from this context length on (see
+# `takes_decode_kernel`): measured at 32k, not at 8k.
+_LONG_CONTEXT = 16384
 _SPLIT_MAX = 64
 
 
@@ -247,27 +250,42 @@ class DecodeConfig:
     fused_merge: bool = False  # the last segment merges (no merge launch); see the kernel
 
 
-def pick_decode_config(head_pad: int, kv_fp8: bool, programs_per_sm: float = 0.0) -> DecodeConfig:
-    """Tile, warps and pipelining depth of the decode kernel for a grid of this many programs
-    per SM (0 = unknown: the small-grid choice).
+def pick_decode_config(head_pad: int, kv_fp8: bool) -> DecodeConfig:
+    """Tile, warps and pipelining depth of the decode kernel.
 
     Swept on an H200 (1 x 32k, 32/8 heads, D=128, 256 programs; docs/benchmarks.md, "Decode
     attention at long contexts"): every program of a batch-1 grid must be resident at once
     (a second wave costs each program's whole start-up chain again), and then the more bytes
     each has in flight the better. bf16: 128-token tiles, one buffer (depth 4: 64 KiB of K/V
-    per iteration, ~3 programs fit an SM) 43.6 us against 45.7 for 64-token tiles two deep
-    and 49.9 for 128-token tiles two deep (one program an SM); on grids of several programs
-    per SM (batches) the 64-token single buffer of the unified kernel (80 registers, 39 KiB:
-    5 an SM) reached 84-96 % of copy BW. fp8: 128-token tiles two deep with fp16 dots 34.4 us,
-    one deep 35.6, 256-token tiles 41.7, bf16 dots 48.5 (at 64 splits).
+    per iteration, ~2 programs an SM at 223 registers) 43.6 us against 45.7 for 64-token tiles
+    two deep and 49.9 for 128-token tiles two deep (one program an SM). fp8: 128-token tiles
+    two deep with fp16 dots 34.4 us, one deep 35.6, 256-token tiles 41.7, bf16 dots 48.5 (at
+    64 splits). The fused merge is off: correct under the interpreter, not yet run on a GPU.
     """
     if head_pad > 128:  # keep the fp32 accumulator and the K/V tiles within registers/smem
-        return DecodeConfig(tile=32, num_warps=4, num_stages=2, dot_f16=kv_fp8, fused_merge=True)
+        return DecodeConfig(tile=32, num_warps=4, num_stages=2, dot_f16=kv_fp8)
     if kv_fp8:
-        return DecodeConfig(tile=128, num_warps=4, num_stages=6, dot_f16=True, fused_merge=True)
-    if programs_per_sm > _SPLIT_PROGRAMS_PER_SM:
-        return DecodeConfig(tile=64, num_warps=4, num_stages=2, dot_f16=False, fused_merge=True)
-    return DecodeConfig(tile=128, num_warps=4, num_stages=4, dot_f16=False, fused_merge=True)
+        return DecodeConfig(tile=128, num_warps=4, num_stages=6, dot_f16=True)
+    return DecodeConfig(tile=128, num_warps=4, num_stages=4, dot_f16=False)
+
+
+def takes_decode_kernel(
+    meta: AttentionMetadata, num_kv_heads: int, kv_fp8: bool, device: torch.device, num_splits: int | None
+) -> bool:
+    """Whether a pure-decode batch goes to this kernel rather than the unified one.
+
+    An fp8 cache always (faster at every shape measured: 1 x 8k-120k, 4 x 32k, 16 x 8k,
+    64 x 2k). A cache in the model's dtype only where this kernel was measured faster: grids
+    of at most `_SPLIT_PROGRAMS_PER_SM` programs an SM at long contexts (batch 1 at 32k: 43.6
+    against 49.8 us); batches that fill the SMs by themselves keep the unified kernel, which
+    read 83-96 % of copy bandwidth there (4 x 32k, 16 x 8k, 64 x 2k) against 71-79 % here.
+    """
+    if kv_fp8:
+        return True
+    if meta.max_seq_len < _LONG_CONTEXT:
+        return False
+    n = num_splits or choose_decode_splits(meta, num_kv_heads, device)
+    return meta.num_seqs * num_kv_heads * n <= _SPLIT_PROGRAMS_PER_SM * _num_sms(device)
 
 
 @functools.lru_cache(maxsize=8)
@@ -337,8 +355,7 @@ def paged_decode(
     kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
     if num_splits is None:
         num_splits = choose_decode_splits(meta, num_kv_heads, q.device)
-    per_sm = meta.num_seqs * num_kv_heads * num_splits / _num_sms(q.device)
-    cfg = config or pick_decode_config(head_pad, kv_fp8, per_sm)
+    cfg = config or pick_decode_config(head_pad, kv_fp8)
     dot_f16 = cfg.dot_f16 and kv_fp8 and q.dtype != torch.float32  # fp32 q: fp32 dots, exact
     split = num_splits > 1
     if kv_fp8 and kv_scale is None:

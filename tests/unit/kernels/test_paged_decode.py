@@ -67,7 +67,7 @@ def test_decode_odd_head_dim_and_block_size() -> None:
     b = make_paged_batch(
         DECODES, num_heads=6, num_kv_heads=2, head_dim=24, block_size=32, dtype=torch.float32
     )
-    out = kt.paged_attention(b.q, b.kv_cache, b.meta, 0.3, num_splits=2)
+    out = pd.paged_decode(b.q, b.kv_cache, b.meta, 0.3, torch.empty_like(b.q), num_splits=2)
     _close(out, reference.paged_attention(b.q, b.kv_cache, b.meta, 0.3), 1e-5)
 
 
@@ -89,9 +89,33 @@ def test_split_heuristic_fills_the_sms_once() -> None:
     assert pd.choose_decode_splits(meta(8, 4096), 4, cpu) == 1  # the batch fills the SMs
 
 
+def test_which_decodes_take_the_decode_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An fp8 cache always; otherwise long contexts on grids that leave the SMs idle."""
+
+    def meta(num_seqs: int, ctx: int):  # type: ignore[no-untyped-def]
+        return make_paged_batch(
+            [(1, ctx)] * num_seqs,
+            num_heads=2,
+            num_kv_heads=1,
+            head_dim=16,
+            block_size=16,
+            dtype=torch.float32,
+        ).meta
+
+    cpu = torch.device("cpu")  # 16 "SMs"
+    monkeypatch.setattr(pd, "_LONG_CONTEXT", 1024)  # small shapes stand for 16k+
+    assert pd.takes_decode_kernel(meta(1, 300), 8, True, cpu, None)
+    assert not pd.takes_decode_kernel(meta(1, 300), 8, False, cpu, None)  # short
+    assert pd.takes_decode_kernel(meta(1, 2048), 8, False, cpu, None)  # 8 heads x 4 splits
+    assert not pd.takes_decode_kernel(meta(8, 2048), 8, False, cpu, None)  # 64 programs > 2 x 16
+    assert not pd.takes_decode_kernel(meta(1, 2048), 8, False, cpu, 8)  # forced: 64 programs
+
+
 def test_unified_switch_keeps_the_old_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     b = _batch(torch.float32, 2)
+    cache = b.kv_cache.to(torch.float8_e4m3fn)  # an fp8 cache would take the decode kernel
+    expected = reference.paged_attention(b.q, cache, b.meta, 0.25, SCALES)
     monkeypatch.setattr(pa_mod, "_UNIFIED_DECODE", True)
     monkeypatch.setattr(pa_mod, "paged_decode", None)  # would raise if called
-    out = kt.paged_attention(b.q, b.kv_cache, b.meta, 0.25, num_splits=4)
-    _close(out, reference.paged_attention(b.q, b.kv_cache, b.meta, 0.25), 1e-5)
+    out = kt.paged_attention(b.q, cache, b.meta, 0.25, num_splits=4, kv_scale=SCALES)
+    _close(out, expected, 1e-5)
