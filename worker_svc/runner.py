@@ -623,14 +623,14 @@ class ModelRunner:
         sample = launched.deferred
         if sample is None:
             return
+        if self._filling is launched:  # tried once here: a failure is `finish`'s to report
+            self._filling = None
         if launched.masks is None:  # the step before never finished (it failed): fill here
             mask = self.structured.bitmask([st.grammar for st in launched.sampling])
         else:
-            mask = launched.masks.result()
+            mask = launched.masks.result()  # raises again on each call if the fill failed
         launched.sampled = sample(mask)
         launched.deferred = launched.masks = None
-        if self._filling is launched:
-            self._filling = None
 
     def _lora_slots(self, order: list[tuple[SequenceState, int]]) -> np.ndarray | None:
         """Each sequence's adapter slot, None when none uses one (the base path: no extra work)."""

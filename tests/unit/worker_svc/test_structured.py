@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import json
+from concurrent.futures import Future
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from services.model_files import load_tokenizer
 from services.sampling_params import SamplingParams
+from services.step import StepResult
 from services.structured_outputs import StructuredOutputs
+from worker_svc.pipeline import StepPipeline
+from worker_svc.runner import LaunchedStep, ModelRunner
 from worker_svc.sampler import Sampler, SamplingRow
-from worker_svc.structured import StructuredOutputManager
+from worker_svc.structured import MaskFill, StructuredOutputManager
 
 V = 49152
 EOS = 2
@@ -89,3 +94,30 @@ def test_spec_key_keeps_property_order():
     a = StructuredOutputs(json={"b": 1, "a": 2})
     assert json.loads(a.json) == {"b": 1, "a": 2} and list(json.loads(a.json)) == ["b", "a"]
     assert a.key == StructuredOutputs(json=a.json).key != StructuredOutputs(regex="x").key
+
+
+def test_fill_on_the_fill_thread_gives_the_same_mask(manager, hf):
+    g = manager.start(StructuredOutputs(regex=r"[a-z]+\."))
+    assert g.accept(hf.encode("hello", add_special_tokens=False)[0])
+    fill = manager.bitmask_async([None, g, None])
+    assert torch.equal(fill.result(), manager.bitmask([None, g, None]))
+    assert manager.bitmask_async([None]) is None
+
+
+def test_a_failed_fill_is_the_steps_error_and_no_later_launch_retries_it():
+    """The step thread queues a deferred sampling when it has nothing to launch: a fill that
+    failed must not break the thread there, nor stay for every later launch to retry; the
+    step's `finish` reports it."""
+    failed: Future = Future()
+    failed.set_exception(RuntimeError("fill failed"))
+    launched = LaunchedStep(StepResult(step_id=1), sampling=[])
+    launched.deferred = lambda mask: pytest.fail("sampled without its mask")
+    launched.masks = MaskFill(torch.full((1, 1), -1, dtype=torch.int32), failed)
+    runner = SimpleNamespace(_filling=launched, structured=None)
+    runner.sample_deferred = lambda step: ModelRunner.sample_deferred(runner, step)  # type: ignore[arg-type]
+    pipeline = StepPipeline(runner)  # type: ignore[arg-type]
+    pipeline._pending = launched
+    assert pipeline.pending_event is None
+    assert runner._filling is None  # the next launch queues no retry first
+    with pytest.raises(RuntimeError, match="fill failed"):
+        runner.sample_deferred(launched)  # as `finish` does
