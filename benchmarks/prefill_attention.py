@@ -340,6 +340,7 @@ def e2e(args: argparse.Namespace, row) -> None:  # type: ignore[no-untyped-def]
 
 
 def main(argv: list[str] | None = None) -> None:
+    saved_min = pf_mod.PREFILL_MIN_QUERY, pf_mod.PREFILL_MIN_CONTEXT  # --smoke lowers them
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sections", default="peak,check,sweep,kernel,e2e")
     ap.add_argument("--lens", default="16384,32768,65536,131072")
@@ -361,8 +362,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for table.txt")
     args = ap.parse_args(argv)
     args.heads, args.kv_heads, args.head_dim, args.block_size = 32, 8, 128, 16
-    args.check_shapes = [(4096, 0), (6144, 4096)]
-    args.check_mixed = [(1, 3000), (300, 2000), (2048, 6144), (1, 500), (1024, 1024)]
+    args.check_shapes = [(8192, 0), (12288, 8192)]  # contexts that take the new paths
+    args.check_mixed = [(1, 3000), (300, 2000), (2048, 20480), (1, 500), (1024, 1024)]
     args.lens = [int(x) for x in args.lens.split(",") if x]
     args.e2e_lens = [int(x) for x in args.e2e_lens.split(",") if x]
     args.e2e_chunks = [int(x) for x in args.e2e_chunks.split(",") if x]
@@ -375,7 +376,8 @@ def main(argv: list[str] | None = None) -> None:
         args.check_mixed = [(1, 30), (5, 20), (17, 40), (1, 9)]
         args.sweep = [(16, 16, 4, 2)]
         args.e2e_lens, args.e2e_reps, args.e2e_chunks = [40], 1, [32]
-        pf_mod.PREFILL_MIN_QUERY = 16  # engine-side only on CUDA; kept small for the shapes above
+        # The new paths at the shapes above (the engine's backend is torch's on the CPU).
+        pf_mod.PREFILL_MIN_QUERY, pf_mod.PREFILL_MIN_CONTEXT = 16, 16
     # The engine settings gpu.make_llm reads (benchmarks/gpu.py's engine_settings).
     args.max_model_len, args.max_num_seqs, args.max_num_batched_tokens = 0, 4, args.e2e_chunks[0]
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -387,7 +389,6 @@ def main(argv: list[str] | None = None) -> None:
     sections = args.sections.split(",")
     t0 = time.perf_counter()
     ok = True
-    saved_min = pf_mod.PREFILL_MIN_QUERY
     try:
         peak = math.inf
         if "peak" in sections or "sweep" in sections or "kernel" in sections:
@@ -410,7 +411,7 @@ def main(argv: list[str] | None = None) -> None:
             e2e(args, row)
     finally:
         row("notes", "cuDNN took GQA K/V unexpanded", str(not lp_mod._CUDNN_NEEDS_HEADS), "(long_prefill)")
-        pf_mod.PREFILL_MIN_QUERY = saved_min
+        pf_mod.PREFILL_MIN_QUERY, pf_mod.PREFILL_MIN_CONTEXT = saved_min
         lines = [
             f"GPU: {gpu}; {time.perf_counter() - t0:.0f} s",
             "| section | item | value | note |",

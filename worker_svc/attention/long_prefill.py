@@ -1,14 +1,16 @@
 """Attention of a batch holding long prefill chunks (issue 31): which rows go to which kernel.
 
-A chunk of `PREFILL_MIN_QUERY` (kernels/triton/prefill_attention.py) or more query tokens is
-"long". Over a context of `FLASH_MIN_CONTEXT` tokens or more, on a CUDA device, it is computed
-by torch SDPA's fused attention (cuDNN's on Hopper, FlashAttention-3 class) on its context
-gathered from the paged cache into contiguous K/V: SDPA cannot read our block table, and the
-gather is cheap next to the attention it feeds (a chunk of C tokens over a context of S does
-4 * H * D * C * S FLOPs for 2 * S * Hkv * D elements copied; at C = 8k, D = 128, GQA 4 that is
-~16,000 FLOPs per byte, the copy ~1 % of the chunk's time on an H100/H200). Query j of a chunk
-over a cached prefix of P tokens sees keys 0..P + j (causal from the bottom right), which SDPA
-runs fast only as two calls: see `_flash_chunk`.
+The Triton backend sends a batch here when it holds a chunk of `PREFILL_MIN_QUERY` or more
+query tokens and a context of `PREFILL_MIN_CONTEXT` or more (`use_prefill_kernel` in
+kernels/triton/prefill_attention.py). Such a chunk is "long". Over a context of
+`FLASH_MIN_CONTEXT` tokens or more, on a CUDA device, it is computed by torch SDPA's fused
+attention (cuDNN's on Hopper, FlashAttention-3 class) on its context gathered from the paged
+cache into contiguous K/V. SDPA cannot read our block table, and the gather is cheap next to
+the attention it feeds: a chunk of C tokens over a context of S does 4 * H * D * C * S FLOPs
+for 2 * S * Hkv * D elements copied (at C = 8k, D = 128, GQA 4, ~16,000 FLOPs per byte: the
+copy is ~1 % of the chunk's time on an H100/H200). Query j of a chunk over a cached prefix of
+P tokens sees keys 0..P + j (causal from the bottom right), which SDPA runs fast only as two
+calls: see `_flash_chunk`.
 
 The other long chunks (short contexts, no CUDA as in the tests, or `LONG_ROWS = "triton"`, the
 benchmark's switch) go through the Triton prefill kernel; decodes and short chunks riding in

@@ -74,17 +74,18 @@ def test_prefill_attention_fp8_cache() -> None:
     _check(b, out, 0.25, torch.float32, scales)
 
 
-def test_dispatch_by_longest_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
-    long = make_paged_batch(
-        [(1, 40), (pf_mod.PREFILL_MIN_QUERY, pf_mod.PREFILL_MIN_QUERY)],
-        num_heads=2, num_kv_heads=1, head_dim=16, block_size=16, dtype=torch.float32,
-    )  # fmt: skip
-    short = make_paged_batch(
-        [(3, 40)], num_heads=2, num_kv_heads=1, head_dim=16, block_size=16, dtype=torch.float32
-    )
-    assert use_prefill_kernel(long.meta) and not use_prefill_kernel(short.meta)
+def test_dispatch_by_longest_chunk_and_context(monkeypatch: pytest.MonkeyPatch) -> None:
+    def meta(seqs: list[tuple[int, int]]):  # type: ignore[no-untyped-def]
+        return make_paged_batch(
+            seqs, num_heads=2, num_kv_heads=1, head_dim=16, block_size=16, dtype=torch.float32
+        ).meta
+
+    n, ctx = pf_mod.PREFILL_MIN_QUERY, pf_mod.PREFILL_MIN_CONTEXT
+    long = meta([(1, 40), (n, ctx)])
+    assert use_prefill_kernel(long)
+    assert not use_prefill_kernel(meta([(3, 40)])) and not use_prefill_kernel(meta([(n, n), (1, ctx - 1)]))
     monkeypatch.setattr(pf_mod, "PREFILL_MIN_QUERY", 1 << 30)  # the benchmark's switch to the old path
-    assert not use_prefill_kernel(long.meta)
+    assert not use_prefill_kernel(long)
 
 
 @pytest.mark.parametrize("flash", [True, False])
