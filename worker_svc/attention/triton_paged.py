@@ -39,6 +39,6 @@ class TritonPagedBackend:
             )
         else:
             triton_kernels.write_kv_cache(k, v, kv_cache, meta.slot_mapping, kv_scale)
-        if use_prefill_kernel(meta):  # long chunks: prefill-shaped tiles, FlashAttention (issue 31)
+        if use_prefill_kernel(meta):  # long chunks, long contexts: SDPA / Triton prefill (issue 31)
             return long_prefill_attention(q, kv_cache, meta, scale, kv_scale=kv_scale)
         return triton_kernels.paged_attention(q, kv_cache, meta, scale, kv_scale=kv_scale)
