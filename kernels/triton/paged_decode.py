@@ -47,9 +47,10 @@ _LOG2E = 1.4426950408889634
 # segment, never more than this many segments.
 _SPLIT_PROGRAMS_PER_SM = 2
 _SPLIT_MIN_TOKENS = 256
-# A cache in the model's dtype takes this kernel from this context length on (see
-# `takes_decode_kernel`): measured at 32k, not at 8k.
+# A cache in the model's dtype takes this kernel from this context length on, split at least
+# this many ways (see `takes_decode_kernel`): measured at 1 x 32k (32 splits), not at 8k.
 _LONG_CONTEXT = 16384
+_MIN_SPLITS = 32
 _SPLIT_MAX = 64
 
 
@@ -275,17 +276,18 @@ def takes_decode_kernel(
     """Whether a pure-decode batch goes to this kernel rather than the unified one.
 
     An fp8 cache always (faster at every shape measured: 1 x 8k-120k, 4 x 32k, 16 x 8k,
-    64 x 2k). A cache in the model's dtype only where this kernel was measured faster: grids
-    of at most `_SPLIT_PROGRAMS_PER_SM` programs an SM at long contexts (batch 1 at 32k: 43.6
-    against 49.8 us); batches that fill the SMs by themselves keep the unified kernel, which
-    read 83-96 % of copy bandwidth there (4 x 32k, 16 x 8k, 64 x 2k) against 71-79 % here.
+    64 x 2k). A cache in the model's dtype only in the regime where this kernel was measured
+    faster: long contexts split at least `_MIN_SPLITS` ways into at most
+    `_SPLIT_PROGRAMS_PER_SM` programs an SM (batch 1 at 32k: 43.6 against 49.8 us). Batches
+    keep the unified kernel, which read 83-96 % of copy bandwidth at 4 x 32k, 16 x 8k and
+    64 x 2k (this kernel's configs of the time: 71-79 %; its present one was not measured there).
     """
     if kv_fp8:
         return True
     if meta.max_seq_len < _LONG_CONTEXT:
         return False
     n = num_splits or choose_decode_splits(meta, num_kv_heads, device)
-    return meta.num_seqs * num_kv_heads * n <= _SPLIT_PROGRAMS_PER_SM * _num_sms(device)
+    return n >= _MIN_SPLITS and meta.num_seqs * num_kv_heads * n <= _SPLIT_PROGRAMS_PER_SM * _num_sms(device)
 
 
 @functools.lru_cache(maxsize=8)

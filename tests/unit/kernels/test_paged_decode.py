@@ -89,7 +89,7 @@ def test_split_heuristic_fills_the_sms_once() -> None:
     assert pd.choose_decode_splits(meta(8, 4096), 4, cpu) == 1  # the batch fills the SMs
 
 
-def test_which_decodes_take_the_decode_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_which_decodes_take_the_decode_kernel() -> None:
     """An fp8 cache always; otherwise long contexts on grids that leave the SMs idle."""
 
     def meta(num_seqs: int, ctx: int):  # type: ignore[no-untyped-def]
@@ -102,13 +102,12 @@ def test_which_decodes_take_the_decode_kernel(monkeypatch: pytest.MonkeyPatch) -
             dtype=torch.float32,
         ).meta
 
-    cpu = torch.device("cpu")  # 16 "SMs"
-    monkeypatch.setattr(pd, "_LONG_CONTEXT", 1024)  # small shapes stand for 16k+
-    assert pd.takes_decode_kernel(meta(1, 300), 8, True, cpu, None)
-    assert not pd.takes_decode_kernel(meta(1, 300), 8, False, cpu, None)  # short
-    assert pd.takes_decode_kernel(meta(1, 2048), 8, False, cpu, None)  # 8 heads x 4 splits
-    assert not pd.takes_decode_kernel(meta(8, 2048), 8, False, cpu, None)  # 64 programs > 2 x 16
-    assert not pd.takes_decode_kernel(meta(1, 2048), 8, False, cpu, 8)  # forced: 64 programs
+    cpu = torch.device("cpu")  # 16 "SMs": 32 programs
+    assert pd.takes_decode_kernel(meta(1, 300), 8, True, cpu, None)  # fp8: always
+    assert not pd.takes_decode_kernel(meta(1, 300), 1, False, cpu, None)  # short
+    assert pd.takes_decode_kernel(meta(1, 16384), 1, False, cpu, None)  # 32 splits, 32 programs
+    assert not pd.takes_decode_kernel(meta(2, 16384), 1, False, cpu, None)  # 16 splits a sequence
+    assert not pd.takes_decode_kernel(meta(1, 16384), 2, False, cpu, 32)  # forced: 64 programs
 
 
 def test_unified_switch_keeps_the_old_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
