@@ -1,7 +1,9 @@
 """Paged attention for pure-decode batches (one query per sequence), split over the context.
 
 Twin: `kernels.reference.paged_attention` (the decode rows). `kernels.triton.paged_attention`
-sends every pure-decode batch here; mixed and prefill batches stay on its unified kernel.
+sends the pure-decode batches that `takes_decode_kernel` accepts here (every one with an fp8
+cache; bf16 ones only at long contexts on nearly idle grids, where this was measured faster);
+mixed, prefill and the other decode batches stay on its unified kernel.
 
 Decode at a long context is a stream over the KV cache: each (sequence, KV head) reads its
 whole context once and does a few FLOPs per byte. The kernel's only job is to keep enough
@@ -9,7 +11,8 @@ bytes in flight. One program owns one KV head of one sequence for a contiguous s
 its context (grid: KV heads, sequences, segments; KV heads vary fastest, so the programs that
 read the same cache pages start together) and all GROUP query heads of that KV head as the
 rows of one tensor-core product, so each K/V tile is read once per group. Segments write a
-normalised partial output and its logsumexp; `merge_attn_partials` combines them.
+normalised partial output and its logsumexp; `merge_attn_partials` combines them (or, with
+`DecodeConfig.fused_merge`, the segment that finishes last: not yet run on a GPU, off).
 
 What sets the pace, found on the compiled kernel (sm_90 TTGIR; see `pick_decode_config`):
 
@@ -17,8 +20,9 @@ What sets the pace, found on the compiled kernel (sm_90 TTGIR; see `pick_decode_
   pipeliner splits `num_stages - 2` stages between the two loads of such a chain: 2 to 5
   stages leave ONE K/V buffer, i.e. every tile's DRAM latency is exposed; 6 gives two tiles
   in flight, 8 three. At batch 1 there are only a few programs per SM to hide latency.
-* Splits. (KV heads x segments) programs should cover every SM several times over, while each
-  segment keeps enough tiles for the pipeline to reach its steady state.
+* One wave. Every program must be resident at once (about two an SM): a second wave pays the
+  programs' dependent start (sequence length -> block table -> first tile) again, so 64 or
+  128 segments a sequence ran slower than 32, and so did configs too large for two an SM.
 * An fp8 cache is converted once per tile, to fp16 rather than bf16: e4m3 -> f16 is one
   `cvt.rn.f16x2.e4m3x2` per two codes, -> bf16 one more convert per element. The dots then
   run in fp16 (q cast to fp16, clamped to its range: exact for every bf16 q in fp16's normal
