@@ -161,13 +161,16 @@ def _client_process(
 ):
     """One client process (spawned): its share of streams against one address, from `start_at`;
     `direct`: the address is a router, asked for a shard per request (route, then stream).
-    Answers (stats, end time, Route's seconds per request: direct only)."""
+    Answers (stats, end time, Route's seconds per request: direct only, its CPU seconds over the
+    run: every thread, measured here, since which of the pool's processes runs it is the pool's
+    choice)."""
     if cpus is not None:
         pin([os.getpid()], set(cpus))
     time.sleep(max(0.0, start_at - time.time()))
+    cpu = time.process_time()
     run = run_direct_clients if direct else run_grpc_clients
     results, end, routes = asyncio.run(run(target, prompts, output_len, concurrency, timeout, connections))
-    return [asdict(r) for r in results], end, routes
+    return [asdict(r) for r in results], end, routes, time.process_time() - cpu
 
 
 class _Balanced:
@@ -281,10 +284,10 @@ def drive(
     cpus,
     direct: bool = False,
     connections: int = 1,
-) -> tuple[list[RequestStats], float, list[float]]:
+) -> tuple[list[RequestStats], float, list[float], list[float]]:
     """`streams` streams in `procs` client processes, process i against targets[i % len] on
     cpus[i % len(cpus)] (`cpus`: one set for all, or one per target); (stats, wall seconds, Route's
-    seconds per request)."""
+    seconds per request, each client process's CPU seconds)."""
     cpu_sets = cpus if isinstance(cpus, list) else [cpus]
     procs = max(1, min(procs, streams))
     start_at = time.time() + 1.0
@@ -298,9 +301,10 @@ def drive(
         for i in range(procs)
     ]  # fmt: skip
     parts = [f.result() for f in futures]
-    results = [RequestStats(**r) for part, _, _ in parts for r in part]
-    routes = [t for _, _, part in parts for t in part]
-    return results, max(end for _, end, _ in parts) - start_at, routes
+    results = [RequestStats(**r) for part, _, _, _ in parts for r in part]
+    routes = [t for _, _, part, _ in parts for t in part]
+    cpu = [c for _, _, _, c in parts]
+    return results, max(end for _, end, _, _ in parts) - start_at, routes, cpu
 
 
 # ----- the mesh -----
@@ -508,7 +512,10 @@ def main(argv: list[str] | None = None) -> int:
         tempfile.TemporaryDirectory() as logs,
         ProcessPoolExecutor(max_clients, mp_context=mp.get_context("spawn")) as pool,
     ):
-        client_pids = set(pool.map(_warm, range(max_clients)))
+        # Imports done before the first row. (Not the client processes' ids: the pool starts as
+        # few processes as keep up with these calls, 3 of 8 here, and a row's calls may go to
+        # others; each client process measures its own CPU instead.)
+        list(pool.map(_warm, range(max_clients)))
         mesh = Mesh(args, logs)
         try:
             mesh.start_shards(args.shards)
@@ -542,19 +549,19 @@ def main(argv: list[str] | None = None) -> int:
                 # The router processes' and the shards' cores' CPU over the row: is one the ceiling?
                 watched = [p.pid for p in mesh.routers] + [s.procs[0].pid for s in shards]
                 before = {p: cpu_seconds(p) for p in watched}
-                # Every process of the row (idle client processes add nothing): the row's CPU per token.
+                # Every process of the row but the clients (they count their own): its CPU per token.
                 everything = [p for s in shards for root in s.procs for p in _tree(root.pid)]
-                everything += [p.pid for p in mesh.routers] + sorted(client_pids)
+                everything += [p.pid for p in mesh.routers]
                 before_all = {p: cpu_seconds(p) for p in everything}
                 served_before = [served(s.address) for s in shards]
-                results, wall, routes = drive(
+                results, wall, routes, client_cpu = drive(
                     pool, targets, clients, prompts, args.output_len, streams, args.timeout, client_cpus,
                     direct=how == "direct", connections=args.connections_per_client,
                 )  # fmt: skip
                 row = report(label, streams, results, wall)
                 per_shard = 1 + args.api_server_count + args.workers_per_shard
                 loads = busy(watched, before, wall + 1.0)  # the clients start 1 s after `before`
-                row_cpu = sum(busy(everything, before_all, 1.0))  # CPU seconds of the whole row
+                row_cpu = sum(busy(everything, before_all, 1.0)) + sum(client_cpu)  # the row's CPU seconds
                 # Who was busy (a process at 100 % is a ceiling): API processes, workers, clients.
                 share = dict(zip(everything, busy(everything, before_all, wall + 1.0), strict=True))
                 # The row's CPU per token by role: where a row's extra CPU per token goes.
@@ -562,11 +569,11 @@ def main(argv: list[str] | None = None) -> int:
                 api_pids = [p for s in shards for p in _tree(s.procs[0].pid)[1:] if p in share]
                 roles = {
                     "core": cores, "api": api_pids, "workers": [p.pid for s in shards for p in s.procs[1:]],
-                    "router": [p.pid for p in mesh.routers], "clients": sorted(client_pids),
+                    "router": [p.pid for p in mesh.routers],
                 }  # fmt: skip
                 apis = [share[p] for s in shards for p in _tree(s.procs[0].pid)[1:] if p in share]
                 workers = [share[p.pid] for s in shards for p in s.procs[1:]]
-                client_load = sorted((share[p] for p in client_pids), reverse=True)[: min(clients, streams)]
+                client_load = sorted((c / wall for c in client_cpu), reverse=True)
                 routes.sort()
                 tokens = max(row["tok_s"] * wall, 1)
                 router_load, core_load = loads[: len(mesh.routers)], loads[len(mesh.routers) :]
@@ -582,8 +589,11 @@ def main(argv: list[str] | None = None) -> int:
                     route_p50=routes[len(routes) // 2] * 1e3 if routes else 0.0,
                     route_p99=routes[int(len(routes) * 0.99)] * 1e3 if routes else 0.0,
                     us_by_role={
-                        role: 1e6 * sum(share[p] for p in pids) * (wall + 1.0) / tokens
-                        for role, pids in roles.items()
+                        **{
+                            role: 1e6 * sum(share[p] for p in pids) * (wall + 1.0) / tokens
+                            for role, pids in roles.items()
+                        },
+                        "clients": 1e6 * sum(client_cpu) / tokens,
                     },
                     cores_used=row_cpu / wall,
                 )  # fmt: skip
