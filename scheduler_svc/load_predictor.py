@@ -26,9 +26,9 @@ past the sizes it was measured at (one size cannot tell a fixed overhead from a 
 loads use fewer of the bulk path's connections): a hit more than `EXTRAPOLATE` times the largest
 load measured, that the fit says to skip, gets a probe of twice that size. While loads are
 skipped, every `PROBE_EVERY`-th skip still loads one chunk, so a path that got faster is
-noticed; but a probe is a load predicted at a loss, and one taken on a short prompt cost that
-prompt's first token ~10 ms on an H200 (a 256-token chunk over the bulk path, 14-16 ms, against
-~8 ms to compute it): a due probe waits for a request on which its predicted loss is at most
+noticed; but a probe is a load predicted at a loss, which on a short prompt is a large share of
+its first token (on an H200 a 256-token chunk of an 8B model took 14-16 ms over the bulk path, and
+~8 ms to compute): a due probe waits for a request on which its predicted loss is at most
 `PROBE_LOSS` of that request's predicted prefill (a long prompt whose leading chunk is stored), and
 until one comes every request computes. A request whose whole prompt could not pay for a load skips
 the store lookup too (`worth_looking`, decided from its length and the fitted rates before any RPC;
