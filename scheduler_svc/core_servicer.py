@@ -10,6 +10,7 @@ stream to (protos/llmesh/v1/core.proto says why).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 
@@ -59,8 +60,8 @@ class SchedulerCoreServicer(core_pb2_grpc.SchedulerCoreServicer):
     def model_state(self) -> core_pb2.CoreModelState:
         mesh = self.mesh
         state = core_pb2.CoreModelState(num_workers=len(mesh.workers), num_connected=mesh.num_connected)
-        if mesh.model_info is not None:
-            state.info.CopyFrom(worker_info_to_proto(mesh.model_info))
+        if mesh.model_info is not None:  # a prefill worker's KV export stays between workers
+            state.info.CopyFrom(worker_info_to_proto(dataclasses.replace(mesh.model_info, kv_export=None)))
         return state
 
     async def Serve(

@@ -31,6 +31,7 @@ import secrets
 import socket
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -42,6 +43,9 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "llmesh-kv-"
+# Peers' exports kept open at once (least recently used closed first): a prefill worker that
+# restarts exports anew, and its old mapping must not pin the dead process's memory for good.
+MAX_OPEN_PEERS = 8
 # More (src, dst) runs than this per copy: one gather and one scatter per layer instead of a
 # slice copy per run (each a kernel launch, or a memcpy on the CPU).
 MAX_SLICE_RUNS = 8
@@ -280,7 +284,7 @@ class PeerCopier:
     def __init__(self, caches: list[torch.Tensor], device: torch.device) -> None:
         self.caches = caches  # the live list (sleep empties and refills it)
         self.device = device
-        self._opened: dict[str, list[torch.Tensor]] = {}
+        self._opened: OrderedDict[str, list[torch.Tensor]] = OrderedDict()
         self.host = host_id()
 
     def apply(self, copies: list[PeerCopy], index_of: Callable[[str, int], int]) -> CopyReport:
@@ -316,6 +320,9 @@ class PeerCopier:
             self._check_layout(export)
             layers = _open(export, self.device)
             self._opened[export.export_id] = layers
+            while len(self._opened) > MAX_OPEN_PEERS:
+                self._opened.popitem(last=False)
+        self._opened.move_to_end(export.export_id)
         return layers
 
     def _check_layout(self, export: KVExport) -> None:
