@@ -56,16 +56,17 @@ def order_of_events(runner: Any) -> Iterator[list[tuple[str, int]]]:
         del runner.finish, runner._fill_masks, runner.sample_deferred, runner.structured._fill
 
 
-def handed_over_before_sampling(events: list[tuple[str, int]]) -> int:
-    """How many deferred samplings were queued after the result of the step before them had been
-    handed over (their masks filled meanwhile); each filled before it was queued."""
-    n = 0
+def handed_over_before_sampling(events: list[tuple[str, int]]) -> tuple[int, int]:
+    """(deferred samplings, those queued after the result of the step before them had been handed
+    over, their masks filled meanwhile); each is filled before it is queued."""
+    fills = handed_over = 0
     for i, (what, step) in enumerate(events):
         if what != "fill":
             continue
         queued = events.index(("sample", step), i)  # ValueError: never queued, or before its fill
-        n += any(w == "result" for w, _ in events[i + 1 : queued])
-    return n
+        fills += 1
+        handed_over += any(w == "result" for w, _ in events[i + 1 : queued])
+    return fills, handed_over
 
 
 def test_constrained_rows_launch_ahead_and_sample_the_same(smollm2: str) -> None:
@@ -84,8 +85,10 @@ def test_constrained_rows_launch_ahead_and_sample_the_same(smollm2: str) -> None
             ahead = llm.generate(prompts[:3], params[:3], use_tqdm=False)
         assert pipeline.num_launched_ahead - before >= 5  # constrained rows no longer hold steps back
         # The step thread hands a step's result over before it queues the next step's sampling,
-        # whose masks the fill thread fills meanwhile.
-        assert handed_over_before_sampling(events) >= 5
+        # whose masks the fill thread fills meanwhile. (How many samplings are deferred depends
+        # on timing: the constrained rows end after a few tokens.)
+        fills, handed_over = handed_over_before_sampling(events)
+        assert fills >= 2 and handed_over == fills
         assert ("fill thread", 0) in events
         with mask_in_step(llm):
             behind = llm.generate(prompts[:3], params[:3], use_tqdm=False)
