@@ -228,25 +228,30 @@ async def test_a_direct_copy_that_fails_is_recomputed(pool, reference, monkeypat
 
 
 async def test_a_prefill_worker_gone_before_the_copy_is_planned_ends_in_a_recompute(pool, reference):
-    """The decode worker is full, so the handed-over requests wait; meanwhile the prefill worker
-    leaves (its held blocks with it): nothing copies from it, the decode worker computes them."""
-    prompts = long_prompts(5, 2)
+    """The decode worker is full, so the handed-over requests wait: one is aborted (its held blocks
+    go at once), then the prefill worker leaves (its held blocks with it): nothing copies from it,
+    the decode worker computes the other's prompt."""
+    prompts = long_prompts(5, 3)
+    aborted, *kept = prompts
     mesh = make_mesh(pool)
-    decode = mesh.workers["decode-0"]
+    prefill, decode = mesh.workers["prefill"], mesh.workers["decode-0"]
     decode.planner.config = dataclasses.replace(decode.planner.config, max_num_seqs=0)  # admits nothing
     tasks = asyncio.gather(generate_all(mesh, prompts))
     deadline = time.monotonic() + 60
     while len(mesh.pd.holds) < len(prompts):
         assert time.monotonic() < deadline, "the handovers were not placed"
         await asyncio.sleep(0.01)
+    assert mesh.abort(aborted)
+    assert aborted not in mesh.pd.holds and aborted not in prefill.planner.blocks.held
     await mesh.remove_worker("prefill")
-    assert not mesh.pd.holds and all(decode.planner.requests[r].peer is None for r in prompts)
+    assert not mesh.pd.holds and all(decode.planner.requests[r].peer is None for r in kept)
     decode.planner.config = dataclasses.replace(decode.planner.config, max_num_seqs=8)
     decode.wakeup.set()
     (out,) = await tasks
-    assert out == {rid: reference[rid] for rid in prompts}
+    assert out[aborted] == reference[aborted][: len(out[aborted])]  # its first token, then the end
+    assert {rid: out[rid] for rid in kept} == {rid: reference[rid] for rid in kept}
     await settle(mesh)
-    assert mesh.stats()["pd_direct"] == 2 and mesh.stats()["pd_direct_bytes"] == 0
+    assert mesh.stats()["pd_direct"] == 3 and mesh.stats()["pd_direct_bytes"] == 0
     assert_no_leaks(mesh)
     await close(mesh)
 
