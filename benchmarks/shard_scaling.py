@@ -4,7 +4,7 @@
         [--streams-per-shard 256] [--requests-per-shard 2048] [--prompt-len 128] [--output-len 128]
         [--stream-interval 1] [--api-server-count 6] [--client-procs-per-shard 8]
         [--router-procs 2N] [--router-reuse-port] [--router-policy index] [--one-via-router]
-        [--cpus-per-shard C] [--rows one,relay,direct,split,isolated] [--connections-per-client 8]
+        [--cpus-per-shard C] [--rows one,relay,direct,split,isolated] [--connections-per-client 2]
     .venv/bin/python benchmarks/shard_scaling.py --smoke    # seconds, 2-core machine (make test)
 
 Issue 30's must-show "8 null workers over 4 shards >= 3.5x one shard", in one run and one table.
@@ -427,10 +427,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--connections-per-client",
         type=int,
-        default=8,
-        help="TCP connections each client process keeps per shard (streams spread over them); a "
-        "shard's API processes share its port and the kernel spreads connections, not streams, over "
-        "them (1: every stream of a client process on one API process of the shard)",
+        default=2,
+        help="TCP connections each client process opens first per shard (gateway/shard_routing.py's "
+        "default); more are opened while one of the shard's API processes is unreached, and the "
+        "streams are kept even over the processes",
     )
     ap.add_argument(
         "--router-procs",

@@ -137,10 +137,10 @@ async def test_connections_are_added_until_every_process_is_reached_and_no_furth
         entry = channels.channels[address]
         for _ in range(100):
             await asyncio.sleep(0.02)
-            if len(entry.lanes) == 8 and all(lane.process for lane in entry.lanes):
+            if len(entry.lanes) == 12 and all(lane.process for lane in entry.lanes):
                 break
         await asyncio.sleep(0.1)
-        assert len(entry.lanes) == 8 and {lane.process for lane in entry.lanes} == {"p0"}  # 2 x (1 + 3)
+        assert len(entry.lanes) == 12 and {lane.process for lane in entry.lanes} == {"p0"}  # 4 per process
     finally:
         await channels.close()
         await server.stop(None)
