@@ -172,8 +172,9 @@ def test_outputs_taken_in_batches_of_tokens_equal_token_by_token(smollm2):
     # tokens, text, logprobs and stop as one token at a time, though a stop string is seen late.
     params = [
         SamplingParams(temperature=0, max_tokens=30, stop=[" 7"], logprobs=1),
-        SamplingParams(temperature=0.8, seed=11, max_tokens=25, n=2),
-        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=11, max_tokens=20, n=2),
+        # 1 + 16 + 7 tokens at interval 16: a last batch cut short by max_tokens (40 took 1.7x as long)
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
     ]
     prompts = ["1, 2, 3, 4,", "Once upon a time", "The capital of France is"]
     outs = {}
