@@ -6,6 +6,7 @@ element, so the same budget holds twice the blocks of a bf16 cache (`bytes_per_b
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -14,6 +15,8 @@ import torch
 
 from worker_svc.kv_peer import SHM_DIR, SharedKVSegment
 from worker_svc.models.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -68,11 +71,16 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device |
 
 def shared_kv_segment(spec: KVCacheSpec, num_blocks: int) -> SharedKVSegment | None:
     """`allocate_kv_cache`'s tensors in a shared-memory segment peers of this host can map (a CPU
-    prefill worker's, for direct handovers); None where the host has no /dev/shm."""
+    prefill worker's, for direct handovers); None where the host has no /dev/shm or it is too
+    small (the cache is then private: handovers go through the store)."""
     if not os.path.isdir(SHM_DIR):
         return None
     shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-    return SharedKVSegment(shape, spec.dtype, spec.num_layers)
+    try:
+        return SharedKVSegment(shape, spec.dtype, spec.num_layers)
+    except OSError as e:
+        log.warning("KV cache not exported: no room in shared memory", extra={"error": repr(e)})
+        return None
 
 
 class ByteViews(Sequence[torch.Tensor]):

@@ -73,9 +73,11 @@ def torch_dtype(name: str) -> torch.dtype:
 class SharedKVSegment:
     """Every layer's KV tensor in one POSIX shared-memory segment (the CPU worker's exportable cache).
 
-    Created with O_EXCL and mode 0600 under a random name; zero-filled (ftruncate), as
-    `allocate_kv_cache`'s are. `close` unlinks the name: peers that mapped it keep their mapping,
-    new ones cannot open it.
+    Created with O_EXCL and mode 0600 under a random name; zero-filled, as `allocate_kv_cache`'s
+    are. Its pages are allocated up front (posix_fallocate): a /dev/shm too small for it (Docker's
+    default is 64 MiB) raises OSError here, where a sparse file would have killed the worker with
+    SIGBUS at its first write past the limit. `close` unlinks the name: peers that mapped it keep
+    their mapping, new ones cannot open it.
     """
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, num_layers: int) -> None:
@@ -87,7 +89,7 @@ class SharedKVSegment:
         self.layer_bytes = elem * int(torch.Size(shape).numel())
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, max(self.layer_bytes * num_layers, 1))
+            os.posix_fallocate(fd, 0, max(self.layer_bytes * num_layers, 1))
             self._map = mmap.mmap(fd, max(self.layer_bytes * num_layers, 1))
         except BaseException:
             os.unlink(self.path)
