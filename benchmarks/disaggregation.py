@@ -274,7 +274,9 @@ def peer_copy(devices: list[str], gib: float, layers: int, visible: str, repeats
         input=len(header).to_bytes(8, "little") + header + payload,
         capture_output=True, env=env, timeout=300,
     )  # fmt: skip
-    del src
+    del src, export  # the workers that start next size their caches from what is free
+    torch.cuda.ipc_collect()
+    torch.cuda.empty_cache()
     if done.returncode != 0:
         raise RuntimeError(f"peer consumer ({visible}) failed: {done.stderr.decode()[-2000:]}")
     out = json.loads(done.stdout.decode().strip().splitlines()[-1])
