@@ -88,6 +88,10 @@ def as_stepper(runner: Stepper | Callable[[StepPlan], StepResult]) -> Stepper:
 _STOP = object()
 
 
+class StepLoopStopped(RuntimeError):
+    """Work handed to a StepLoop after its stop(): it would never run."""
+
+
 class _Ready:
     """Put on the step thread's queue when the device has finished the step of `event`."""
 
@@ -152,6 +156,11 @@ class StepLoop:
         self._on_thread_start = on_thread_start
         self.last_step_id = 0  # the last plan whose step completed (its KV written)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        # Set by stop(), under the lock that orders it against submit/call: work queued behind the
+        # stop would never run, and its future never resolve (a Step stream's last drop_all, when
+        # the stream ends after the servicer closed, hung the worker's exit until it was killed).
+        self._stopped = False
+        self._stop_lock = threading.RLock()  # reentrant: stop() may run from a finalizer mid-submit
         # Futures of submitted plans, resolved in order by the thread, with their event loops.
         self._unresolved: deque[tuple[asyncio.Future, asyncio.AbstractEventLoop]] = deque()
         self._watcher: _DeviceWatcher | None = None
@@ -166,20 +175,31 @@ class StepLoop:
         """Queue `plan`; its future resolves to its StepResult, or to the error it raised."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._unresolved.append((fut, loop))
-        self._queue.put(plan)
+        with self._stop_lock:
+            if self._stopped:
+                fut.set_exception(StepLoopStopped("the step loop has stopped"))
+                return fut
+            self._unresolved.append((fut, loop))
+            self._queue.put(plan)
         return fut
 
     def call(self, fn: Callable[[], Any]) -> asyncio.Future:
         """Run `fn` on the step thread after every plan submitted so far has completed."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._queue.put(_Call(fn, fut, loop))
+        with self._stop_lock:
+            if self._stopped:
+                fut.set_exception(StepLoopStopped("the step loop has stopped"))
+                return fut
+            self._queue.put(_Call(fn, fut, loop))
         return fut
 
     def stop(self) -> None:
-        """End the thread once the work queued so far is done (safe from any thread, or a finalizer)."""
-        self._queue.put(_STOP)
+        """End the thread once the work queued so far is done (safe from any thread, or a finalizer);
+        what is submitted or called afterwards fails at once with StepLoopStopped."""
+        with self._stop_lock:
+            self._stopped = True
+            self._queue.put(_STOP)
 
     def join(self, timeout_s: float = 30.0) -> bool:
         """After `stop`: wait until the step thread and then its device watcher (which only the step

@@ -56,3 +56,20 @@ async def test_an_outcome_nobody_awaits_is_not_an_unhandled_error(caplog):
     await asyncio.sleep(0)
     steps.stop()
     assert "never retrieved" not in caplog.text
+
+
+async def test_work_handed_over_after_stop_fails_at_once():
+    """A Step stream ending after the servicer closed hands its last drop_all to a stopped loop:
+    it must fail, not hang (the worker's exit waited on it until it was killed)."""
+    from worker_svc.step_loop import StepLoopStopped
+
+    _, execute = _execute_log()
+    steps = StepLoop(execute)
+    queued = steps.submit(StepPlan(step_id=1))  # before the stop: still runs
+    steps.stop()
+    with pytest.raises(StepLoopStopped):
+        await asyncio.wait_for(steps.call(lambda: None), 5)
+    with pytest.raises(StepLoopStopped):
+        await asyncio.wait_for(steps.submit(StepPlan(step_id=2)), 5)
+    assert (await asyncio.wait_for(queued, 5)).step_id == 1
+    assert steps.join(5)
