@@ -22,6 +22,7 @@ from services.grpc_server import open_sync_channel
 from services.launcher import start_mesh
 from tests.integration.conftest import service_logs
 from tests.integration.test_mesh import stats, wait_for
+from worker_svc import kv_peer
 
 CHUNK_TOKENS = 32
 MAX_TOKENS = 24
@@ -64,6 +65,7 @@ def mesh(tmp_path):
     mesh.log_dir = tmp_path  # type: ignore[attr-defined]
     yield mesh
     mesh.stop()
+    kv_peer.sweep_stale_segments()  # the killed prefill worker's shared KV segment
 
 
 class Run:
