@@ -15,6 +15,14 @@ ensure_stubs()
 os.environ.setdefault(ENV_KEY, new_key())
 
 
+@pytest.hookimpl(trylast=True)  # after -k/-m deselected what they do: the final selection
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The long-idle test's `llmesh up` idles while the rest of the suite runs (75 s of make test).
+    from tests.helpers.long_idle import start_with_the_session
+
+    start_with_the_session(config, items)
+
+
 @pytest.fixture
 def redis_server(tmp_path_factory):
     """A fresh, empty redis-server on a free loopback port (skips if redis-server is not installed)."""

@@ -1,5 +1,8 @@
 """`llmesh up` as a new user runs it (`make run`), left idle for 75 s, then used.
 
+In a whole-suite run the mesh is started with the session and idles while the other tests run
+(tests/helpers/long_idle.py): the test runs last and waits for what is left of the 75 s.
+
 The mesh used to die ~60-70 s after start when idle: the clients' keepalive pings
 broke the servers' ping policy (GOAWAY "too_many_pings"). Default settings only
 (keepalive 20 s: 75 s is almost four ping periods, past where it died; it was 180 s, then
@@ -12,16 +15,15 @@ worker's Step stream never broke.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import time
 
 import httpx
 import pytest
 
-from services.launcher import free_port
+from tests.helpers.long_idle import IDLE_MESH, READY_TIMEOUT_S, IdleMesh
 from tests.integration.test_mesh import stats
-from tests.integration.test_supervisor import _alive, _read_until, _start_up, _stop_all
+from tests.integration.test_supervisor import _alive, _stop_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(330)]
 
@@ -50,21 +52,28 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
-def test_llmesh_up_with_defaults_serves_after_a_long_idle():
+@pytest.fixture
+def idle_mesh(request) -> IdleMesh:
+    """Started with the session when it runs the whole suite (tests/conftest.py), else here."""
+    mesh = request.config.stash.get(IDLE_MESH, None) or IdleMesh.start()
+    request.addfinalizer(mesh.stop)
+    return mesh
+
+
+def test_llmesh_up_with_defaults_serves_after_a_long_idle(idle_mesh):
     import openai
 
-    port, sched_port = free_port(), free_port()
-    up, lines = _start_up(["--port", str(port), "--scheduler-port", str(sched_port)])
-    pids: dict[str, int] = {}
+    up, lines, port, sched_port = idle_mesh.up, idle_mesh.lines, idle_mesh.port, idle_mesh.sched_port
+    assert idle_mesh.ready.wait(READY_TIMEOUT_S + 30), "".join(lines[-40:])
+    assert not idle_mesh.error, idle_mesh.error + "\n" + "".join(lines[-40:])
+    pids = idle_mesh.pids
     try:
-        _read_until(up, "OpenAI API", 180, lines)
-        listed = (re.match(r"\s+(\S+)\s+\S+\s+\(pid (\d+)\)", line) for line in lines)
-        pids = {m[1]: int(m[2]) for m in listed if m}
         assert set(pids) == {"kvstore", "scheduler", "worker-0", "gateway"}, lines
-        base = f"http://127.0.0.1:{port}"
-        assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+        base = f"http://127.0.0.1:{port}"  # /health answered 200 once ready (IdleMesh)
 
-        time.sleep(IDLE_S)  # nothing at all: no request, no health check
+        # Nothing at all since then: no request, no health check (longer when the rest of the
+        # suite ran meanwhile).
+        time.sleep(max(0.0, idle_mesh.ready_at + IDLE_S - time.monotonic()))
 
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
         model = client.models.list().data[0].id
