@@ -73,6 +73,7 @@ class _Launched:
     sampling: list[str] = field(default_factory=list)
     # `LaunchedStep.sampled`; None: `pending_event` has no event to await (no cost model).
     sampled: _Sampled | None = None
+    masks: None = None  # `LaunchedStep.masks`: no structured outputs, so never a deferred sampling
     chunks: list[tuple[int, int]] = field(default_factory=list)  # prefill (start, tokens)
     decodes: int = 0
 
