@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from benchmarks.gpu import gpu_time  # noqa: E402
 from kernels import reference  # noqa: E402
 from kernels.attention_metadata import AttentionMetadata  # noqa: E402
 from kernels.triton import paged_decode as pd  # noqa: E402
@@ -55,28 +56,8 @@ def _copy_bw(dev: str, mib: int) -> float:
     n = (mib << 20) // 2
     src = torch.randn(n, dtype=torch.bfloat16, device=dev)
     dst = torch.empty_like(src)
-    t = _time(lambda: dst.copy_(src), dev, reps=20)
+    t = gpu_time(lambda: dst.copy_(src), reps=20, warmup=1)
     return 2 * src.numel() * 2 / t
-
-
-def _time(fn, dev: str, reps: int = 20) -> float:  # type: ignore[no-untyped-def]
-    """Median seconds of fn() (CUDA events; host clock on CPU)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        if dev == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2]
 
 
 class Workload:
@@ -145,7 +126,7 @@ class Workload:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             run_all()
-        t = _time(graph.replay, dev, reps=reps) / self.n_rot
+        t = gpu_time(graph.replay, reps=reps, warmup=1) / self.n_rot
         del graph
         return t
 
