@@ -58,10 +58,19 @@ ERROR_BOUNDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 
 
 class LinearFit:
-    """y = a + b * x by least squares over the last `window` samples (a >= 0, b > 0)."""
+    """y = a + b * x by least squares over the last `window` samples (a >= 0, b >= 0).
 
-    def __init__(self, window: int = WINDOW) -> None:
+    `flat_without_slope`: where the samples span several x but y does not grow with x beyond
+    their noise, the fit is the flat line at the mean (x costs nothing measurable) instead of
+    the line through the origin. For prefill that is the safe reading: a step whose time is its
+    fixed cost (an eager 8B launch is ~18 ms of host work for 32 tokens or 288) gains nothing
+    from a load, where the line through the origin charged all of it to the tokens (~60 us a
+    token: a 256-token chunk looked worth a 13 ms load, and every short prompt loaded at a loss).
+    """
+
+    def __init__(self, window: int = WINDOW, flat_without_slope: bool = False) -> None:
         self.samples: deque[tuple[float, float]] = deque(maxlen=window)
+        self.flat_without_slope = flat_without_slope
 
     def add(self, x: float, y: float) -> None:
         if x > 0 and y >= 0:
@@ -95,8 +104,8 @@ class LinearFit:
             return through_zero
         b = sum((x - mx) * (y - my) for x, y in self.samples) / var
         a = my - b * mx
-        if b <= 0:  # noise swamps the slope: the mean rate
-            return through_zero
+        if b <= 0:  # noise swamps the slope: flat at the mean, or the mean rate
+            return (my, 0.0) if self.flat_without_slope else through_zero
         if a < 0:  # no negative overhead: the slope through the origin
             return (0.0, sum(x * y for x, y in self.samples) / sum(x * x for x, _ in self.samples))
         return (a, b)
@@ -120,7 +129,7 @@ class LoadPredictor:
         self.block_bytes = block_bytes
         self.prior_bytes_per_s = prior_bytes_per_s
         self.loads = LinearFit()  # x: blocks loaded, y: seconds
-        self.prefill = LinearFit()  # x: prompt tokens computed, y: seconds
+        self.prefill = LinearFit(flat_without_slope=True)  # x: prompt tokens computed, y: seconds
         self.bytes_per_block = 0.0
         self._skips_in_a_row = 0
         self._probe_next = False  # a lookup went ahead as a probe: load a chunk of what it finds

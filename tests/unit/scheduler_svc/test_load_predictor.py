@@ -41,6 +41,10 @@ def test_the_fits_recover_overhead_and_rate():
     same_x.add(8, 4.0)
     same_x.add(8, 4.0)
     assert same_x.coefficients() == (0.0, 0.5)  # no spread: through the origin
+    flat = LinearFit(flat_without_slope=True)
+    for x, y in ((32, 0.019), (288, 0.018), (32, 0.017), (288, 0.018)):  # noise over any slope
+        flat.add(x, y)
+    assert flat.coefficients() == (pytest.approx(0.018), 0.0)  # the fixed cost, no rate
     p = predictor(1e-4, 1e-5, overhead_s=0.001)
     assert p.load_seconds(10) == pytest.approx(0.002)
     assert p.compute_seconds(100) == pytest.approx(0.001)  # the marginal part only
@@ -128,7 +132,7 @@ def test_the_planner_loads_only_the_predicted_part_and_counts_the_prediction():
     result = StepResult(
         2, kv_load_blocks=[32], kv_load_bytes=[32 * 1000], kv_load_seconds=[predicted + 0.003]
     )
-    tiers.observe(plan, result, 0.05)
+    tiers.observe(plan, result, predicted + 0.003 + 0.002 + 8 * BS * 1e-5)  # the load, then its tail
     stats = tiers.stats
     assert sum(stats.kv_load_error_counts) == 1
     assert stats.kv_load_error_counts[ERROR_BOUNDS.index(0.005)] == 1
@@ -261,3 +265,12 @@ def test_puts_wait_for_the_plan_in_flight_instead_of_riding_ahead_of_its_tokens(
     tiers.finish_plan(4, [])  # a plan that computes carries them at once, as before
     tiers._pending_puts = [(b"k2", [1])]
     assert [p.key for p in tiers.finish_plan(5, []).store_puts] == [b"k2"]
+
+
+def test_a_step_whose_time_is_its_fixed_cost_loads_nothing():
+    p = LoadPredictor(BS)
+    for tokens, seconds in ((288, 0.018), (32, 0.019), (288, 0.0185), (32, 0.0175)):  # eager launches
+        p.observe_prefill(tokens, seconds)
+    p.observe_load(C, C * 1000, 0.013)
+    assert p.compute_seconds(256) == 0.0
+    assert p.decide(C, [C], compute_tokens=288).chunks == 0  # through 0 it was ~60 us a token: a load
