@@ -140,6 +140,22 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
+def _check_paths(row, what: str, q, cache, meta, scale: float, out, ref, tol: float) -> bool:  # type: ignore[no-untyped-def]
+    """One row per attention path: its relative error against the twin's `ref`; whether all pass."""
+    ok = True
+    for key in PATHS:
+        with attention_path(key) as label:
+            try:
+                err = _rel_err(attend(q, cache, meta, scale, out), ref)
+            except Exception as e:
+                row("check", f"{label}, {what}", "ERROR", repr(e)[:160])
+                ok = False
+                continue
+        ok &= err < tol
+        row("check", f"{label}, {what}", f"{err:.1e}", f"rel. error vs twin; < {tol:g}")
+    return ok
+
+
 def check(args: argparse.Namespace, row) -> bool:  # type: ignore[no-untyped-def]
     from kernels import reference
 
@@ -149,16 +165,7 @@ def check(args: argparse.Namespace, row) -> bool:  # type: ignore[no-untyped-def
         case = Case(length, args)
         q, out, meta = case.chunk(start, length)
         ref = reference.prefill_attention(q.float(), case.cache.float(), meta, case.scale)
-        for key in PATHS:
-            with attention_path(key) as label:
-                try:
-                    err = _rel_err(attend(q, case.cache, meta, case.scale, out), ref)
-                except Exception as e:
-                    row("check", f"{label}, chunk {start}..{length}", "ERROR", repr(e)[:160])
-                    ok = False
-                    continue
-            ok &= err < tol
-            row("check", f"{label}, chunk {start}..{length}", f"{err:.1e}", f"rel. error vs twin; < {tol:g}")
+        ok &= _check_paths(row, f"chunk {start}..{length}", q, case.cache, meta, case.scale, out, ref, tol)
         del case, ref
     # A mixed step: decodes and a short chunk beside a long chunk (the backend splits it).
     from kernels.attention_metadata import AttentionMetadata
@@ -186,18 +193,9 @@ def check(args: argparse.Namespace, row) -> bool:  # type: ignore[no-untyped-def
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     cache = torch.randn((2, sum(need), bs, args.kv_heads, args.head_dim), dtype=dtype, device=dev)
     q = torch.randn((sum(lens), args.heads, args.head_dim), dtype=dtype, device=dev)
-    ref = reference.paged_attention(q.float(), cache.float(), meta, args.head_dim**-0.5)
-    for key in PATHS:
-        with attention_path(key) as label:
-            try:
-                err = _rel_err(attend(q, cache, meta, args.head_dim**-0.5, torch.empty_like(q)), ref)
-            except Exception as e:
-                row("check", f"{label}, mixed", "ERROR", repr(e)[:160])
-                ok = False
-                continue
-        ok &= err < tol
-        row("check", f"{label}, mixed {seqs}", f"{err:.1e}", f"rel. error vs twin; < {tol:g}")
-    return ok
+    scale = args.head_dim**-0.5
+    ref = reference.paged_attention(q.float(), cache.float(), meta, scale)
+    return _check_paths(row, f"mixed {seqs}", q, cache, meta, scale, torch.empty_like(q), ref, tol) and ok
 
 
 def _time(fn, args: argparse.Namespace) -> float:  # type: ignore[no-untyped-def]
