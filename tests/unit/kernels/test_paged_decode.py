@@ -71,43 +71,34 @@ def test_decode_odd_head_dim_and_block_size() -> None:
     _close(out, reference.paged_attention(b.q, b.kv_cache, b.meta, 0.3), 1e-5)
 
 
-def test_split_heuristic_fills_the_sms_once() -> None:
-    def meta(num_seqs: int, ctx: int):  # type: ignore[no-untyped-def]
-        return make_paged_batch(
-            [(1, ctx)] * num_seqs,
-            num_heads=2,
-            num_kv_heads=1,
-            head_dim=16,
-            block_size=16,
-            dtype=torch.float32,
-        ).meta
+def _decodes(num_seqs: int, ctx: int):  # type: ignore[no-untyped-def]
+    """Metadata of `num_seqs` decodes at context `ctx` (the split and routing rules read only it)."""
+    return make_paged_batch(
+        [(1, ctx)] * num_seqs,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        block_size=16,
+        dtype=torch.float32,
+    ).meta
 
+
+def test_split_heuristic_fills_the_sms_once() -> None:
     cpu = torch.device("cpu")  # 16 "SMs" (pd._num_sms): 2 programs each = 32 programs
-    assert pd.choose_decode_splits(meta(1, 4096), 8, cpu) == 4  # 8 KV heads x 4 segments
-    assert pd.choose_decode_splits(meta(1, 4096), 1, cpu) == 16  # capped by 4096 / 256 tokens
-    assert pd.choose_decode_splits(meta(1, 300), 1, cpu) == 1  # too short to split
-    assert pd.choose_decode_splits(meta(8, 4096), 4, cpu) == 1  # the batch fills the SMs
+    assert pd.choose_decode_splits(_decodes(1, 4096), 8, cpu) == 4  # 8 KV heads x 4 segments
+    assert pd.choose_decode_splits(_decodes(1, 4096), 1, cpu) == 16  # capped by 4096 / 256 tokens
+    assert pd.choose_decode_splits(_decodes(1, 300), 1, cpu) == 1  # too short to split
+    assert pd.choose_decode_splits(_decodes(8, 4096), 4, cpu) == 1  # the batch fills the SMs
 
 
 def test_which_decodes_take_the_decode_kernel() -> None:
     """An fp8 cache always; otherwise long contexts on grids that leave the SMs idle."""
-
-    def meta(num_seqs: int, ctx: int):  # type: ignore[no-untyped-def]
-        return make_paged_batch(
-            [(1, ctx)] * num_seqs,
-            num_heads=2,
-            num_kv_heads=1,
-            head_dim=16,
-            block_size=16,
-            dtype=torch.float32,
-        ).meta
-
     cpu = torch.device("cpu")  # 16 "SMs": 32 programs
-    assert pd.takes_decode_kernel(meta(1, 300), 8, True, cpu, None)  # fp8: always
-    assert not pd.takes_decode_kernel(meta(1, 300), 1, False, cpu, None)  # short
-    assert pd.takes_decode_kernel(meta(1, 16384), 1, False, cpu, None)  # 32 splits, 32 programs
-    assert not pd.takes_decode_kernel(meta(2, 16384), 1, False, cpu, None)  # 16 splits a sequence
-    assert not pd.takes_decode_kernel(meta(1, 16384), 2, False, cpu, 32)  # forced: 64 programs
+    assert pd.takes_decode_kernel(_decodes(1, 300), 8, True, cpu, None)  # fp8: always
+    assert not pd.takes_decode_kernel(_decodes(1, 300), 1, False, cpu, None)  # short
+    assert pd.takes_decode_kernel(_decodes(1, 16384), 1, False, cpu, None)  # 32 splits, 32 programs
+    assert not pd.takes_decode_kernel(_decodes(2, 16384), 1, False, cpu, None)  # 16 splits a sequence
+    assert not pd.takes_decode_kernel(_decodes(1, 16384), 2, False, cpu, 32)  # forced: 64 programs
 
 
 def test_unified_switch_keeps_the_old_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
