@@ -129,8 +129,8 @@ class Planner:
         self._sampling_by_step: dict[int, dict[str, int]] = {}
         # Per plan in flight: sequences that verify drafts or propose them (SpecEntry).
         self._spec_by_step: dict[int, dict[str, SpecEntry]] = {}
-        # Running sequences per group (a caller's request with its n choices), for fair admission.
         self._peer_copies: list[PeerCopy] = []  # direct handovers' copies of the plan being built
+        # Running sequences per group (a caller's request with its n choices), for fair admission.
         self._group_running: Counter[str] = Counter()
         self._groups: Counter[str] = Counter()  # unfinished sequences per group
         self.num_preemptions = 0
