@@ -26,6 +26,7 @@ from typing import Any
 import grpc
 
 from llmesh.v1 import generation_pb2, router_pb2, router_pb2_grpc
+from services.api_processes import PROCESS_KEY, PROCESSES_KEY
 from services.auth import bearer_metadata
 from services.grpc_server import DEFAULT_KEEPALIVE_S, ChannelSecurity, default_security, open_channel
 
@@ -60,8 +61,6 @@ OWN_CONNECTION = ("grpc.use_local_subchannel_pool", 1)
 # are opened, up to this many per process the shard says it has (a hash's coupon collector: 6
 # processes take ~15 connections on average to reach all).
 GET_MODEL_INFO = "/llmesh.v1.Scheduler/GetModelInfo"
-PROCESS_KEY = "x-llmesh-api-process"  # as scheduler_svc/api_server.py names them
-PROCESSES_KEY = "x-llmesh-api-processes"
 MAX_CONNECTIONS_PER_PROCESS = 4
 IDENTIFY_TIMEOUT_S = 5.0
 

@@ -39,6 +39,7 @@ import grpc
 from llmesh.v1 import generation_pb2_grpc, router_pb2_grpc, worker_pb2_grpc
 from scheduler_svc.core_client import CoreClient
 from scheduler_svc.servicer import ModelCard, SchedulerServicer
+from services.api_processes import PROCESS_KEY, PROCESSES_KEY
 from services.grpc_server import ChannelSecurity, GrpcServer, Service, open_channel, serve
 from services.parent_watch import launcher_env
 
@@ -46,9 +47,6 @@ log = logging.getLogger(__name__)
 
 CONFIG_ENV = "LLMESH_SCHEDULER_API_CONFIG"  # the core's config, as JSON, for its API processes
 COUNT_ENV = "LLMESH_SCHEDULER_API_COUNT"  # how many API processes the core runs (said to callers)
-# Initial metadata of GetModelInfo: which API process a connection reached, and of how many.
-PROCESS_KEY = "x-llmesh-api-process"
-PROCESSES_KEY = "x-llmesh-api-processes"
 QUICK_EXIT_S = 10.0  # an API process that dies sooner than this after its start failed to start
 RESTART_MAX_S = 30.0
 
