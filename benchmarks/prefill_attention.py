@@ -313,9 +313,10 @@ def e2e(args: argparse.Namespace, row) -> None:  # type: ignore[no-untyped-def]
                         except Exception as e:  # keep the other paths' rows
                             row(f"prefill, chunks of {chunk}", label, "ERROR", repr(e)[:160])
                             continue
-                        for length in args.e2e_lens:
+                        lens = args.e2e_lens if chunk == args.e2e_chunks[0] else args.e2e_more_lens
+                        for length in lens:
                             try:  # fresh prompts every time: no prefix to reuse
-                                t = min(time_greedy(llm, prompt(length), 1) for _ in range(args.e2e_reps))
+                                times = [time_greedy(llm, prompt(length), 1) for _ in range(args.e2e_reps)]
                             except Exception as e:
                                 row(
                                     f"prefill, chunks of {chunk}",
@@ -324,17 +325,174 @@ def e2e(args: argparse.Namespace, row) -> None:  # type: ignore[no-untyped-def]
                                     repr(e)[:160],
                                 )
                                 continue
+                            t = min(times)
                             target = E2E_TARGETS.get(length)
                             note = f"{length / t:,.0f} prompt tok/s"
+                            if len(times) > 1:  # the first meets the shapes' cuDNN plans unbuilt
+                                note += f"; best of {len(times)}, first {times[0]:.3f} s"
                             if target is not None and key == "flash":
                                 note += f"; target <= {target} s: {'met' if t <= target else 'MISSED'}"
                             row(
                                 f"prefill, chunks of {chunk}", f"{label}, {length} tokens", f"{t:.3f} s", note
                             )
+                        if (
+                            "profile" in args.sections
+                            and args.device == "cuda"
+                            and key == paths[0]
+                            and chunk == args.e2e_chunks[0]
+                        ):
+                            for length in args.profile_lens:
+                                profile_prefill(
+                                    llm, prompt(length), f"{label}, {length} tokens, {chunk}", row
+                                )
             finally:
                 llm.close()
                 del llm
                 free_cuda()
+
+
+# Kernel-name fragments (lower case) -> the category a profile sums them under, first match wins.
+KERNEL_KINDS = [
+    ("attention (cuDNN / flash)", ("cudnn", "sdpa", "fmha", "flash")),
+    ("attention (Triton)", ("attn", "attention")),
+    ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
+    ("K/V gather (index)", ("index", "gather")),
+    ("norm / rotary / act (Triton)", ("rms", "norm", "rotary", "rope", "silu", "act", "fused")),
+    ("copies / casts", ("copy", "memcpy", "memset", "cast", "fill")),
+    ("elementwise", ("elementwise", "vectorized", "reduce", "softmax", "lerp", "sigmoid")),
+]
+
+
+def _kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def profile_prefill(llm, prompt: dict, label: str, row) -> None:  # type: ignore[no-untyped-def]
+    """One fresh prompt's prefill under the torch profiler (CUDA activity only: every kernel the
+    step thread launches): GPU time per kernel category and the top kernels, against the wall
+    time, whose remainder is the GPU idle (host time between launches and steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.gpu import time_greedy
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        wall = time_greedy(llm, prompt, 1)
+    per_name: dict[str, list[float]] = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        us = us if us is not None else getattr(e, "self_cuda_time_total", 0.0)
+        if us > 0:
+            acc = per_name.setdefault(e.key, [0.0, 0])
+            acc[0] += us / 1e6
+            acc[1] += e.count
+    busy = sum(t for t, _ in per_name.values())
+    section = f"profile, {label}"
+    row(section, "wall (under the profiler)", f"{wall:.3f} s", f"GPU busy {busy:.3f} s = {busy / wall:.0%}")
+    kinds: dict[str, float] = {}
+    for name, (t, _) in per_name.items():
+        kinds[_kind(name)] = kinds.get(_kind(name), 0.0) + t
+    for kind, t in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        row(section, kind, f"{t * 1e3:.1f} ms", f"{t / busy:.1%} of GPU busy")
+    for name, (t, n) in sorted(per_name.items(), key=lambda kv: -kv[1][0])[:16]:
+        row(section, f"kernel {name[:90]}", f"{t * 1e3:.1f} ms", f"{n} calls, {t / busy:.1%}")
+
+
+def plans(args: argparse.Namespace, row) -> None:  # type: ignore[no-untyped-def]
+    """What a new (queries, keys) shape costs cuDNN: the first call of a shape on a thread
+    (torch keeps cuDNN's execution plans per thread) against the second, each on a fresh thread,
+    so every shape meets an empty cache."""
+    import threading
+
+    from benchmarks.gpu import sync
+
+    cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention
+    h, hkv, d = args.heads, args.kv_heads, args.head_dim
+    dev = torch.device(args.device)
+
+    def tensors(sq: int, skv: int):  # type: ignore[no-untyped-def]
+        q = torch.randn((sq, h, d), dtype=torch.bfloat16, device=dev).transpose(0, 1)[None]
+        k = torch.randn((skv, hkv, d), dtype=torch.bfloat16, device=dev).transpose(0, 1)[None]
+        return q, k, torch.randn_like(k)
+
+    q, k, v = tensors(1024, 1024)
+    cudnn(q, k, v, None, True, 0.0, True, False, scale=0.1)  # loads the library on this thread
+    for sq, skv, causal in args.plan_shapes:
+        q, k, v = tensors(sq, skv)
+        times: list[float] = []
+
+        def work(q=q, k=k, v=v, causal=causal, times=times) -> None:
+            torch.cuda.set_device(dev)
+            for _ in range(3):
+                sync()
+                t0 = time.perf_counter()
+                cudnn(q, k, v, None, True, 0.0, causal, False, scale=0.1)
+                sync()
+                times.append(time.perf_counter() - t0)
+
+        th = threading.Thread(target=work)
+        th.start()
+        th.join()
+        what = f"q {sq} x k {skv}" + (", causal" if causal else "")
+        row(
+            "cuDNN plans",
+            what,
+            f"{(times[0] - min(times[1:])) * 1e3:.1f} ms",
+            f"first call {times[0] * 1e3:.1f} ms, then {min(times[1:]) * 1e3:.1f} ms",
+        )
+        del q, k, v
+
+
+def parts(args: argparse.Namespace, row) -> None:  # type: ignore[no-untyped-def]
+    """The flash path's pieces summed over one prompt's chunks (one layer): the gather of the
+    context from the paged cache, the two cuDNN calls, the logsumexp merge and the copy into
+    the output; x 32 layers is their share of an 8B prefill."""
+    from kernels.reference import gather_kv
+
+    for length in args.parts_lens:
+        case = Case(length, args)
+        names = ["gather", "cuDNN prefix", "cuDNN causal square", "merge", "copy out", "whole _flash_chunk"]
+        totals = dict.fromkeys(names, 0.0)
+        for start in range(args.chunk, length, args.chunk):
+            end = min(start + args.chunk, length)
+            if end < lp_mod.FLASH_MIN_CONTEXT or end - start < pf_mod.PREFILL_MIN_QUERY:
+                continue  # the Triton kernel's or the unified kernel's
+            for name, fn in _flash_parts(case, start, end, gather_kv).items():
+                totals[name] += _time(fn, args)
+        for part, t in totals.items():
+            row(
+                f"flash path, 1 x {length} in chunks of {args.chunk}",
+                part,
+                f"{t * 1e3:.2f} ms",
+                f"x 32 layers = {t * 32:.3f} s",
+            )
+        del case
+
+
+def _flash_parts(case: Case, start: int, end: int, gather_kv) -> dict:  # type: ignore[no-untyped-def]
+    """Callables for each piece of `_flash_chunk` on the chunk [start, end) of `case`."""
+    q, out, meta = case.chunk(start, end)
+    bt, sc = meta.block_tables[0], case.scale
+    k, v = gather_kv(case.cache, bt, end)
+    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    o_pre, lse_pre = lp_mod._attend_with_lse(qh, kh[:, :, :start], vh[:, :, :start], False, sc)
+    o_new, lse_new = lp_mod._attend_with_lse(qh, kh[:, :, start:], vh[:, :, start:], True, sc)
+
+    def merge() -> torch.Tensor:
+        w = torch.sigmoid(lse_pre - lse_new)[..., None]
+        return torch.lerp(o_new.float(), o_pre.float(), w)[0].transpose(0, 1).to(q.dtype)
+
+    o = merge()
+    return {
+        "gather": lambda: gather_kv(case.cache, bt, end),
+        "cuDNN prefix": lambda: lp_mod._attend_with_lse(qh, kh[:, :, :start], vh[:, :, :start], False, sc),
+        "cuDNN causal square": lambda: lp_mod._attend_with_lse(
+            qh, kh[:, :, start:], vh[:, :, start:], True, sc
+        ),
+        "merge": merge,
+        "copy out": lambda: out.copy_(o),
+        "whole _flash_chunk": lambda: lp_mod._flash_chunk(q, case.cache, meta, 0, sc, None),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -350,6 +508,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--e2e-chunks", default="8192", help="max_num_batched_tokens per engine (paths: first only)"
     )
+    ap.add_argument("--e2e-more-lens", default=None, help="--e2e-lens for the later chunk sizes")
+    ap.add_argument("--profile-lens", default="32768", help="profile: prompts profiled (first path, chunk)")
+    ap.add_argument("--parts-lens", default="32768,120000", help="parts: prompts whose flash path is split")
     ap.add_argument("--paths", default=",".join(PATHS), help=f"attention paths of {list(PATHS)}")
     ap.add_argument(
         "--more-chunk-paths", type=int, default=1, help="paths (the first n) run at the later chunks"
@@ -364,6 +525,17 @@ def main(argv: list[str] | None = None) -> None:
     args.check_mixed = [(1, 3000), (300, 2000), (2048, 20480), (1, 500), (1024, 1024)]
     args.lens = [int(x) for x in args.lens.split(",") if x]
     args.e2e_lens = [int(x) for x in args.e2e_lens.split(",") if x]
+    more = args.e2e_more_lens
+    args.e2e_more_lens = [int(x) for x in more.split(",") if x] if more is not None else args.e2e_lens
+    args.profile_lens = [int(x) for x in args.profile_lens.split(",") if x]
+    args.parts_lens = [int(x) for x in args.parts_lens.split(",") if x]
+    # (queries, keys, causal): the shapes of an 8k-chunked prompt's flash calls.
+    args.plan_shapes = [
+        (8192, 8192, True),
+        (8192, 16384, False),
+        (8192, 106496, False),
+        (5312, 114688, False),
+    ]
     args.e2e_chunks = [int(x) for x in args.e2e_chunks.split(",") if x]
     args.paths = [x for x in args.paths.split(",") if x]
     args.sweep = [tuple(int(x) for x in c.split(",")) for c in args.sweep.split(";") if c]
@@ -374,6 +546,7 @@ def main(argv: list[str] | None = None) -> None:
         args.check_mixed = [(1, 30), (5, 20), (17, 40), (1, 9)]
         args.sweep = [(16, 16, 4, 2)]
         args.e2e_lens, args.e2e_reps, args.e2e_chunks = [40], 1, [32]
+        args.e2e_more_lens, args.profile_lens, args.parts_lens = [40], [], []
         # The new paths at the shapes above (the engine's backend is torch's on the CPU).
         pf_mod.PREFILL_MIN_QUERY, pf_mod.PREFILL_MIN_CONTEXT = 16, 16
     # The engine settings gpu.make_llm reads (benchmarks/gpu.py's engine_settings).
@@ -403,6 +576,10 @@ def main(argv: list[str] | None = None) -> None:
                     f"{dataclasses.astuple(cfg)}",
                     f"default: {pf_mod.default_config(128, 4)}",
                 )
+        if "plans" in sections and args.device == "cuda":
+            plans(args, row)
+        if "parts" in sections and args.device == "cuda":
+            parts(args, row)
         if "kernel" in sections:
             kernel(args, peak, row)
         if "e2e" in sections:
