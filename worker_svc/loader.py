@@ -22,6 +22,7 @@ from torch import nn
 
 from services.model_files import resolve_model
 from worker_svc.attention.base import AttentionBackend
+from worker_svc.models import fp8_checkpoint
 from worker_svc.models.config import ModelConfig
 from worker_svc.models.fp8 import QUANTIZATIONS
 from worker_svc.models.registry import get_model_class
@@ -51,7 +52,9 @@ def load_model(
     With `tp` of size N this rank's shard is built and only its slices of the checkpoint are
     read; dummy weights are the same at every size (each rank cuts its slice from the size-1
     weights). quantization="fp8": the linear layers' weights are quantized once loaded
-    (worker_svc.models.fp8).
+    (worker_svc.models.fp8). A checkpoint whose config.json declares FP8 (compressed-tensors,
+    fbgemm_fp8, fp8: worker_svc.models.fp8_checkpoint) loads its FP8 weights and scales as they
+    are, with quantization None or "fp8".
     """
     if quantization not in (None, *QUANTIZATIONS):
         known = ", ".join(QUANTIZATIONS)
@@ -76,21 +79,38 @@ def load_model(
 
         backend = TorchPagedBackend()
     device = torch.device(device)
+    if load_format not in ("auto", "safetensors", "dummy"):
+        raise ValueError(f"unknown load_format {load_format!r} (auto, safetensors, dummy)")
+    # An FP8-serialized checkpoint (worker_svc.models.fp8_checkpoint) loads its FP8 weights as
+    # they are; with dummy weights its config means quantizing them on load.
+    scheme = fp8_checkpoint.read_scheme(folder)
+    if scheme is not None and quantization not in (None, "fp8"):
+        raise ValueError(
+            f"{folder} is an FP8 ({scheme.method}) checkpoint; quantization={quantization!r} does not match"
+        )
+    if scheme is not None and load_format == "dummy":
+        scheme, quantization = None, "fp8"
     with torch.device("meta"):
         model = get_model_class(config.architecture)(config, backend, tp)
     # Converting dtype on meta is free; to_empty then allocates once, in that dtype.
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)
+    plan = fp8_checkpoint.prepare_layers(model, scheme) if scheme is not None else None
+    model = model.to_empty(device=device)
     if load_format == "dummy":
         _init_dummy(model)
-    elif load_format in ("auto", "safetensors"):
+    else:
         weights = iter_safetensors(folder, device, lazy=tp.size > 1)
         if num_layers:
             weights = ((n, t) for n, t in weights if _layer_of(n) < num_layers)
+        if plan is not None:
+            shapes = fp8_checkpoint.header_shapes(safetensors_files(folder))
+            weights = fp8_checkpoint.checked_tensors(weights, plan, shapes)
         model.load_weights(weights)
-    else:
-        raise ValueError(f"unknown load_format {load_format!r} (auto, safetensors, dummy)")
     model.eval().requires_grad_(False)
-    if quantization is not None:
+    if plan is not None:
+        fp8_checkpoint.finish_layers(plan)
+        logger.info("%s", fp8_checkpoint.describe(plan))
+    elif quantization is not None:
         from worker_svc.models.fp8 import quantize_model_fp8
 
         n = quantize_model_fp8(model)

@@ -1,0 +1,204 @@
+"""Writing FP8 checkpoints that vLLM and llmesh load: `llmesh quantize`.
+
+A bf16/fp16/fp32 Hugging Face checkpoint in, an FP8 one out: each decoder linear weight
+(`model.layers.N.{self_attn,mlp}.*_proj.weight`, llm-compressor's `Linear` targets less the
+head) becomes float8_e4m3fn with one fp32 scale per output channel, `weight_scale` [out, 1],
+computed exactly as `quantization="fp8"` does on load (`quantize_weight_fp8`: rows are quantized
+independently, so q, k and v quantized apart equal the merged q|k|v quantized at once). Loaded
+back, the checkpoint gives the on-the-fly model bit for bit. Everything else (embedding, norms,
+head, biases, modules named in `ignore`) is written as it was read.
+
+Formats (config.json's `quantization_config`, as their own tools write it):
+* `compressed-tensors`: llm-compressor's FP8_DYNAMIC (weights channel-wise, activations
+  dynamic per token), format `float-quantized`, `ignore` = lm_head + `ignore`;
+* `fbgemm`: `quant_method: fbgemm_fp8`, `modules_to_not_convert` = lm_head + `ignore`, and
+  `activation_scale_ub` 1200 as Meta's checkpoints carry (llmesh does not apply it).
+
+Tensors stream through one at a time (memory: one output shard, at most `_SHARD_BYTES`);
+safetensors only, in and out. The tokenizer, generation config and any other non-weight file
+of the folder are copied beside.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from worker_svc.loader import iter_safetensors, safetensors_files
+from worker_svc.models.fp8 import quantize_weight_fp8
+from worker_svc.models.fp8_checkpoint import Fp8Scheme, header_shapes, parse_scheme
+
+FORMATS = ("compressed-tensors", "fbgemm")
+_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.[a-z_]+_proj\.weight$")
+_SHARD_BYTES = 4 << 30
+_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
+
+
+@dataclasses.dataclass
+class QuantizeReport:
+    """What `quantize_checkpoint` wrote."""
+
+    quantized: int  # linear weights written in FP8
+    kept: int  # linear weights kept in their dtype (ignored, or dims not multiples of 16)
+    bytes_in: int  # tensor bytes read
+    bytes_out: int  # tensor bytes written (scales included)
+
+
+def quantization_config(fmt: str, ignore: Sequence[str] = ()) -> dict[str, Any]:
+    """The config.json `quantization_config` of an llmesh-written FP8 checkpoint."""
+    skip = ["lm_head", *ignore]
+    if fmt == "fbgemm":
+        return {"quant_method": "fbgemm_fp8", "modules_to_not_convert": skip, "activation_scale_ub": 1200.0}
+    if fmt != "compressed-tensors":
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}; got {fmt!r}")
+    args = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "block_structure": None}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {**args, "strategy": "channel", "dynamic": False, "observer": "minmax"},
+                "input_activations": {**args, "strategy": "token", "dynamic": True, "observer": None},
+                "output_activations": None,
+            }
+        },
+        "ignore": skip,
+        "kv_cache_scheme": None,
+    }
+
+
+def quantize_checkpoint(
+    src: str, out: str, fmt: str = "compressed-tensors", ignore: Sequence[str] = (), progress: bool = True
+) -> QuantizeReport:
+    """Write the FP8 checkpoint of the model folder `src` into `out` (created; must be empty)."""
+    config_path = os.path.join(src, "config.json")
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    if "quantization_config" in config:
+        method = config["quantization_config"].get("quant_method")
+        raise ValueError(f"{src} is already quantized ({method}); quantize a bf16/fp16/fp32 checkpoint")
+    qc = quantization_config(fmt, ignore)
+    scheme = parse_scheme(qc)  # the reader's own view of what is written: the two agree
+    if os.path.exists(out) and os.listdir(out):
+        raise FileExistsError(f"{out} is not empty")
+    os.makedirs(out, exist_ok=True)
+    files = safetensors_files(src)
+    targets = _targets(header_shapes(files), scheme)
+    report = QuantizeReport(0, 0, 0, 0)
+    writer = _ShardWriter(out)
+    bar = _progress(len(targets), progress)
+    for name, tensor in iter_safetensors(src, "cpu"):
+        report.bytes_in += tensor.numel() * tensor.element_size()
+        if name in targets:
+            q, scale = quantize_weight_fp8(tensor)
+            writer.add(name, q)
+            writer.add(name.removesuffix("weight") + "weight_scale", scale.reshape(-1, 1))
+            report.quantized += 1
+            bar.update(1)
+        else:
+            report.kept += bool(_LINEAR.match(name))
+            writer.add(name, tensor)
+    bar.close()
+    report.bytes_out = writer.close()
+    config["quantization_config"] = qc
+    with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    _copy_other_files(src, out)
+    return report
+
+
+def _targets(shapes: dict[str, tuple[int, ...]], scheme: Fp8Scheme) -> set[str]:
+    """The weights to quantize: decoder linear weights not ignored, with dims that are multiples
+    of 16 (the FP8 GEMM's rule; the loader refuses FP8 weights of other shapes)."""
+    return {
+        name
+        for name, shape in shapes.items()
+        if _LINEAR.match(name)
+        and len(shape) == 2
+        and shape[0] % 16 == 0
+        and shape[1] % 16 == 0
+        and not scheme.ignores(name.removesuffix(".weight"))
+    }
+
+
+class _ShardWriter:
+    """Tensors gathered into safetensors shards of about `_SHARD_BYTES`, named as Hugging Face
+    names them (model.safetensors alone, else model-0000i-of-0000n.safetensors + an index)."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: list[tuple[str, list[str]]] = []  # (temporary file, its tensor names)
+        self.total = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        self.pending[name] = tensor.contiguous()
+        n = tensor.numel() * tensor.element_size()
+        self.pending_bytes += n
+        self.total += n
+        if self.pending_bytes >= _SHARD_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.pending:
+            return
+        path = os.path.join(self.out, f".shard-{len(self.shards)}.tmp")
+        save_file(self.pending, path, metadata={"format": "pt"})
+        self.shards.append((path, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> int:
+        """Write what is pending, give the shards their final names; returns the bytes written."""
+        self._flush()
+        n = len(self.shards)
+        if n == 1:
+            os.replace(self.shards[0][0], os.path.join(self.out, "model.safetensors"))
+            return self.total
+        weight_map = {}
+        for i, (path, names) in enumerate(self.shards):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(path, os.path.join(self.out, final))
+            weight_map.update(dict.fromkeys(names, final))
+        index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
+        with open(os.path.join(self.out, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+            json.dump(index, f, indent=2)
+        return self.total
+
+
+def _copy_other_files(src: str, out: str) -> None:
+    """Tokenizer files, generation config, chat template...: every top-level file that is not
+    a weight file (pickles are not carried over) nor config.json."""
+    for entry in sorted(os.listdir(src)):
+        path = os.path.join(src, entry)
+        if entry == "config.json" or entry.endswith(_WEIGHT_FILES) or not os.path.isfile(path):
+            continue
+        shutil.copyfile(path, os.path.join(out, entry))
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, show: bool) -> Any:
+    """A tqdm bar over the linear layers being quantized (nothing when `show` is off)."""
+    if not show:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="fp8: quantizing linear layers", unit="layer")
