@@ -44,6 +44,23 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_quantize(args: argparse.Namespace) -> int:
+    from services.model_files import resolve_model
+    from worker_svc.models.fp8_writer import quantize_checkpoint
+
+    try:
+        src = resolve_model(args.model, args.cache_dir)
+        r = quantize_checkpoint(src, args.out, args.format, args.ignore)
+    except (ValueError, OSError) as e:
+        print(f"llmesh quantize: {e}", file=sys.stderr)
+        return 1
+    print(
+        f"{args.out}: {r.quantized} linear weights in FP8 ({args.format}), {r.kept} kept in their dtype; "
+        f"tensors {r.bytes_in / 1e6:.1f} MB -> {r.bytes_out / 1e6:.1f} MB"
+    )
+    return 0
+
+
 def _make_llm(args: argparse.Namespace):
     from llmesh import LLM
 
@@ -94,6 +111,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(p)
     p.add_argument("--link", default=None, help="also make this path a symlink to the converted folder")
     p.set_defaults(func=_cmd_convert)
+
+    p = sub.add_parser(
+        "quantize",
+        help="write an FP8 checkpoint (W8A8 e4m3, per-channel weight scales) that llmesh and vLLM load",
+        description="Quantize a bf16/fp16/fp32 checkpoint's decoder linear weights to float8_e4m3fn "
+        "with one scale per output channel (as --quantization fp8 does on load) and save it with "
+        "config.json's quantization_config and the tokenizer files (docs/configuration.md).",
+    )
+    _add_model_flags(p)
+    p.add_argument("--out", required=True, help="folder to write (created; must be empty)")
+    p.add_argument("--format", choices=("compressed-tensors", "fbgemm"), default="compressed-tensors")
+    p.add_argument(
+        "--ignore",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="a module kept in its dtype (model.layers.0.mlp.down_proj, or re:PATTERN); repeatable",
+    )
+    p.set_defaults(func=_cmd_quantize)
 
     for name, func, helptext in (
         ("generate", _cmd_generate, "generate a completion for one prompt, offline"),

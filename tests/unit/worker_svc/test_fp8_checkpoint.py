@@ -202,15 +202,18 @@ def test_dummy_weights_under_an_fp8_config_are_quantized_on_load(written: dict[s
     assert model.get_parameter("layers.0.mlp.down_proj.weight").dtype == torch.float8_e4m3fn
 
 
-def test_the_writer_keeps_ignored_modules_and_refuses_a_quantized_source(
-    written: dict[str, str], tmp_path: Path
+def test_llmesh_quantize_keeps_ignored_modules_and_refuses_a_quantized_source(
+    written: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    report = quantize_checkpoint(
-        written["src"], str(tmp_path / "o"), ignore=["re:.*down_proj"], progress=False
-    )
-    assert (report.quantized, report.kept) == (12, 2)
-    model, _ = load_model(str(tmp_path / "o"))
+    from llmesh.cli import main
+
+    out = str(tmp_path / "o")
+    assert main(["quantize", "--model", written["src"], "--out", out, "--ignore", "re:.*down_proj"]) == 0
+    assert "12 linear weights in FP8 (compressed-tensors), 2 kept" in capsys.readouterr().out
+    model, _ = load_model(out)
     assert model.get_parameter("layers.0.mlp.down_proj.weight").dtype == torch.float32
     assert model.get_parameter("layers.0.mlp.gate_up_proj.weight").dtype == torch.float8_e4m3fn
-    with pytest.raises(ValueError, match="already quantized"):
-        quantize_checkpoint(written["fbgemm"], str(tmp_path / "again"), progress=False)
+    assert main(["quantize", "--model", written["fbgemm"], "--out", str(tmp_path / "again")]) == 1
+    assert "already quantized (fbgemm_fp8)" in capsys.readouterr().err
+    assert main(["quantize", "--model", written["src"], "--out", out]) == 1
+    assert "is not empty" in capsys.readouterr().err
