@@ -26,10 +26,11 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from worker_svc.loader import iter_safetensors, safetensors_files
 from worker_svc.models.fp8 import quantize_weight_fp8
@@ -80,23 +81,39 @@ def quantize_checkpoint(
     src: str, out: str, fmt: str = "compressed-tensors", ignore: Sequence[str] = (), progress: bool = True
 ) -> QuantizeReport:
     """Write the FP8 checkpoint of the model folder `src` into `out` (created; must be empty)."""
-    config_path = os.path.join(src, "config.json")
-    with open(config_path, encoding="utf-8") as f:
+    with open(os.path.join(src, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
+    shapes = header_shapes(safetensors_files(src))
+    report = write_fp8_checkpoint(iter_safetensors(src, "cpu"), shapes, config, out, fmt, ignore, progress)
+    _copy_other_files(src, out)
+    return report
+
+
+def write_fp8_checkpoint(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    shapes: dict[str, tuple[int, ...]],
+    config: dict[str, Any],
+    out: str,
+    fmt: str = "compressed-tensors",
+    ignore: Sequence[str] = (),
+    progress: bool = True,
+) -> QuantizeReport:
+    """Write Hugging Face-named `tensors` (of `shapes`, every one's) as an FP8 checkpoint with
+    `config` (config.json's content, without a quantization_config) into `out`. The tensors may
+    live on the GPU: each is quantized where it is, then copied to the host to be written."""
     if "quantization_config" in config:
         method = config["quantization_config"].get("quant_method")
-        raise ValueError(f"{src} is already quantized ({method}); quantize a bf16/fp16/fp32 checkpoint")
+        raise ValueError(f"the model is already quantized ({method}); quantize a bf16/fp16/fp32 checkpoint")
     qc = quantization_config(fmt, ignore)
     scheme = parse_scheme(qc)  # the reader's own view of what is written: the two agree
     if os.path.exists(out) and os.listdir(out):
         raise FileExistsError(f"{out} is not empty")
     os.makedirs(out, exist_ok=True)
-    files = safetensors_files(src)
-    targets = _targets(header_shapes(files), scheme)
+    targets = _targets(shapes, scheme)
     report = QuantizeReport(0, 0, 0, 0)
     writer = _ShardWriter(out)
     bar = _progress(len(targets), progress)
-    for name, tensor in iter_safetensors(src, "cpu"):
+    for name, tensor in tensors:
         report.bytes_in += tensor.numel() * tensor.element_size()
         if name in targets:
             q, scale = quantize_weight_fp8(tensor)
@@ -109,11 +126,28 @@ def quantize_checkpoint(
             writer.add(name, tensor)
     bar.close()
     report.bytes_out = writer.close()
-    config["quantization_config"] = qc
     with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=2)
-    _copy_other_files(src, out)
+        json.dump({**config, "quantization_config": qc}, f, indent=2)
     return report
+
+
+def hf_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """A loaded (size-1, unquantized) model's weights under their Hugging Face names: merged
+    layers split back into their segments (qkv_proj -> q_proj, k_proj, v_proj), as
+    `load_weights` merged them. For writing a checkpoint of a model built in memory."""
+    from worker_svc.models.parallel_layers import ShardedLinear
+
+    modules = dict(model.named_modules())
+    for name, param in model.named_parameters():
+        owner, _, kind = name.rpartition(".")
+        layer = modules[owner]
+        prefix = "" if name.startswith("lm_head.") else "model."
+        if not isinstance(layer, ShardedLinear) or len(layer.segments) == 1:
+            yield prefix + name, param.data
+            continue
+        parent = owner.rpartition(".")[0]
+        for seg, piece in zip(layer.segments, param.data.split(list(layer.segments.values())), strict=True):
+            yield f"{prefix}{parent}.{seg}_proj.{kind}", piece
 
 
 def _targets(shapes: dict[str, tuple[int, ...]], scheme: Fp8Scheme) -> set[str]:
@@ -142,7 +176,7 @@ class _ShardWriter:
         self.total = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        self.pending[name] = tensor.contiguous()
+        self.pending[name] = tensor.contiguous().cpu()
         n = tensor.numel() * tensor.element_size()
         self.pending_bytes += n
         self.total += n

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.helpers.paged import PagedKV
 from worker_svc.loader import load_model
-from worker_svc.models.fp8_writer import quantize_checkpoint
+from worker_svc.models.fp8_writer import hf_named_tensors, quantize_checkpoint, write_fp8_checkpoint
 from worker_svc.parallel import TensorParallel
 
 BATCH = [("a", [5, 17, 33, 9, 250]), ("b", [101])]
@@ -217,3 +217,21 @@ def test_llmesh_quantize_keeps_ignored_modules_and_refuses_a_quantized_source(
     assert "already quantized (fbgemm_fp8)" in capsys.readouterr().err
     assert main(["quantize", "--model", written["src"], "--out", out]) == 1
     assert "is not empty" in capsys.readouterr().err
+
+
+def test_a_model_in_memory_is_written_under_its_hugging_face_names(
+    written: dict[str, str], tmp_path: Path
+) -> None:
+    """What the GPU check writes an 8B-shaped checkpoint from: a model built in memory, its
+    merged layers split back into q/k/v and gate/up."""
+    model, cfg = load_model(written["src"])
+    tensors = dict(hf_named_tensors(model))
+    assert sorted(tensors) == sorted(load_file(str(Path(written["src"], "model.safetensors"))))
+    config = json.loads(Path(written["src"], "config.json").read_text())
+    shapes = {n: tuple(t.shape) for n, t in tensors.items()}
+    write_fp8_checkpoint(
+        hf_named_tensors(model), shapes, config, str(tmp_path / "m"), "fbgemm", progress=False
+    )
+    ref, _ = load_model(written["src"], quantization="fp8")
+    loaded, _ = load_model(str(tmp_path / "m"))
+    torch.testing.assert_close(_logits(loaded, cfg), _logits(ref, cfg), rtol=0, atol=0)
