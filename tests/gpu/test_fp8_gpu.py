@@ -111,3 +111,65 @@ def test_fp8_skinny_gemm_with_split_k_on_gpu(split_k: int, m: int) -> None:
         assert torch.equal(skinny_gemm(xq, wq, torch.float32, cfg, scale=ws, x_scale=xs), out)
     if split_k > 1:
         assert not skinny._WORKSPACES.by_device[out.device][1].any()
+
+
+def test_an_8b_shaped_fp8_checkpoint_runs_as_the_on_the_fly_fp8_model(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`llmesh quantize`'s writer on the Llama-3.1-8B shape (dummy bf16 weights, written from
+    memory, ~8 GB on disk): loaded back (compressed-tensors detected from config.json) it holds
+    the on-the-fly FP8 model's weights and scales bit for bit, gives its greedy tokens, and its
+    batch-1 decode step takes the same time (the two engines timed in turns). Run with -s."""
+    import json
+    import time
+
+    from benchmarks.gpu import SHAPES, time_greedy, write_config
+    from llmesh import LLM, SamplingParams
+    from worker_svc.loader import load_model
+    from worker_svc.models.fp8_writer import hf_named_tensors, write_fp8_checkpoint
+
+    cfg_dir = write_config(str(tmp_path), "cfg", SHAPES["llama-3.1-8b"])
+    t = time.perf_counter()
+    bf16, _ = load_model(cfg_dir, dtype=torch.bfloat16, device="cuda", load_format="dummy")
+    shapes = {n: tuple(w.shape) for n, w in hf_named_tensors(bf16)}
+    config = json.loads(open(f"{cfg_dir}/config.json").read())
+    ckpt = str(tmp_path / "fp8")
+    report = write_fp8_checkpoint(hf_named_tensors(bf16), shapes, config, ckpt, progress=False)
+    del bf16
+    torch.cuda.empty_cache()
+    took = time.perf_counter() - t
+    print(f"\nwrote {report.quantized} FP8 weights, {report.bytes_out / 1e9:.2f} GB, in {took:.1f} s")
+    engine = dict(dtype="bfloat16", max_model_len=2048, max_num_seqs=8, num_kv_blocks=512)
+    t = time.perf_counter()
+    fly = LLM(cfg_dir, load_format="dummy", quantization="fp8", **engine)
+    t_fly = time.perf_counter() - t
+    t = time.perf_counter()
+    loaded = LLM(ckpt, **engine)
+    print(f"engines built: on the fly {t_fly:.1f} s, from the checkpoint {time.perf_counter() - t:.1f} s")
+    a, b = (dict(e.engine.runner.model.named_buffers()) for e in (fly, loaded))
+    pa, pb = (dict(e.engine.runner.model.named_parameters()) for e in (fly, loaded))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if k.endswith("weight_scale"))
+    assert all(torch.equal(pa[k].view(torch.uint8), pb[k].view(torch.uint8)) for k in pa)
+
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    prompts = [
+        {"prompt_token_ids": [1000 + (i * 37 + j * 11) % 30000 for j in range(20 + 50 * i)]} for i in range(4)
+    ]
+    greedy = [
+        [o.outputs[0].token_ids for o in e.generate(prompts, sp, use_tqdm=False)] for e in (fly, loaded)
+    ]
+    same = sum(x == y for x, y in zip(*greedy, strict=True))
+    print(f"greedy: {same}/{len(prompts)} prompts give the same 32 tokens")
+
+    prompt = {"prompt_token_ids": list(range(1000, 1128))}
+    n = 128
+    steps: dict[str, list[float]] = {"on the fly": [], "checkpoint": []}
+    for e in (fly, loaded):
+        time_greedy(e, prompt, n + 1)
+    for _ in range(3):  # in turns, so clock or thermal drift hits both alike
+        for label, e in (("on the fly", fly), ("checkpoint", loaded)):
+            steps[label].append((time_greedy(e, prompt, n + 1) - time_greedy(e, prompt, 1)) / n)
+    best = {k: min(v) * 1e3 for k, v in steps.items()}
+    print(
+        f"batch-1 decode step: on the fly {best['on the fly']:.3f} ms, checkpoint {best['checkpoint']:.3f} ms"
+    )
+    assert greedy[0] == greedy[1]
+    assert best["checkpoint"] <= 1.05 * best["on the fly"]
