@@ -324,3 +324,95 @@ def prefill_attention(
         num_stages=cfg.num_stages,
     )
     return out
+
+
+@dual_jit(do_not_specialize=["num_rows", "stride_at", "stride_ah", "stride_bt", "stride_bh", "stride_ot"])
+def _merge_two_kernel(
+    a_ptr,  # [T, H, D]: attention over one key set, normalised
+    lse_a_ptr,  # [H, T] fp32 (any strides): its natural logsumexp per row
+    b_ptr,  # [T, H, D]: over the other key set
+    lse_b_ptr,
+    out_ptr,  # [T, H, D]
+    num_rows,
+    stride_at,
+    stride_ah,
+    stride_lah,
+    stride_lat,
+    stride_bt,
+    stride_bh,
+    stride_lbh,
+    stride_lbt,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    head = tl.program_id(1)
+    offs_d = tl.arange(0, HEAD_PAD)
+    row_ok = rows < num_rows
+    mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    rows64 = rows.to(tl.int64)
+    lse_a = tl.load(lse_a_ptr + head * stride_lah + rows64 * stride_lat, mask=row_ok, other=0.0)
+    lse_b = tl.load(lse_b_ptr + head * stride_lbh + rows64 * stride_lbt, mask=row_ok, other=0.0)
+    m = tl.maximum(lse_a, lse_b)
+    w_a = tl.exp(lse_a - m)
+    w_b = tl.exp(lse_b - m)
+    inv = 1.0 / (w_a + w_b)
+    a = tl.load(
+        a_ptr + rows64[:, None] * stride_at + head * stride_ah + offs_d[None, :], mask=mask, other=0.0
+    )
+    b = tl.load(
+        b_ptr + rows64[:, None] * stride_bt + head * stride_bh + offs_d[None, :], mask=mask, other=0.0
+    )
+    o = (a.to(tl.float32) * (w_a * inv)[:, None]) + (b.to(tl.float32) * (w_b * inv)[:, None])
+    tl.store(
+        out_ptr + rows64[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
+
+
+def merge_two(
+    a: torch.Tensor, lse_a: torch.Tensor, b: torch.Tensor, lse_b: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """Attention over two disjoint key sets joined into attention over both, written into `out`
+    in one pass (twin: `kernels.reference.merge_attn_partials` over the two stacked).
+
+    a, b: [T, H, D] (any strides, the last 1), each normalised over its keys; lse_a, lse_b:
+    [H, T] fp32 logsumexps of the rows' scores (any strides; every row saw a key in each set);
+    out: [T, H, D]. out = (e^lse_a a + e^lse_b b) / (e^lse_a + e^lse_b), in fp32 registers:
+    the torch form of `worker_svc.attention.long_prefill` took five passes over the chunk
+    (fp32 copies of both, the weights, the blend, a cast) and a sixth to copy into the batch.
+    """
+    num_rows, num_heads, head_dim = out.shape
+    assert a.shape == b.shape == out.shape, (a.shape, b.shape, out.shape)
+    assert lse_a.shape == lse_b.shape == (num_heads, num_rows), (lse_a.shape, lse_b.shape)
+    assert a.stride(-1) == b.stride(-1) == out.stride(-1) == 1
+    if num_rows == 0:
+        return out
+    block_t = 32
+    _merge_two_kernel[(triton.cdiv(num_rows, block_t), num_heads)](
+        a,
+        lse_a,
+        b,
+        lse_b,
+        out,
+        num_rows,
+        a.stride(0),
+        a.stride(1),
+        lse_a.stride(0),
+        lse_a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        lse_b.stride(0),
+        lse_b.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        HEAD_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_T=block_t,
+        num_warps=4,
+    )
+    return out

@@ -46,3 +46,28 @@ def test_backend_split_sdpa_triton_unified() -> None:
     b = _batch(SEQS)
     assert long_prefill._route(b.meta, True) == ["short", "flash", "short", "triton", "short", "triton"]
     _check(b, long_prefill.long_prefill_attention(b.q, b.kv_cache, b.meta, 128**-0.5))
+
+
+def test_backend_split_before_plan_reuse(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The flash path as it ran before (unpadded shapes, torch merge): the benchmark's baseline."""
+    monkeypatch.setattr(long_prefill, "BUCKETED", False)
+    b = _batch(SEQS)
+    _check(b, long_prefill.long_prefill_attention(b.q, b.kv_cache, b.meta, 128**-0.5))
+
+
+def test_merge_two_bf16() -> None:
+    from kernels.triton.prefill_attention import merge_two
+
+    t, h, d = 3000, 32, 128
+    a = torch.randn(h, t, d, device="cuda").to(torch.bfloat16).transpose(0, 1)
+    b = torch.randn(t, h, d, device="cuda").to(torch.bfloat16)
+    lse_a, lse_b = 3 * torch.randn(h, t, device="cuda"), 3 * torch.randn(h, t, device="cuda")
+    out = merge_two(a, lse_a, b, lse_b, torch.empty_like(b))
+    expected = reference.merge_attn_partials(torch.stack([a, b], 2), torch.stack([lse_a.t(), lse_b.t()], 2))
+    torch.testing.assert_close(out.float(), expected, atol=BF16_TOL, rtol=BF16_TOL)
+
+
+def test_warm_plans_builds_each_shape() -> None:
+    """Start-up's cuDNN plans: one call per shape of prompts up to 40k tokens in 8k chunks."""
+    n = long_prefill.warm_plans(torch.device("cuda"), torch.bfloat16, 32, 8, 128, 40_000, chunks=(8192,))
+    assert n == len(long_prefill.warm_shapes(40_000, (8192,))) == 8 + 3

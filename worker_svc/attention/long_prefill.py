@@ -34,6 +34,18 @@ from kernels.triton import prefill_attention as prefill_mod
 
 # "flash": long rows through FlashAttention (CUDA); "triton": through the Triton prefill kernel.
 LONG_ROWS = "flash"
+# cuDNN builds an execution plan for each new (queries, keys) shape on each thread, and the
+# plan, not the attention, is most of the first call's time. False: the flash path as it was
+# before plan reuse (the benchmark's switch): every chunk's own shapes, a torch merge.
+BUCKETED = True
+# A chunk's causal square (its queries against its own keys) is padded to a multiple of this
+# many rows (zero queries, zero keys past the context): padded rows see only padding and are
+# dropped, real rows see the same keys, so a prompt's last (ragged) chunk reuses a plan of
+# one of C / SQUARE_ALIGN sizes instead of building its own.
+SQUARE_ALIGN = 1024
+# The chunk sizes whose shapes `warm_plans` builds on the step thread at start-up: the worker's
+# served (8,192) and offline (16,384) token budgets on an H100/H200, vLLM's defaults.
+WARM_CHUNKS = (8192, 16384)
 # A long chunk takes FlashAttention only over a context of at least this many tokens. cuDNN
 # builds an execution plan per new (chunk, context) shape on each thread (tens of ms: a fresh
 # 4k prompt took 143 ms through it against 102 ms through the Triton kernel on an H200, whose
@@ -66,7 +78,10 @@ def long_prefill_attention(
         if kinds[a] == _FLASH:
             for i in range(a, b):
                 seq_rows = slice(starts[i], starts[i + 1])
-                out[seq_rows] = _flash_chunk(q[seq_rows], kv_cache, meta, i, scale, kv_scale)
+                if BUCKETED:
+                    _flash_chunk(q[seq_rows], kv_cache, meta, i, scale, kv_scale, out[seq_rows])
+                else:
+                    out[seq_rows] = _flash_chunk_unbucketed(q[seq_rows], kv_cache, meta, i, scale, kv_scale)
         elif kinds[a] == _TRITON:
             sub = _sub_batch(meta, a, b, starts)
             prefill_mod.prefill_attention(q[rows], kv_cache, sub, scale, out=out[rows], kv_scale=kv_scale)
@@ -117,8 +132,117 @@ def _flash_chunk(
     seq: int,
     scale: float,
     kv_scale: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
+    """One sequence's chunk q [C, H, D] over its whole context (cached prefix of P tokens + the
+    chunk), written into out [C, H, D]: the two calls of `_flash_chunk_unbucketed` in shapes
+    whose cuDNN plans recur.
+
+    * q is copied into a contiguous [R, H, D] buffer, R = C rounded up to `SQUARE_ALIGN`, zero
+      past C; the context is gathered into [P + R] keys, zero past P + C. The square call takes
+      all R rows against keys P..P + R: real row j sees keys P..P + j, all real (causal), and
+      the padding only padded rows. The prefix call takes the C real rows against keys 0..P.
+      Fixed strides too (the plan cache keys on them): a view of the model's fused QKV output
+      would carry its row stride into the key.
+    * Full chunks of a chunked prompt then meet (C, P = k * C) and (C, C) every time, which
+      `warm_plans` builds at start-up; a prompt's last chunk only its prefix call's shape.
+    * The two outputs are joined by their logsumexps in one kernel (`merge_two`) that writes
+      the batch's rows directly.
+    """
+    q_len, seq_len = q.shape[0], meta.seq_lens_cpu[seq]
+    prefix = seq_len - q_len
+    rows = -(-q_len // SQUARE_ALIGN) * SQUARE_ALIGN
+    k, v = _gather_padded(kv_cache, meta.block_tables[seq], seq_len, prefix + rows)
+    if is_fp8_cache(kv_cache):
+        s = (kv_scale if kv_scale is not None else unit_kv_scale(q.device)).to(q.dtype)
+        k, v = k.to(q.dtype) * s[0], v.to(q.dtype) * s[1]
+    qp = torch.empty((rows, q.shape[1], q.shape[2]), dtype=q.dtype, device=q.device)
+    qp[:q_len].copy_(q)
+    qp[q_len:].zero_()
+    # [1, heads, tokens, D] views: SDPA needs only the last dim contiguous.
+    qh, kh, vh = qp.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    o_new, lse_new = _attend_with_lse(qh, kh[:, :, prefix:], vh[:, :, prefix:], True, scale)
+    o_new = o_new[0].transpose(0, 1)[:q_len]  # [C, H, D]
+    if prefix == 0:
+        out.copy_(o_new)
+        return
+    o_pre, lse_pre = _attend_with_lse(qh[:, :, :q_len], kh[:, :, :prefix], vh[:, :, :prefix], False, scale)
+    prefill_mod.merge_two(o_pre[0].transpose(0, 1), lse_pre[0], o_new, lse_new[0, :, :q_len], out)
+
+
+def _gather_padded(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gather_kv` into buffers of `rows` >= seq_len tokens, [rows, Hkv, D] each, zero past
+    seq_len (finite: a padded key's weight is exactly 0, but 0 * NaN would not be)."""
+    _, num_blocks, block_size, hkv, d = kv_cache.shape
+    n = -(-seq_len // block_size)
+    src = kv_cache.view(torch.uint8) if is_fp8_cache(kv_cache) else kv_cache
+    buf = torch.empty((2, max(rows, n * block_size), hkv, d), dtype=src.dtype, device=src.device)
+    ids = block_table[:n].long()
+    for i in range(2):  # whole blocks at memcpy speed, as gather_blocks
+        torch.index_select(src[i].view(num_blocks, -1), 0, ids, out=buf[i, : n * block_size].view(n, -1))
+    buf[:, seq_len:rows].zero_()
+    k, v = buf[0, :rows], buf[1, :rows]
+    return (k.view(kv_cache.dtype), v.view(kv_cache.dtype)) if src is not kv_cache else (k, v)
+
+
+def warm_plans(
+    device: torch.device,
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_model_len: int,
+    chunks: tuple[int, ...] | None = None,
+) -> int:
+    """Build, on the calling thread, cuDNN's plans for the shapes `_flash_chunk` meets in
+    prompts chunked by `chunks` tokens (default WARM_CHUNKS) up to `max_model_len`: each full
+    chunk's (C, k * C) prefix call and every aligned square up to C. torch caches cuDNN plans
+    per thread, so the worker calls this on its step thread, as CUDA graphs are captured
+    before the first step. Returns the number of shapes (0 where the path is not taken)."""
+    if device.type != "cuda" or LONG_ROWS != "flash" or not BUCKETED:
+        return 0
+    if dtype not in (torch.bfloat16, torch.float16):  # cuDNN's attention takes half types only
+        return 0
+    shapes = warm_shapes(max_model_len, WARM_CHUNKS if chunks is None else chunks)
+    if not shapes:
+        return 0
+    q = torch.randn((max(s[0] for s in shapes), num_heads, head_dim), dtype=dtype, device=device)
+    k = torch.randn((2, max(s[1] for s in shapes), num_kv_heads, head_dim), dtype=dtype, device=device)
+    qh, kh, vh = q.transpose(0, 1)[None], k[0].transpose(0, 1)[None], k[1].transpose(0, 1)[None]
+    for rows, keys, causal in sorted(shapes):
+        _attend_with_lse(qh[:, :, :rows], kh[:, :, :keys], vh[:, :, :keys], causal, head_dim**-0.5)
+    torch.cuda.synchronize(device)
+    return len(shapes)
+
+
+def warm_shapes(max_model_len: int, chunks: tuple[int, ...]) -> set[tuple[int, int, bool]]:
+    """(query rows, keys, causal) of the cuDNN calls of prompts up to `max_model_len` tokens
+    chunked by each of `chunks`, but for a prompt's last chunk's prefix call (its own length)."""
+    shapes: set[tuple[int, int, bool]] = set()
+    min_query = max(prefill_mod.PREFILL_MIN_QUERY, 1)
+    for c in chunks:
+        if c < min_query or 2 * c > max_model_len:
+            continue
+        # Squares: every aligned size a chunk of min_query..c rows is padded to.
+        squares = range(SQUARE_ALIGN, c + SQUARE_ALIGN, SQUARE_ALIGN)
+        shapes.update((r, r, True) for r in squares if r + SQUARE_ALIGN > min_query)
+        # Prefix calls of full chunks whose context takes the flash path.
+        shapes.update((c, p, False) for p in range(c, max_model_len - c + 1, c) if p + c >= FLASH_MIN_CONTEXT)
+    return shapes
+
+
+def _flash_chunk_unbucketed(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    seq: int,
+    scale: float,
+    kv_scale: torch.Tensor | None,
 ) -> torch.Tensor:
-    """One sequence's chunk q [C, H, D] over its whole context (cached prefix + the chunk).
+    """One sequence's chunk q [C, H, D] over its whole context (cached prefix + the chunk), as
+    it ran before plan reuse (`BUCKETED = False`; the benchmark's "before").
 
     A chunk over a cached prefix of P tokens is two causal-free pieces of work plus one square
     causal one: the chunk against the prefix (no mask) and against itself (causal, where top-left

@@ -88,15 +88,21 @@ def test_dispatch_by_longest_chunk_and_context(monkeypatch: pytest.MonkeyPatch) 
     assert not use_prefill_kernel(long)
 
 
-@pytest.mark.parametrize("flash", [True, False])
-def test_backend_split_of_a_batch_with_long_chunks(monkeypatch: pytest.MonkeyPatch, flash: bool) -> None:
+@pytest.mark.parametrize(("flash", "bucketed"), [(True, True), (True, False), (False, True)])
+def test_backend_split_of_a_batch_with_long_chunks(
+    monkeypatch: pytest.MonkeyPatch, flash: bool, bucketed: bool
+) -> None:
     """Chunks of PREFILL_MIN_QUERY or more tokens over FLASH_MIN_CONTEXT or more through SDPA
     (prefix and chunk apart, merged by logsumexp, on K/V gathered from the cache), the other long
     ones (all, without flash) through the Triton prefill kernel, runs of short rows through the
-    unified kernel, each on its slice of the batch. An fp8 cache is upcast on the SDPA side."""
+    unified kernel, each on its slice of the batch. An fp8 cache is upcast on the SDPA side.
+    Bucketed (the default): the chunk's square padded to SQUARE_ALIGN rows (37 -> 48, 20 -> 32),
+    the merge in one kernel; unbucketed: the path before."""
     from worker_svc.attention import long_prefill
 
     monkeypatch.setattr(long_prefill, "_flash_available", lambda device: flash)
+    monkeypatch.setattr(long_prefill, "BUCKETED", bucketed)
+    monkeypatch.setattr(long_prefill, "SQUARE_ALIGN", 16)
     monkeypatch.setattr(long_prefill, "FLASH_MIN_CONTEXT", 50)  # (37, 100), (20, 71); not (24, 24)
     monkeypatch.setattr(pf_mod, "PREFILL_MIN_QUERY", 20)
     monkeypatch.setattr(pf_mod, "default_config", lambda *_: PrefillConfig(32, 16, 4, 2))
@@ -113,3 +119,54 @@ def test_backend_split_of_a_batch_with_long_chunks(monkeypatch: pytest.MonkeyPat
         )
         out = long_prefill.long_prefill_attention(b.q, b.kv_cache, b.meta, 0.3, kv_scale=scales)
         _check(b, out, 0.3, torch.float32, scales)
+
+
+def test_flash_path_ignores_nan_in_unused_slots(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The padded square reads whole blocks past a sequence's end: their stale (NaN) slots are
+    zeroed before cuDNN (here its CPU form) sees them, so no real row turns NaN."""
+    from worker_svc.attention import long_prefill
+
+    monkeypatch.setattr(long_prefill, "_flash_available", lambda device: True)
+    monkeypatch.setattr(long_prefill, "SQUARE_ALIGN", 32)
+    monkeypatch.setattr(long_prefill, "FLASH_MIN_CONTEXT", 50)
+    monkeypatch.setattr(pf_mod, "PREFILL_MIN_QUERY", 20)
+    b = make_paged_batch(
+        [(37, 100), (20, 71)], num_heads=4, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32
+    )
+    cache = torch.full_like(b.kv_cache, float("nan"))
+    for i, seq_len in enumerate(b.meta.seq_lens_cpu):
+        for pos in range(seq_len):
+            blk = int(b.meta.block_tables[i, pos // 16])
+            cache[:, blk, pos % 16] = b.kv_cache[:, blk, pos % 16]
+    out = long_prefill.long_prefill_attention(b.q, cache, b.meta, 0.3)
+    assert not out.isnan().any()
+    _check(b, out, 0.3, torch.float32)
+
+
+def test_merge_two_matches_twin() -> None:
+    """Two attentions over disjoint key sets joined by their logsumexps, from the layouts the
+    flash path hands over (cuDNN's [H, T, D]-major output, strided logsumexps), into a strided
+    slice of the batch's output: `reference.merge_attn_partials` of the two stacked."""
+    t, h, d = 37, 4, 24  # d padded to 32 inside
+    a = torch.randn(h, t, d).transpose(0, 1)
+    b = torch.randn(t, h, d)
+    lse_a, lse_b = 3 * torch.randn(t, h).t(), 3 * torch.randn(h, t + 5)[:, :t]
+    out = torch.full((t + 4, h, d), float("nan"))[2 : t + 2]
+    pf_mod.merge_two(a, lse_a, b, lse_b, out)
+    expected = reference.merge_attn_partials(torch.stack([a, b], 2), torch.stack([lse_a.t(), lse_b.t()], 2))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_warm_shapes_cover_the_chunks_of_long_prompts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shapes built at start-up: every full chunk's prefix call whose context takes the flash
+    path and every aligned square a chunk of PREFILL_MIN_QUERY..C rows is padded to."""
+    from worker_svc.attention import long_prefill
+
+    monkeypatch.setattr(pf_mod, "PREFILL_MIN_QUERY", 1024)
+    monkeypatch.setattr(long_prefill, "SQUARE_ALIGN", 1024)
+    monkeypatch.setattr(long_prefill, "FLASH_MIN_CONTEXT", 16384)
+    shapes = long_prefill.warm_shapes(40_000, (8192, 16384, 32768))  # 32768: 2 chunks do not fit
+    squares = {(r, r, True) for r in range(1024, 16385, 1024)}
+    prefixes = {(8192, p, False) for p in (8192, 16384, 24576)} | {(16384, 16384, False)}
+    assert shapes == squares | prefixes
+    assert long_prefill.warm_plans(torch.device("cpu"), torch.bfloat16, 4, 2, 16, 40_000) == 0
