@@ -36,6 +36,7 @@ import random
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -61,23 +62,24 @@ pf_mod = importlib.import_module("kernels.triton.prefill_attention")
 lp_mod = importlib.import_module("worker_svc.attention.long_prefill")
 
 # The attention paths a prefill can take (the backend's switches: PREFILL_MIN_QUERY, LONG_ROWS).
-PATHS = {
-    "flash": ("SDPA (cuDNN) on gathered K/V (default)", None, "flash"),  # None: the module's
-    "triton": ("Triton prefill kernel", None, "triton"),
-    "unified": ("unified kernel (before)", 1 << 30, "flash"),
+PATHS = {  # label, PREFILL_MIN_QUERY (None: the module's), LONG_ROWS, BUCKETED
+    "flash": ("SDPA (cuDNN) on gathered K/V (default)", None, "flash", True),
+    "flash-before": ("SDPA, before plan reuse (own shapes, torch merge)", None, "flash", False),
+    "triton": ("Triton prefill kernel", None, "triton", True),
+    "unified": ("unified kernel (before)", 1 << 30, "flash", True),
 }
 
 
 @contextlib.contextmanager
 def attention_path(key: str) -> Iterator[str]:
     """The backend's attention for long chunks set to PATHS[key] for the block; yields its label."""
-    label, min_query, long_rows = PATHS[key]
-    saved = pf_mod.PREFILL_MIN_QUERY, lp_mod.LONG_ROWS
-    pf_mod.PREFILL_MIN_QUERY, lp_mod.LONG_ROWS = min_query or saved[0], long_rows
+    label, min_query, long_rows, bucketed = PATHS[key]
+    saved = pf_mod.PREFILL_MIN_QUERY, lp_mod.LONG_ROWS, lp_mod.BUCKETED
+    pf_mod.PREFILL_MIN_QUERY, lp_mod.LONG_ROWS, lp_mod.BUCKETED = min_query or saved[0], long_rows, bucketed
     try:
         yield label
     finally:
-        pf_mod.PREFILL_MIN_QUERY, lp_mod.LONG_ROWS = saved
+        pf_mod.PREFILL_MIN_QUERY, lp_mod.LONG_ROWS, lp_mod.BUCKETED = saved
 
 
 def attend(q: torch.Tensor, cache: torch.Tensor, meta, scale: float, out: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
@@ -282,73 +284,118 @@ def kernel(args: argparse.Namespace, peak: float, row) -> None:  # type: ignore[
         free_cuda()
 
 
+@dataclasses.dataclass
+class E2ERun:
+    """Rows of one attention path on an engine of `chunk`-token steps; `warm`: the step thread
+    builds the long-prefill cuDNN plans at start-up (long_prefill.WARM_CHUNKS), else none."""
+
+    chunk: int
+    warm: bool
+    path: str
+    lens: list[int]
+    reps: int
+
+
+def e2e_runs(args: argparse.Namespace) -> list[E2ERun]:
+    """--e2e-runs "chunk:warm|cold:path:len,len:reps;..." or, without it, the --e2e-chunks /
+    --paths / --more-chunk-paths grid (warm engines)."""
+    if args.e2e_runs:
+        runs = []
+        for spec in args.e2e_runs.split(";"):
+            chunk, warm, path, lens, reps = spec.split(":")
+            runs.append(
+                E2ERun(int(chunk), warm == "warm", path, [int(x) for x in lens.split(",")], int(reps))
+            )
+        return runs
+    runs = []
+    for chunk in args.e2e_chunks:
+        first = chunk == args.e2e_chunks[0]
+        paths = args.paths if first else args.paths[: args.more_chunk_paths]
+        paths = paths[:1] if args.smoke else paths  # the switch itself is the check section's
+        lens = args.e2e_lens if first else args.e2e_more_lens
+        runs += [E2ERun(chunk, True, key, lens, args.e2e_reps) for key in paths]
+    return runs
+
+
 def e2e(args: argparse.Namespace, row) -> None:  # type: ignore[no-untyped-def]
-    """One fresh prompt per length through an 8B engine per chunk size, per attention path."""
+    """Fresh prompts through an 8B engine (random weights), per run of `e2e_runs`; runs in a row
+    with the same chunk size and warm-up share an engine (and its step thread's cuDNN plans)."""
     from benchmarks.gpu import SHAPES, SMOKE_SHAPES, free_cuda, make_llm, time_greedy, write_config
 
     name = "llama-tiny" if args.smoke else "llama-3.1-8b"
     cfg = (SMOKE_SHAPES if args.smoke else SHAPES)[name]
     rng = random.Random(0)
+    runs = e2e_runs(args)
+    max_len = max(n for r in runs for n in r.lens) + 64
+    short = min(1024, *(n for r in runs for n in r.lens))  # the prompt that compiles a path
 
     def prompt(n: int) -> dict:
         return {"prompt_token_ids": [rng.randrange(10, cfg["vocab_size"]) for _ in range(n)]}
 
+    groups: list[list[E2ERun]] = []
+    for r in runs:
+        if groups and (groups[-1][0].chunk, groups[-1][0].warm) == (r.chunk, r.warm):
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    saved_warm = lp_mod.WARM_CHUNKS
     with tempfile.TemporaryDirectory() as root:
         path = write_config(root, name, cfg)
-        for chunk in args.e2e_chunks:
+        for group in groups:
+            chunk, warm = group[0].chunk, group[0].warm
+            section = f"prefill, chunks of {chunk}, " + ("plans warmed at start-up" if warm else "no warm-up")
             args.max_num_batched_tokens = chunk
+            lp_mod.WARM_CHUNKS = saved_warm if warm else ()
+            t0 = time.perf_counter()
             try:
-                llm = make_llm(path, args, max_model_len=max(args.e2e_lens) + 64, enable_prefix_caching=False)
+                llm = make_llm(path, args, max_model_len=max_len, enable_prefix_caching=False)
+                time_greedy(llm, prompt(short), 1)  # waits for the step thread's start (warm-up)
             except Exception as e:
-                row(f"prefill, chunks of {chunk}", "engine", "ERROR", repr(e)[:160])
+                row(section, "engine", "ERROR", repr(e)[:160])
                 free_cuda()
                 continue
-            paths = args.paths if chunk == args.e2e_chunks[0] else args.paths[: args.more_chunk_paths]
-            paths = paths[:1] if args.smoke else paths  # the switch itself is the check section's
+            row(section, "engine start + a 1k prompt", f"{time.perf_counter() - t0:.1f} s", "")
             try:
-                for key in paths:
-                    with attention_path(key) as label:
-                        try:
-                            time_greedy(llm, prompt(min(args.e2e_lens[0], 1024)), 1)  # compiles this path
-                        except Exception as e:  # keep the other paths' rows
-                            row(f"prefill, chunks of {chunk}", label, "ERROR", repr(e)[:160])
-                            continue
-                        lens = args.e2e_lens if chunk == args.e2e_chunks[0] else args.e2e_more_lens
-                        for length in lens:
-                            try:  # fresh prompts every time: no prefix to reuse
-                                times = [time_greedy(llm, prompt(length), 1) for _ in range(args.e2e_reps)]
-                            except Exception as e:
-                                row(
-                                    f"prefill, chunks of {chunk}",
-                                    f"{label}, {length}",
-                                    "ERROR",
-                                    repr(e)[:160],
-                                )
-                                continue
-                            t = min(times)
-                            target = E2E_TARGETS.get(length)
-                            note = f"{length / t:,.0f} prompt tok/s"
-                            if len(times) > 1:  # the first meets the shapes' cuDNN plans unbuilt
-                                note += f"; best of {len(times)}, first {times[0]:.3f} s"
-                            if target is not None and key == "flash":
-                                note += f"; target <= {target} s: {'met' if t <= target else 'MISSED'}"
-                            row(
-                                f"prefill, chunks of {chunk}", f"{label}, {length} tokens", f"{t:.3f} s", note
-                            )
-                        if (
-                            "profile" in args.sections
-                            and args.device == "cuda"
-                            and key == paths[0]
-                            and chunk == args.e2e_chunks[0]
-                        ):
-                            for length in args.profile_lens:
-                                profile_prefill(
-                                    llm, prompt(length), f"{label}, {length} tokens, {chunk}", row
-                                )
+                for run in group:
+                    _e2e_run(llm, run, lambda n: prompt(short if n is None else n), section, row, args)
             finally:
                 llm.close()
                 del llm
                 free_cuda()
+                lp_mod.WARM_CHUNKS = saved_warm
+
+
+def _e2e_run(llm, run: E2ERun, prompt, section: str, row, args: argparse.Namespace) -> None:  # type: ignore[no-untyped-def]
+    from benchmarks.gpu import time_greedy
+
+    with attention_path(run.path) as label:
+        try:
+            time_greedy(llm, prompt(None), 1)  # compiles this path
+        except Exception as e:  # keep the other paths' rows
+            row(section, label, "ERROR", repr(e)[:160])
+            return
+        for length in run.lens:
+            try:  # fresh prompts every time: no prefix to reuse
+                times = [time_greedy(llm, prompt(length), 1) for _ in range(run.reps)]
+            except Exception as e:
+                row(section, f"{label}, {length}", "ERROR", repr(e)[:160])
+                continue
+            t = min(times)
+            target = E2E_TARGETS.get(length)
+            note = f"{length / t:,.0f} prompt tok/s"
+            if len(times) > 1:  # the first meets the shapes' cuDNN plans unbuilt (without warm-up)
+                note += f"; best of {len(times)}, first {times[0]:.3f} s"
+            if target is not None and run.path.startswith("flash"):
+                note += f"; target <= {target} s: {'met' if t <= target else 'MISSED'}"
+            row(section, f"{label}, {length} tokens", f"{t:.3f} s", note)
+        if "profile" in args.sections and args.device == "cuda":
+            for length in args.profile_lens:
+                try:
+                    profile_prefill(llm, prompt(length), f"{label}, {length} tokens, {run.chunk}", row)
+                except Exception as e:
+                    traceback.print_exc()
+                    row(section, f"profile {length}", "ERROR", repr(e)[:160])
+            args.profile_lens = []  # once, on the first run
 
 
 # Kernel-name fragments (lower case) -> the category a profile sums them under, first match wins.
@@ -415,32 +462,61 @@ def plans(args: argparse.Namespace, row) -> None:  # type: ignore[no-untyped-def
         k = torch.randn((skv, hkv, d), dtype=torch.bfloat16, device=dev).transpose(0, 1)[None]
         return q, k, torch.randn_like(k)
 
-    q, k, v = tensors(1024, 1024)
-    cudnn(q, k, v, None, True, 0.0, True, False, scale=0.1)  # loads the library on this thread
-    for sq, skv, causal in args.plan_shapes:
-        q, k, v = tensors(sq, skv)
-        times: list[float] = []
+    index = torch.cuda.current_device()
+    shapes = [(sq, skv, causal, *tensors(sq, skv)) for sq, skv, causal in args.plan_shapes]
+    times: dict[int, list[float]] = {}
 
-        def work(q=q, k=k, v=v, causal=causal, times=times) -> None:
-            torch.cuda.set_device(dev)
+    def work() -> None:  # one fresh thread: an empty plan cache, every shape new to it
+        torch.cuda.set_device(index)
+        q, k, v = tensors(1024, 1024)
+        cudnn(q, k, v, None, True, 0.0, True, False, scale=0.1)  # the thread's handle, first plan
+        for i, (_, _, causal, q, k, v) in enumerate(shapes):
             for _ in range(3):
                 sync()
                 t0 = time.perf_counter()
                 cudnn(q, k, v, None, True, 0.0, causal, False, scale=0.1)
                 sync()
-                times.append(time.perf_counter() - t0)
+                times.setdefault(i, []).append(time.perf_counter() - t0)
 
-        th = threading.Thread(target=work)
-        th.start()
-        th.join()
+    th = threading.Thread(target=work)
+    th.start()
+    th.join()
+    for i, (sq, skv, causal, *_) in enumerate(shapes):
         what = f"q {sq} x k {skv}" + (", causal" if causal else "")
+        ts = times.get(i, [])
+        if len(ts) < 3:
+            row("cuDNN plans", what, "ERROR", "see the log")
+            continue
         row(
             "cuDNN plans",
             what,
-            f"{(times[0] - min(times[1:])) * 1e3:.1f} ms",
-            f"first call {times[0] * 1e3:.1f} ms, then {min(times[1:]) * 1e3:.1f} ms",
+            f"{(ts[0] - min(ts[1:])) * 1e3:.1f} ms",
+            f"first call on the thread {ts[0] * 1e3:.1f} ms, then {min(ts[1:]) * 1e3:.1f} ms",
         )
-        del q, k, v
+    shapes.clear()  # frees the tensors
+    # What the worker's step thread does at start-up (long_prefill.warm_plans), on a fresh thread.
+    max_len = max(args.e2e_lens) + 64
+    for chunks in ((8192,), lp_mod.WARM_CHUNKS):
+        res: list[float] = []
+
+        def warm(chunks=chunks, res=res) -> None:
+            torch.cuda.set_device(index)
+            t0 = time.perf_counter()
+            res.append(lp_mod.warm_plans(dev, torch.bfloat16, h, hkv, d, max_len, chunks))
+            res.append(time.perf_counter() - t0)
+
+        th = threading.Thread(target=warm)
+        th.start()
+        th.join()
+        if len(res) == 2:
+            row(
+                "cuDNN plans",
+                f"warm_plans, chunks {chunks}, up to {max_len} tokens",
+                f"{res[1]:.2f} s",
+                f"{res[0]} shapes",
+            )
+        else:
+            row("cuDNN plans", f"warm_plans, chunks {chunks}", "ERROR", "see the log")
 
 
 def parts(args: argparse.Namespace, row) -> None:  # type: ignore[no-untyped-def]
@@ -451,14 +527,13 @@ def parts(args: argparse.Namespace, row) -> None:  # type: ignore[no-untyped-def
 
     for length in args.parts_lens:
         case = Case(length, args)
-        names = ["gather", "cuDNN prefix", "cuDNN causal square", "merge", "copy out", "whole _flash_chunk"]
-        totals = dict.fromkeys(names, 0.0)
+        totals: dict[str, float] = {}
         for start in range(args.chunk, length, args.chunk):
             end = min(start + args.chunk, length)
             if end < lp_mod.FLASH_MIN_CONTEXT or end - start < pf_mod.PREFILL_MIN_QUERY:
                 continue  # the Triton kernel's or the unified kernel's
             for name, fn in _flash_parts(case, start, end, gather_kv).items():
-                totals[name] += _time(fn, args)
+                totals[name] = totals.get(name, 0.0) + _time(fn, args)
         for part, t in totals.items():
             row(
                 f"flash path, 1 x {length} in chunks of {args.chunk}",
@@ -470,7 +545,9 @@ def parts(args: argparse.Namespace, row) -> None:  # type: ignore[no-untyped-def
 
 
 def _flash_parts(case: Case, start: int, end: int, gather_kv) -> dict:  # type: ignore[no-untyped-def]
-    """Callables for each piece of `_flash_chunk` on the chunk [start, end) of `case`."""
+    """Callables for each piece of the flash path on the chunk [start, end) of `case`: those of
+    the path before plan reuse (gather, two cuDNN calls, torch merge, copy into the batch), the
+    new pieces (padded gather, one-kernel merge) and both whole."""
     q, out, meta = case.chunk(start, end)
     bt, sc = meta.block_tables[0], case.scale
     k, v = gather_kv(case.cache, bt, end)
@@ -483,15 +560,21 @@ def _flash_parts(case: Case, start: int, end: int, gather_kv) -> dict:  # type: 
         return torch.lerp(o_new.float(), o_pre.float(), w)[0].transpose(0, 1).to(q.dtype)
 
     o = merge()
+    rows = -(-(end - start) // lp_mod.SQUARE_ALIGN) * lp_mod.SQUARE_ALIGN
     return {
         "gather": lambda: gather_kv(case.cache, bt, end),
         "cuDNN prefix": lambda: lp_mod._attend_with_lse(qh, kh[:, :, :start], vh[:, :, :start], False, sc),
         "cuDNN causal square": lambda: lp_mod._attend_with_lse(
             qh, kh[:, :, start:], vh[:, :, start:], True, sc
         ),
-        "merge": merge,
-        "copy out": lambda: out.copy_(o),
-        "whole _flash_chunk": lambda: lp_mod._flash_chunk(q, case.cache, meta, 0, sc, None),
+        "torch merge (before)": merge,
+        "copy out (before)": lambda: out.copy_(o),
+        "padded gather (new)": lambda: lp_mod._gather_padded(case.cache, bt, end, start + rows),
+        "merge_two kernel (new)": lambda: pf_mod.merge_two(
+            o_pre[0].transpose(0, 1), lse_pre[0], o_new[0].transpose(0, 1), lse_new[0], out
+        ),
+        "whole chunk, before": lambda: lp_mod._flash_chunk_unbucketed(q, case.cache, meta, 0, sc, None),
+        "whole chunk, new": lambda: lp_mod._flash_chunk(q, case.cache, meta, 0, sc, None, out),
     }
 
 
@@ -509,6 +592,12 @@ def main(argv: list[str] | None = None) -> None:
         "--e2e-chunks", default="8192", help="max_num_batched_tokens per engine (paths: first only)"
     )
     ap.add_argument("--e2e-more-lens", default=None, help="--e2e-lens for the later chunk sizes")
+    ap.add_argument(
+        "--e2e-runs",
+        default="",
+        help='e2e rows instead of the grid: "chunk:warm|cold:path:len,len:reps;..." (engines shared '
+        "by consecutive runs of one chunk and warm-up)",
+    )
     ap.add_argument("--profile-lens", default="32768", help="profile: prompts profiled (first path, chunk)")
     ap.add_argument("--parts-lens", default="32768,120000", help="parts: prompts whose flash path is split")
     ap.add_argument("--paths", default=",".join(PATHS), help=f"attention paths of {list(PATHS)}")
@@ -576,10 +665,13 @@ def main(argv: list[str] | None = None) -> None:
                     f"{dataclasses.astuple(cfg)}",
                     f"default: {pf_mod.default_config(128, 4)}",
                 )
-        if "plans" in sections and args.device == "cuda":
-            plans(args, row)
-        if "parts" in sections and args.device == "cuda":
-            parts(args, row)
+        for name, fn in (("plans", plans), ("parts", parts)):  # diagnostics: the rest runs regardless
+            if name in sections and args.device == "cuda":
+                try:
+                    fn(args, row)
+                except Exception as e:
+                    traceback.print_exc()
+                    row(name, "ERROR", repr(e)[:160])
         if "kernel" in sections:
             kernel(args, peak, row)
         if "e2e" in sections:
