@@ -16,6 +16,9 @@ and the runner's `finish` (the wait for the sampled ids) are timed on the host.
 Passes (`--passes`, in order):
 * `events`: the decode graphs as captured by the engine padded up to the old power-of-two sizes;
 * `fine`: the same with every captured size (`cuda_graphs.capture_sizes`);
+* any of them with `@wN`: the decode graphs captured again with the paged attention's split-K
+  aiming at N waves of programs (`paged_attention._SPLIT_TARGET_WAVES`; the split count is
+  frozen into each graph at capture) — `fine@w3,fine@w8` compares two settings on one engine;
 * `profile`: as `events`, under the torch profiler (CUDA activity only); a marker kernel
   (`torch.cuda._sleep`) starts each forward, so each kernel is counted to its step's kind:
   time per kernel class (attention, GEMM, norm, SiLU-mul, rotary + KV write, sampling, the
@@ -279,6 +282,22 @@ def kernels_table(b: dict[str, Any]) -> str:
 
 
 # ----- the run -----
+def recapture(llm: Any, waves: int) -> Any:
+    """The decode graphs captured again with split-K aiming at `waves` waves (between runs)."""
+    import kernels.triton.paged_attention as pa
+    from worker_svc.device_memory import release_graphs
+
+    ex = llm.engine.runner.executor
+    if pa._SPLIT_TARGET_WAVES != waves:
+        pa._SPLIT_TARGET_WAVES = waves
+        release_graphs(ex)
+        free_cuda()
+        t0 = time.time()
+        ex.capture_graphs()
+        log(f"decode graphs captured again for {waves} split waves in {time.time() - t0:.1f} s")
+    return ex.graphs
+
+
 def shifted(reqs: list, k: int, vocab: int) -> list:
     """The same lengths with other token ids (a cold prefix cache for pass k)."""
     if k == 0:
@@ -306,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = {**SHAPES, **SMOKE_SHAPES}
     if args.smoke:
         args.model, args.num_requests, args.max_num_seqs, args.max_num_batched_tokens = "llama-tiny", 4, 4, 64
-        args.max_model_len, args.passes = 256, "events,fine"
+        args.max_model_len, args.passes = 256, "events,fine@w8"
         if not torch.cuda.is_available():
             args.device = "cpu"
     cuda = args.device == "cuda"
@@ -332,10 +351,13 @@ def main(argv: list[str] | None = None) -> int:
             warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
             llm.generate([{"prompt_token_ids": p} for p, _ in reqs[:32]], warm, use_tqdm=False)
             params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in reqs]
-            for i, name in enumerate(args.passes.split(",")):
+            for i, label in enumerate(args.passes.split(",")):
                 if time.time() - t_start > args.budget_s:
-                    log(f"skipping pass {name}: past --budget-s")
+                    log(f"skipping pass {label}: past --budget-s")
                     continue
+                name, _, waves = label.partition("@w")
+                if waves and graphs is not None:
+                    graphs = recapture(llm, int(waves))
                 if graphs is not None:  # `fine`: every captured size; else the old powers of two
                     old = pow2_sizes(graphs.max_size)
                     graphs.sizes = all_sizes if name == "fine" else [s for s in all_sizes if s in old]
@@ -360,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
                 s["out_tok_s"] = tokens / dt
                 s["graph_sizes"] = list(graphs.sizes) if graphs is not None else []
                 head = (
-                    f"== pass {i + 1} `{name}`: {dt:.2f} s, {tokens / dt:,.0f} out tok/s, {len(steps)} steps"
+                    f"== pass {i + 1} `{label}`: {dt:.2f} s, {tokens / dt:,.0f} out tok/s, {len(steps)} steps"
                     f" ({s['steps_per_s']:.0f}/s), GPU busy {s['gpu_busy_s']:.2f} s"
                     f" = {s['gpu_busy_s'] / dt:.0%}, idle between steps {s['gpu_idle_between_steps_s']:.2f} s"
                 )
@@ -373,10 +395,11 @@ def main(argv: list[str] | None = None) -> int:
                     log(f"(kernel breakdown in {time.time() - t_k:.0f} s)")
                     del prof
                 print("\n".join(text), flush=True)
-                summary["passes"][f"{i + 1}:{name}"] = s
+                summary["passes"][f"{i + 1}:{label}"] = s
                 if args.out:
                     os.makedirs(args.out, exist_ok=True)
-                    with open(os.path.join(args.out, f"steps_{i + 1}_{name}.json"), "w") as f:
+                    stem = f"steps_{i + 1}_{label.replace('@', '_')}"
+                    with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
                         json.dump(steps, f, default=str)
         finally:
             llm.engine.close()

@@ -11,6 +11,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from llmesh.engine import EngineConfig, LLMEngine
+from llmesh.frozen_heap import frozen_heap
 from llmesh.logprobs import PositionLogprobs, as_position_dicts
 from llmesh.lora import LoRARequest, lora_requests_for
 from llmesh.pooling import (
@@ -133,14 +134,16 @@ class LLM:
                 comp = CompletionOutput(j, "", state.token_ids, None, [] if sp.logprobs is not None else None)
                 out.outputs.append(comp)
                 children[cid] = _Child(out, comp, state)
-        future = asyncio.run_coroutine_threadsafe(
-            self._run(children, submissions, len(outputs), use_tqdm), self.engine.loop
-        )
-        try:
-            future.result()
-        except BaseException:
-            future.cancel()  # the coroutine's cleanup aborts every child still running
-            raise
+        # No full collection walks the long-lived heap while the run's threads step (frozen_heap).
+        with frozen_heap():
+            future = asyncio.run_coroutine_threadsafe(
+                self._run(children, submissions, len(outputs), use_tqdm), self.engine.loop
+            )
+            try:
+                future.result()
+            except BaseException:
+                future.cancel()  # the coroutine's cleanup aborts every child still running
+                raise
         for child in children.values():  # here, not on the engine's loop: the run is over
             child.output.text = child.state.text
         for out, sp in zip(outputs, params, strict=True):
