@@ -3,10 +3,12 @@
     python3 benchmarks/prefill_attention.py [--lens 16384,32768,65536,131072] [--sections peak,check,...]
     python3 benchmarks/prefill_attention.py --smoke          # tiny shapes, CPU interpreter
 
-Three paths for the attention of long chunks (PATHS; the backend's switches): "flash", the
+Four paths for the attention of long chunks (PATHS; the backend's switches): "flash", the
 default (worker_svc/attention/long_prefill.py: SDPA on K/V gathered from the paged cache over
-long contexts, the Triton prefill kernel over short ones), "triton" (the Triton prefill kernel
-for every long chunk) and "unified" (the unified paged kernel for everything, the path before).
+long contexts and for first chunks, the Triton prefill kernel for the other long chunks),
+"flash-before" (the same before its shapes were bounded and its merge fused), "triton" (the
+Triton prefill kernel for every long chunk) and "unified" (the unified paged kernel for
+everything, the path before issue 31).
 
 Sections (Llama-3.1-8B's attention: 32 query / 8 KV heads, D=128, bf16, cache block 16):
 
@@ -19,9 +21,16 @@ Sections (Llama-3.1-8B's attention: 32 query / 8 KV heads, D=128, bf16, cache bl
 * kernel: per L of --lens, each path on one causal prompt of L tokens in one call and as the
   engine runs it (chunks of --chunk tokens over the cached prefix, summed), and torch SDPA on
   contiguous K/V for scale. FLOPs = 4 * H * D * L(L+1)/2 (QK^T and PV, causal);
+* plans: what a new (queries, keys) shape costs cuDNN (torch keeps its plans per thread): the
+  first call of each shape of an 8k-chunked 120k prompt on a fresh thread against its second;
+* parts: the flash path's pieces summed over the chunks of each of --parts-lens (one layer;
+  x 32 for the 8B model): gather, the two cuDNN calls, the merge, both paths whole;
 * e2e: an 8B engine (random weights, no prefix caching) per --e2e-chunks (max_num_batched_tokens)
   prefills one fresh prompt of each of --e2e-lens tokens (generate with max_tokens=1, best of
-  --e2e-reps) per path (the first --more-chunk-paths paths only after the first chunk size).
+  --e2e-reps, the first printed too) per path (the first --more-chunk-paths paths only after
+  the first chunk size); or the rows of --e2e-runs;
+* profile (with e2e): one fresh prompt of each of --profile-lens through the default path under
+  the torch profiler: GPU time by kernel category and the top kernels, against the wall.
 """
 
 from __future__ import annotations
@@ -286,26 +295,22 @@ def kernel(args: argparse.Namespace, peak: float, row) -> None:  # type: ignore[
 
 @dataclasses.dataclass
 class E2ERun:
-    """Rows of one attention path on an engine of `chunk`-token steps; `warm`: the step thread
-    builds the long-prefill cuDNN plans at start-up (long_prefill.WARM_CHUNKS), else none."""
+    """Rows of one attention path on an engine of `chunk`-token steps."""
 
     chunk: int
-    warm: bool
     path: str
     lens: list[int]
     reps: int
 
 
 def e2e_runs(args: argparse.Namespace) -> list[E2ERun]:
-    """--e2e-runs "chunk:warm|cold:path:len,len:reps;..." or, without it, the --e2e-chunks /
-    --paths / --more-chunk-paths grid (warm engines)."""
+    """--e2e-runs "chunk:path:len,len:reps;..." or, without it, the --e2e-chunks / --paths /
+    --more-chunk-paths grid."""
     if args.e2e_runs:
         runs = []
         for spec in args.e2e_runs.split(";"):
-            chunk, warm, path, lens, reps = spec.split(":")
-            runs.append(
-                E2ERun(int(chunk), warm == "warm", path, [int(x) for x in lens.split(",")], int(reps))
-            )
+            chunk, path, lens, reps = spec.split(":")
+            runs.append(E2ERun(int(chunk), path, [int(x) for x in lens.split(",")], int(reps)))
         return runs
     runs = []
     for chunk in args.e2e_chunks:
@@ -313,13 +318,14 @@ def e2e_runs(args: argparse.Namespace) -> list[E2ERun]:
         paths = args.paths if first else args.paths[: args.more_chunk_paths]
         paths = paths[:1] if args.smoke else paths  # the switch itself is the check section's
         lens = args.e2e_lens if first else args.e2e_more_lens
-        runs += [E2ERun(chunk, True, key, lens, args.e2e_reps) for key in paths]
+        runs += [E2ERun(chunk, key, lens, args.e2e_reps) for key in paths]
     return runs
 
 
 def e2e(args: argparse.Namespace, row) -> None:  # type: ignore[no-untyped-def]
     """Fresh prompts through an 8B engine (random weights), per run of `e2e_runs`; runs in a row
-    with the same chunk size and warm-up share an engine (and its step thread's cuDNN plans)."""
+    with the same chunk size share an engine (and its step thread's cuDNN plans: a path's first
+    rep meets the shapes no earlier run built)."""
     from benchmarks.gpu import SHAPES, SMOKE_SHAPES, free_cuda, make_llm, time_greedy, write_config
 
     name = "llama-tiny" if args.smoke else "llama-3.1-8b"
@@ -334,27 +340,25 @@ def e2e(args: argparse.Namespace, row) -> None:  # type: ignore[no-untyped-def]
 
     groups: list[list[E2ERun]] = []
     for r in runs:
-        if groups and (groups[-1][0].chunk, groups[-1][0].warm) == (r.chunk, r.warm):
+        if groups and groups[-1][0].chunk == r.chunk:
             groups[-1].append(r)
         else:
             groups.append([r])
-    saved_warm = lp_mod.WARM_CHUNKS
     with tempfile.TemporaryDirectory() as root:
         path = write_config(root, name, cfg)
         for group in groups:
-            chunk, warm = group[0].chunk, group[0].warm
-            section = f"prefill, chunks of {chunk}, " + ("plans warmed at start-up" if warm else "no warm-up")
+            chunk = group[0].chunk
+            section = f"prefill, chunks of {chunk}"
             args.max_num_batched_tokens = chunk
-            lp_mod.WARM_CHUNKS = saved_warm if warm else ()
             t0 = time.perf_counter()
             try:
                 llm = make_llm(path, args, max_model_len=max_len, enable_prefix_caching=False)
-                time_greedy(llm, prompt(short), 1)  # waits for the step thread's start (warm-up)
+                time_greedy(llm, prompt(short), 1)
             except Exception as e:
                 row(section, "engine", "ERROR", repr(e)[:160])
                 free_cuda()
                 continue
-            row(section, "engine start + a 1k prompt", f"{time.perf_counter() - t0:.1f} s", "")
+            row(section, "engine start + a short prompt", f"{time.perf_counter() - t0:.1f} s", "")
             try:
                 for run in group:
                     _e2e_run(llm, run, lambda n: prompt(short if n is None else n), section, row, args)
@@ -362,7 +366,6 @@ def e2e(args: argparse.Namespace, row) -> None:  # type: ignore[no-untyped-def]
                 llm.close()
                 del llm
                 free_cuda()
-                lp_mod.WARM_CHUNKS = saved_warm
 
 
 def _e2e_run(llm, run: E2ERun, prompt, section: str, row, args: argparse.Namespace) -> None:  # type: ignore[no-untyped-def]
@@ -383,19 +386,19 @@ def _e2e_run(llm, run: E2ERun, prompt, section: str, row, args: argparse.Namespa
             t = min(times)
             target = E2E_TARGETS.get(length)
             note = f"{length / t:,.0f} prompt tok/s"
-            if len(times) > 1:  # the first meets the shapes' cuDNN plans unbuilt (without warm-up)
+            if len(times) > 1:  # the first meets the shapes' cuDNN plans unbuilt
                 note += f"; best of {len(times)}, first {times[0]:.3f} s"
             if target is not None and run.path.startswith("flash"):
                 note += f"; target <= {target} s: {'met' if t <= target else 'MISSED'}"
             row(section, f"{label}, {length} tokens", f"{t:.3f} s", note)
-        if "profile" in args.sections and args.device == "cuda" and run.warm and run.path == "flash":
+        if "profile" in args.sections and args.device == "cuda" and run.path == "flash":
             for length in args.profile_lens:
                 try:
                     profile_prefill(llm, prompt(length), f"{label}, {length} tokens, {run.chunk}", row)
                 except Exception as e:
                     traceback.print_exc()
                     row(section, f"profile {length}", "ERROR", repr(e)[:160])
-            args.profile_lens = []  # once, on the first warm run of the default path
+            args.profile_lens = []  # once, on the first run of the default path
 
 
 # Kernel-name fragments (lower case) -> the category a profile sums them under, first match wins.
@@ -494,29 +497,6 @@ def plans(args: argparse.Namespace, row) -> None:  # type: ignore[no-untyped-def
             f"first call on the thread {ts[0] * 1e3:.1f} ms, then {min(ts[1:]) * 1e3:.1f} ms",
         )
     shapes.clear()  # frees the tensors
-    # What the worker's step thread does at start-up (long_prefill.warm_plans), on a fresh thread.
-    max_len = max(args.e2e_lens) + 64
-    for chunks in ((8192,), lp_mod.WARM_CHUNKS):
-        res: list[float] = []
-
-        def warm(chunks=chunks, res=res) -> None:
-            torch.cuda.set_device(index)
-            t0 = time.perf_counter()
-            res.append(lp_mod.warm_plans(dev, torch.bfloat16, h, hkv, d, max_len, chunks))
-            res.append(time.perf_counter() - t0)
-
-        th = threading.Thread(target=warm)
-        th.start()
-        th.join()
-        if len(res) == 2:
-            row(
-                "cuDNN plans",
-                f"warm_plans, chunks {chunks}, up to {max_len} tokens",
-                f"{res[1]:.2f} s",
-                f"{res[0]} shapes",
-            )
-        else:
-            row("cuDNN plans", f"warm_plans, chunks {chunks}", "ERROR", "see the log")
 
 
 def parts(args: argparse.Namespace, row) -> None:  # type: ignore[no-untyped-def]
@@ -595,8 +575,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--e2e-runs",
         default="",
-        help='e2e rows instead of the grid: "chunk:warm|cold:path:len,len:reps;..." (engines shared '
-        "by consecutive runs of one chunk and warm-up)",
+        help='e2e rows instead of the grid: "chunk:path:len,len:reps;..." (consecutive runs of one '
+        "chunk size share an engine)",
     )
     ap.add_argument("--profile-lens", default="32768", help="profile: prompts profiled (first path, chunk)")
     ap.add_argument("--parts-lens", default="32768,120000", help="parts: prompts whose flash path is split")

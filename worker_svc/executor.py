@@ -171,29 +171,6 @@ class ModelExecutor:
             raise ValueError("the KV cache budget holds no block; raise kv_cache_memory")
         return num_blocks
 
-    def warm_step_thread(self) -> None:
-        """On the thread that will run the steps: build cuDNN's plans for the long-prefill
-        shapes (torch keeps them per thread; worker_svc/attention/long_prefill.py), as the
-        decode graphs are captured before the first step. Once per thread, size 1 only."""
-        if self.backend.name != "triton" or self.tp.size != 1 or self.device.type != "cuda":
-            return
-        import time
-
-        from worker_svc.attention import long_prefill
-
-        mc, t0 = self.model_config, time.perf_counter()
-        try:
-            n = long_prefill.warm_plans(
-                self.device, self.dtype, mc.num_heads, mc.num_kv_heads, mc.head_dim, self.max_model_len
-            )
-        except Exception:  # an optimisation only: the first long prompts build their own plans
-            log.warning("cuDNN plans for long prefills not built", exc_info=True)
-            return
-        if n:
-            log.info(
-                "cuDNN plans for long prefills", extra={"shapes": n, "seconds": time.perf_counter() - t0}
-            )
-
     def capture_graphs(self) -> None:
         """Capture the decode graphs, on CUDA with the Triton backend unless `enforce_eager`.
 

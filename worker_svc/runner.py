@@ -164,8 +164,6 @@ class ModelRunner:
         unless every thread that launches kernels (this constructor's, the step thread) binds."""
         if self.device.type == "cuda" and self.device.index is not None:  # plain "cuda": the current one
             torch.cuda.set_device(self.device)
-        if getattr(self, "executor", None) is not None:  # the step thread (not the constructor's)
-            self.executor.warm_step_thread()
 
     def _build(self, config: WorkerConfig, kv_store: KVStoreLink | None) -> None:
         ex = self.executor = ModelExecutor(config, self.tp, self.model_path)

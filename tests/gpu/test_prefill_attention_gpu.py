@@ -67,9 +67,3 @@ def test_merge_two_bf16() -> None:
     out = merge_two(a, lse_a, b, lse_b, torch.empty_like(b))
     expected = reference.merge_attn_partials(torch.stack([a, b], 2), torch.stack([lse_a.t(), lse_b.t()], 2))
     torch.testing.assert_close(out.float(), expected, atol=BF16_TOL, rtol=BF16_TOL)
-
-
-def test_warm_plans_builds_each_shape() -> None:
-    """Start-up's cuDNN plans: one call per shape of prompts up to 40k tokens in 8k chunks."""
-    n = long_prefill.warm_plans(torch.device("cuda"), torch.bfloat16, 32, 8, 128, 40_000, chunks=(8192,))
-    assert n == len(long_prefill.warm_shapes(40_000, (8192,))) == 8 + 3

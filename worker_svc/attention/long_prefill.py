@@ -34,18 +34,17 @@ from kernels.triton import prefill_attention as prefill_mod
 
 # "flash": long rows through FlashAttention (CUDA); "triton": through the Triton prefill kernel.
 LONG_ROWS = "flash"
-# cuDNN builds an execution plan for each new (queries, keys) shape on each thread, and the
-# plan, not the attention, is most of the first call's time. False: the flash path as it was
-# before plan reuse (the benchmark's switch): every chunk's own shapes, a torch merge.
+# torch caches cuDNN's execution plans per (queries, keys) shape and thread; a new shape costs
+# ~40-60 ms of host time (H100), mostly hidden behind the GPU work the step thread queued
+# before it. True: the shapes are bounded (squares padded, below) and the two calls are merged
+# in one kernel; False: the path before (every chunk's own shapes, a torch merge), kept as the
+# benchmark's baseline.
 BUCKETED = True
 # A chunk's causal square (its queries against its own keys) is padded to a multiple of this
 # many rows (zero queries, zero keys past the context): padded rows see only padding and are
-# dropped, real rows see the same keys, so a prompt's last (ragged) chunk reuses a plan of
-# one of C / SQUARE_ALIGN sizes instead of building its own.
+# dropped, real rows see the same keys, so a prompt's last (ragged) chunk reuses one of
+# C / SQUARE_ALIGN square plans instead of building its own.
 SQUARE_ALIGN = 1024
-# The chunk sizes whose shapes `warm_plans` builds on the step thread at start-up: the worker's
-# served (8,192) and offline (16,384) token budgets on an H100/H200, vLLM's defaults.
-WARM_CHUNKS = (8192, 16384)
 # A long chunk takes FlashAttention only over a context of at least this many tokens. cuDNN
 # builds an execution plan per new (chunk, context) shape on each thread (tens of ms: a fresh
 # 4k prompt took 143 ms through it against 102 ms through the Triton kernel on an H200, whose
@@ -95,9 +94,11 @@ def long_prefill_attention(
 def _route(meta: AttentionMetadata, flash: bool) -> list[str]:
     """Per sequence: the unified kernel (short chunks, decodes), FlashAttention (long chunks over
     long contexts, and first chunks, when available) or the Triton prefill kernel (the other
-    long chunks). A first chunk (no cached prefix) is one causal square of an aligned size,
-    whose plan `warm_plans` built: cuDNN's rate with no plan to build (an 8k first chunk of
-    the 8B model: ~29 ms of attention against ~44 in the Triton kernel, at 580 / 400 TFLOP/s)."""
+    long chunks). A first chunk (no cached prefix) is one causal square of an aligned size
+    (C / SQUARE_ALIGN shapes in all, each planned once per process): cuDNN's rate for a few
+    plans (an 8k first chunk of the 8B model: ~29 ms of attention, ~44 in the Triton kernel,
+    at 580 / 400 TFLOP/s). Chunks over a short cached prefix meet a new prefix shape per
+    prefix length, hence FLASH_MIN_CONTEXT."""
     min_long = prefill_mod.PREFILL_MIN_QUERY
     kinds = []
     for q_len, seq_len in zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True):
@@ -138,19 +139,18 @@ def _flash_chunk(
     out: torch.Tensor,
 ) -> None:
     """One sequence's chunk q [C, H, D] over its whole context (cached prefix of P tokens + the
-    chunk), written into out [C, H, D]: the two calls of `_flash_chunk_unbucketed` in shapes
-    whose cuDNN plans recur.
+    chunk), written into out [C, H, D]: the two calls of `_flash_chunk_unbucketed` in a bounded
+    set of shapes, merged in one pass.
 
-    * q is copied into a contiguous [R, H, D] buffer, R = C rounded up to `SQUARE_ALIGN`, zero
-      past C; the context is gathered into [P + R] keys, zero past P + C. The square call takes
-      all R rows against keys P..P + R: real row j sees keys P..P + j, all real (causal), and
-      the padding only padded rows. The prefix call takes the C real rows against keys 0..P.
-      Fixed strides too (the plan cache keys on them): a view of the model's fused QKV output
-      would carry its row stride into the key.
-    * Full chunks of a chunked prompt then meet (C, P = k * C) and (C, C) every time, which
-      `warm_plans` builds at start-up; a prompt's last chunk only its prefix call's shape.
+    * The causal square takes R = C rounded up to `SQUARE_ALIGN` rows (q copied into a zero-
+      padded buffer when C is not aligned) against keys P..P + R, the context gathered into
+      [P + R] keys, zero past P + C: real row j sees keys P..P + j, all real, and the padding
+      only padded rows. The prefix call takes the C real rows against keys 0..P. A chunked
+      prompt's full chunks meet (C, k * C) and (C, C), the same for every prompt; its last
+      chunk an aligned square and its own prefix shape.
     * The two outputs are joined by their logsumexps in one kernel (`merge_two`) that writes
-      the batch's rows directly.
+      the batch's rows: the torch merge took five passes over the chunk and a copy (H100, one
+      120k prompt in 8k chunks: 0.23 s of the attention's 6.4 s, against 0.10 s).
     """
     q_len, seq_len = q.shape[0], meta.seq_lens_cpu[seq]
     prefix = seq_len - q_len
@@ -159,9 +159,11 @@ def _flash_chunk(
     if is_fp8_cache(kv_cache):
         s = (kv_scale if kv_scale is not None else unit_kv_scale(q.device)).to(q.dtype)
         k, v = k.to(q.dtype) * s[0], v.to(q.dtype) * s[1]
-    qp = torch.empty((rows, q.shape[1], q.shape[2]), dtype=q.dtype, device=q.device)
-    qp[:q_len].copy_(q)
-    qp[q_len:].zero_()
+    qp = q
+    if rows != q_len:  # a full chunk is used in place (a strided view of the QKV output)
+        qp = torch.empty((rows, q.shape[1], q.shape[2]), dtype=q.dtype, device=q.device)
+        qp[:q_len].copy_(q)
+        qp[q_len:].zero_()
     # [1, heads, tokens, D] views: SDPA needs only the last dim contiguous.
     qh, kh, vh = qp.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     o_new, lse_new = _attend_with_lse(qh, kh[:, :, prefix:], vh[:, :, prefix:], True, scale)
@@ -188,52 +190,6 @@ def _gather_padded(
     buf[:, seq_len:rows].zero_()
     k, v = buf[0, :rows], buf[1, :rows]
     return (k.view(kv_cache.dtype), v.view(kv_cache.dtype)) if src is not kv_cache else (k, v)
-
-
-def warm_plans(
-    device: torch.device,
-    dtype: torch.dtype,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    max_model_len: int,
-    chunks: tuple[int, ...] | None = None,
-) -> int:
-    """Build, on the calling thread, cuDNN's plans for the shapes `_flash_chunk` meets in
-    prompts chunked by `chunks` tokens (default WARM_CHUNKS) up to `max_model_len`: each full
-    chunk's (C, k * C) prefix call and every aligned square up to C. torch caches cuDNN plans
-    per thread, so the worker calls this on its step thread, as CUDA graphs are captured
-    before the first step. Returns the number of shapes (0 where the path is not taken)."""
-    if device.type != "cuda" or LONG_ROWS != "flash" or not BUCKETED:
-        return 0
-    if dtype not in (torch.bfloat16, torch.float16):  # cuDNN's attention takes half types only
-        return 0
-    shapes = warm_shapes(max_model_len, WARM_CHUNKS if chunks is None else chunks)
-    if not shapes:
-        return 0
-    q = torch.randn((max(s[0] for s in shapes), num_heads, head_dim), dtype=dtype, device=device)
-    k = torch.randn((2, max(s[1] for s in shapes), num_kv_heads, head_dim), dtype=dtype, device=device)
-    qh, kh, vh = q.transpose(0, 1)[None], k[0].transpose(0, 1)[None], k[1].transpose(0, 1)[None]
-    for rows, keys, causal in sorted(shapes):
-        _attend_with_lse(qh[:, :, :rows], kh[:, :, :keys], vh[:, :, :keys], causal, head_dim**-0.5)
-    torch.cuda.synchronize(device)
-    return len(shapes)
-
-
-def warm_shapes(max_model_len: int, chunks: tuple[int, ...]) -> set[tuple[int, int, bool]]:
-    """(query rows, keys, causal) of the cuDNN calls of prompts up to `max_model_len` tokens
-    chunked by each of `chunks`, but for a prompt's last chunk's prefix call (its own length)."""
-    shapes: set[tuple[int, int, bool]] = set()
-    min_query = max(prefill_mod.PREFILL_MIN_QUERY, 1)
-    for c in chunks:
-        if c < min_query or 2 * c > max_model_len:
-            continue
-        # Squares: every aligned size a chunk of min_query..c rows is padded to.
-        squares = range(SQUARE_ALIGN, c + SQUARE_ALIGN, SQUARE_ALIGN)
-        shapes.update((r, r, True) for r in squares if r + SQUARE_ALIGN > min_query)
-        # Prefix calls of full chunks whose context takes the flash path.
-        shapes.update((c, p, False) for p in range(c, max_model_len - c + 1, c) if p + c >= FLASH_MIN_CONTEXT)
-    return shapes
 
 
 def _flash_chunk_unbucketed(

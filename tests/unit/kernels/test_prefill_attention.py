@@ -125,7 +125,8 @@ def test_backend_split_of_a_batch_with_long_chunks(
 
 def test_flash_path_ignores_nan_in_unused_slots(monkeypatch: pytest.MonkeyPatch) -> None:
     """The padded square reads whole blocks past a sequence's end: their stale (NaN) slots are
-    zeroed before cuDNN (here its CPU form) sees them, so no real row turns NaN."""
+    zeroed before cuDNN (here its CPU form) sees them, so no real row turns NaN. 37 rows are
+    padded to 64, 32 rows (aligned) used in place."""
     from worker_svc.attention import long_prefill
 
     monkeypatch.setattr(long_prefill, "_flash_available", lambda device: True)
@@ -133,7 +134,7 @@ def test_flash_path_ignores_nan_in_unused_slots(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(long_prefill, "FLASH_MIN_CONTEXT", 50)
     monkeypatch.setattr(pf_mod, "PREFILL_MIN_QUERY", 20)
     b = make_paged_batch(
-        [(37, 100), (20, 71)], num_heads=4, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32
+        [(37, 100), (32, 71)], num_heads=4, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32
     )
     cache = torch.full_like(b.kv_cache, float("nan"))
     for i, seq_len in enumerate(b.meta.seq_lens_cpu):
@@ -157,18 +158,3 @@ def test_merge_two_matches_twin() -> None:
     pf_mod.merge_two(a, lse_a, b, lse_b, out)
     expected = reference.merge_attn_partials(torch.stack([a, b], 2), torch.stack([lse_a.t(), lse_b.t()], 2))
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-
-
-def test_warm_shapes_cover_the_chunks_of_long_prompts(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The shapes built at start-up: every full chunk's prefix call whose context takes the flash
-    path and every aligned square a chunk of PREFILL_MIN_QUERY..C rows is padded to."""
-    from worker_svc.attention import long_prefill
-
-    monkeypatch.setattr(pf_mod, "PREFILL_MIN_QUERY", 1024)
-    monkeypatch.setattr(long_prefill, "SQUARE_ALIGN", 1024)
-    monkeypatch.setattr(long_prefill, "FLASH_MIN_CONTEXT", 16384)
-    shapes = long_prefill.warm_shapes(40_000, (8192, 16384, 32768))  # 32768: 2 chunks do not fit
-    squares = {(r, r, True) for r in range(1024, 16385, 1024)}
-    prefixes = {(8192, p, False) for p in (8192, 16384, 24576)} | {(16384, 16384, False)}
-    assert shapes == squares | prefixes
-    assert long_prefill.warm_plans(torch.device("cpu"), torch.bfloat16, 4, 2, 16, 40_000) == 0
