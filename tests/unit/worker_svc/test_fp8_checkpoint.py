@@ -210,9 +210,11 @@ def test_llmesh_quantize_keeps_ignored_modules_and_refuses_a_quantized_source(
     out = str(tmp_path / "o")
     assert main(["quantize", "--model", written["src"], "--out", out, "--ignore", "re:.*down_proj"]) == 0
     assert "12 linear weights in FP8 (compressed-tensors), 2 kept" in capsys.readouterr().out
-    model, _ = load_model(out)
+    model, cfg = load_model(out)
     assert model.get_parameter("layers.0.mlp.down_proj.weight").dtype == torch.float32
     assert model.get_parameter("layers.0.mlp.gate_up_proj.weight").dtype == torch.float8_e4m3fn
+    ref = _logits(load_model(written["src"])[0], cfg)  # SiLU·mul hands the kept layer unquantized rows
+    assert ((_logits(model, cfg) - ref).abs().max() / ref.abs().max()) < 0.1
     assert main(["quantize", "--model", written["fbgemm"], "--out", str(tmp_path / "again")]) == 1
     assert "already quantized (fbgemm_fp8)" in capsys.readouterr().err
     assert main(["quantize", "--model", written["src"], "--out", out]) == 1
