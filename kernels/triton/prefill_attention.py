@@ -30,6 +30,9 @@ gives it the long chunks over long contexts and keeps this kernel for the others
 correct here too (a decode's block of BLOCK_Q tokens holds one real row), but the backend
 gives this kernel only the chunks of `PREFILL_MIN_QUERY` tokens or more (`min_query_len`), and
 only where FlashAttention is not taken (worker_svc/attention/long_prefill.py).
+
+`merge_two`, at the end, is that module's other kernel: it joins SDPA's two calls for a chunk
+over a cached prefix (prefix, causal square) by their logsumexps in one pass.
 """
 
 from __future__ import annotations
