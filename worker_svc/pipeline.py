@@ -26,6 +26,13 @@ class StepPipeline:
         self._pending: LaunchedStep | None = None
         self.num_launched_ahead = 0  # plans launched while the one before was still unread
 
+    def bind_thread(self) -> None:
+        """The thread that pushes plans launches the runner's kernels: bind it as the runner binds
+        its own (its GPU the thread's current device; a runner without the hook needs none)."""
+        bind = getattr(self.runner, "bind_thread", None)
+        if bind is not None:
+            bind()
+
     @property
     def has_pending(self) -> bool:
         return self._pending is not None

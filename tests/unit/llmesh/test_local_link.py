@@ -82,3 +82,22 @@ async def test_a_step_whose_device_work_ends_first_is_read_without_waiting_for_a
         assert (await link.recv()).step_id == step_id
     assert stepper.log == [f"{what} {i}" for i in (1, 2, 3) for what in ("launch", "finish")]
     await link.close()
+
+
+def test_the_step_thread_of_a_pipeline_binds_as_its_runner_does():
+    """The offline engine hands its link a StepPipeline, not the runner: the step thread must
+    still run the runner's bind_thread (its GPU the thread's current device), or a worker on
+    `cuda:1` launches its kernels on device 0."""
+    from worker_svc.pipeline import StepPipeline
+
+    class Runner:
+        bound_on: list[str] = []
+
+        def bind_thread(self) -> None:
+            self.bound_on.append(threading.current_thread().name)
+
+    runner = Runner()
+    link = LocalWorkerLink(StepPipeline(runner), INFO)  # type: ignore[arg-type]
+    link._steps.stop()
+    assert link._steps.join(5.0)
+    assert runner.bound_on == ["llmesh-step"]
