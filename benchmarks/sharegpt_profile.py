@@ -16,9 +16,11 @@ and the runner's `finish` (the wait for the sampled ids) are timed on the host.
 Passes (`--passes`, in order):
 * `events`: the decode graphs as captured by the engine padded up to the old power-of-two sizes;
 * `fine`: the same with every captured size (`cuda_graphs.capture_sizes`);
-* any of them with `@wN`: the decode graphs captured again with the paged attention's split-K
-  aiming at N waves of programs (`paged_attention._SPLIT_TARGET_WAVES`; the split count is
-  frozen into each graph at capture) — `fine@w3,fine@w8` compares two settings on one engine;
+* any of them with `@` and settings of the decode graphs' paged attention, which are frozen
+  into each graph at capture, so the graphs are captured again: `wN` split-K aiming at N waves
+  of programs (`paged_attention._SPLIT_TARGET_WAVES`), `sN` N pipeline stages and `tN` context
+  tiles of N tokens for pure-decode launches (`_pick_config`); `fine@w3,fine@w8s3` compares two
+  settings on one engine;
 * `profile`: as `events`, under the torch profiler (CUDA activity only); a marker kernel
   (`torch.cuda._sleep`) starts each forward, so each kernel is counted to its step's kind:
   time per kernel class (attention, GEMM, norm, SiLU-mul, rotary + KV write, sampling, the
@@ -282,19 +284,40 @@ def kernels_table(b: dict[str, Any]) -> str:
 
 
 # ----- the run -----
-def recapture(llm: Any, waves: int) -> Any:
-    """The decode graphs captured again with split-K aiming at `waves` waves (between runs)."""
-    import kernels.triton.paged_attention as pa
+_PICK_CONFIG: Any = None  # paged_attention._pick_config as shipped
+
+
+def recapture(llm: Any, settings: str) -> Any:
+    """The decode graphs captured again with the attention settings `settings` (e.g. "w8s3"; see
+    the module doc), between runs. Settings not named keep their shipped values."""
+    import dataclasses
+    import importlib
+    import re
+
     from worker_svc.device_memory import release_graphs
 
+    # The module, not the function of the same name that kernels.triton exports.
+    pa = importlib.import_module("kernels.triton.paged_attention")
+
+    global _PICK_CONFIG
+    if _PICK_CONFIG is None:
+        _PICK_CONFIG = (pa._pick_config, pa._SPLIT_TARGET_WAVES)
+    pick, waves = _PICK_CONFIG
+    knobs = {k: int(v) for k, v in re.findall(r"([wst])(\d+)", settings)}
+    pa._SPLIT_TARGET_WAVES = knobs.get("w", waves)
+    decode = {f: knobs[k] for k, f in (("s", "num_stages"), ("t", "tile")) if k in knobs}
+
+    def pick_config(max_query_len: int, *a: Any, **kw: Any) -> Any:
+        cfg = pick(max_query_len, *a, **kw)
+        return dataclasses.replace(cfg, **decode) if max_query_len == 1 and decode else cfg
+
+    pa._pick_config = pick_config
     ex = llm.engine.runner.executor
-    if pa._SPLIT_TARGET_WAVES != waves:
-        pa._SPLIT_TARGET_WAVES = waves
-        release_graphs(ex)
-        free_cuda()
-        t0 = time.time()
-        ex.capture_graphs()
-        log(f"decode graphs captured again for {waves} split waves in {time.time() - t0:.1f} s")
+    release_graphs(ex)
+    free_cuda()
+    t0 = time.time()
+    ex.capture_graphs()
+    log(f"decode graphs captured again with {settings} ({knobs}) in {time.time() - t0:.1f} s")
     return ex.graphs
 
 
@@ -351,13 +374,15 @@ def main(argv: list[str] | None = None) -> int:
             warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
             llm.generate([{"prompt_token_ids": p} for p, _ in reqs[:32]], warm, use_tqdm=False)
             params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in reqs]
+            last_settings = ""  # as the engine captured them
             for i, label in enumerate(args.passes.split(",")):
                 if time.time() - t_start > args.budget_s:
                     log(f"skipping pass {label}: past --budget-s")
                     continue
-                name, _, waves = label.partition("@w")
-                if waves and graphs is not None:
-                    graphs = recapture(llm, int(waves))
+                name, _, settings = label.partition("@")
+                if settings and graphs is not None and settings != last_settings:
+                    graphs = recapture(llm, settings)
+                    last_settings = settings
                 if graphs is not None:  # `fine`: every captured size; else the old powers of two
                     old = pow2_sizes(graphs.max_size)
                     graphs.sizes = all_sizes if name == "fine" else [s for s in all_sizes if s in old]
