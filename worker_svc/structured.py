@@ -7,7 +7,15 @@ The engine is llguidance (see services/structured_outputs.py).
 - Compiling is off the step's critical path: a sequence's matcher is built on a background
   thread when the sequence arrives (its prompt's prefill runs meanwhile); the step that first
   samples it waits only for what is left. Compiled grammars are cached by the spec's hash; a
-  sequence gets a cheap deep copy of the cached matcher.
+  sequence gets a cheap copy of a cached matcher.
+- A copy shares its template's lexer, and with it the lock that every mask computation holds
+  from start to end (llguidance's `LLMatcher.deep_copy` clones the parser's
+  `Arc<Mutex<SharedState>>`, not what it holds), so a batch's rows of one spec are filled one
+  at a time whatever the fill's threads. A spec is therefore compiled into a few independent
+  templates ("lexer families", by default one per fill thread) and its sequences are dealt out
+  among them. Issue 31: at batch 32 every run's first fill after the prefill (each row's first
+  mask after its first token: ~0.4 ms of CPU a row, nothing cached) held the step thread 23.7 ms
+  on an H100 host, 4 fill threads, one family, while the forward it could hide behind is ~6 ms.
 - A recomputed sequence (preempted, or moved to this worker) arrives with its output so far:
   its matcher replays those tokens.
 - `rollback(n)` undoes accepted tokens (for speculative decoding's rejected drafts).
@@ -43,8 +51,9 @@ def bitmask_width(vocab_size: int) -> int:
 class SequenceGrammar:
     """One sequence's matcher (ready once its compile finished)."""
 
-    def __init__(self, future: Future, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, future: Future, eos_token_ids: Sequence[int], family: int = 0) -> None:
         self._future = future
+        self.family = family  # which of its spec's independent templates it was copied from
         self._matcher: Any = None  # the future's result, once it has one
         self._eos = list(eos_token_ids)
         self._failed = False
@@ -136,15 +145,23 @@ class StructuredOutputManager:
         cache_size: int = 256,
         compile_threads: int = 2,
         pin_memory: bool = False,
+        families: int | None = None,
+        fill_threads: int | None = None,
     ) -> None:
-        """`pin_memory`: fill the masks in page-locked memory (the worker's device is CUDA)."""
+        """`pin_memory`: fill the masks in page-locked memory (the worker's device is CUDA).
+        `fill_threads`: the engine's threads for a batch's fill (default `executor_threads()`);
+        `families`: independent templates per spec (default: one per fill thread)."""
         self.vocab_size = vocab_size
         self.pin_memory = pin_memory
         self.width = bitmask_width(vocab_size)
         self._load_tokenizer = load_tokenizer
         self._eos = list(eos_token_ids)
         self._cache_size = cache_size
-        self._cache: OrderedDict[str, Future] = OrderedDict()  # spec key -> template matcher
+        self.fill_threads = fill_threads if fill_threads is not None else executor_threads()
+        self.families = families if families is not None else self.fill_threads
+        self._next_family = 0
+        # (spec key, family) -> template matcher
+        self._cache: OrderedDict[tuple[str, int], Future] = OrderedDict()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(compile_threads, thread_name_prefix="grammar")
         self._tokenizer: Future | None = None
@@ -172,16 +189,16 @@ class StructuredOutputManager:
             raise RuntimeError("the model ships no tokenizer: structured outputs need one")
         return llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size)
 
-    def _template(self, spec: StructuredOutputs) -> Any:
-        """The spec's compiled matcher (runs on a pool thread). The first thread to ask compiles it;
-        the others wait on a thread that is running, never on a queued task."""
-        key = spec.key
+    def _template(self, spec: StructuredOutputs, family: int) -> Any:
+        """The spec's compiled matcher of `family` (runs on a pool thread). The first thread to ask
+        compiles it; the others wait on a thread that is running, never on a queued task."""
+        key = (spec.key, family)
         with self._lock:
             fut = self._cache.get(key)
             owner = fut is None
             if owner:
                 fut = self._cache[key] = Future()
-                while len(self._cache) > self._cache_size:
+                while len(self._cache) > self._cache_size * max(1, self.families):
                     self._cache.popitem(last=False)
             else:
                 self._cache.move_to_end(key)
@@ -208,15 +225,18 @@ class StructuredOutputManager:
     def start(self, spec: StructuredOutputs, output_token_ids: Sequence[int] = ()) -> SequenceGrammar:
         """A sequence's grammar, compiled in the background; `output_token_ids` are replayed."""
         replay = list(output_token_ids)
+        with self._lock:
+            family = self._next_family % max(1, self.families)
+            self._next_family = family + 1
 
         def build() -> Any:
-            m = self._template(spec).deep_copy()
+            m = self._template(spec, family).deep_copy()
             for t in replay:
                 if not m.consume_token(t):
                     break  # stays in error: EOS only
             return m
 
-        seq = SequenceGrammar(self._pool.submit(build), self._eos)
+        seq = SequenceGrammar(self._pool.submit(build), self._eos, family)
         seq.num_accepted = len(replay)
         return seq
 
@@ -262,6 +282,7 @@ class StructuredOutputManager:
         # executor's still spinning right after a fill: ms per step at batch 32 (issue 31).
         mask.numpy().fill(-1)
         live: list[tuple[Any, int]] = []
+        families: list[int] = []
         for i, g in enumerate(grammars):
             if g is None:
                 continue
@@ -275,7 +296,11 @@ class StructuredOutputManager:
                 g.fill_eos_only(mask[i])
             else:
                 live.append((g.matcher, i))
-        return mask, live
+                families.append(g.family)
+        # Rows of a family next to each other: the executor splits the list into contiguous
+        # chunks, one per thread, so each thread mostly takes the lock of a family of its own.
+        order = sorted(range(len(live)), key=families.__getitem__)
+        return mask, [live[j] for j in order]
 
     def _fill(self, live: list[tuple[Any, int]], mask: torch.Tensor) -> None:
         """The engine writes each live row's bits (the GIL released meanwhile)."""
@@ -283,7 +308,7 @@ class StructuredOutputManager:
             if self._executor is None:
                 import llguidance
 
-                self._executor = llguidance.LLExecutor(num_threads=executor_threads())
+                self._executor = llguidance.LLExecutor(num_threads=self.fill_threads)
         self._executor.unsafe_compute_mask_ptr(live, mask.data_ptr(), self.width * 4, mask.shape[0])
 
     def close(self) -> None:

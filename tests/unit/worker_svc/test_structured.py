@@ -29,7 +29,9 @@ def hf():
 
 @pytest.fixture(scope="module")
 def manager(hf):
-    m = StructuredOutputManager(lambda: hf, V, [EOS])
+    # Several lexer families (a 2-core CI machine's default is one): every test here runs its
+    # sequences on independent templates of their spec, as a larger host does.
+    m = StructuredOutputManager(lambda: hf, V, [EOS], families=3, fill_threads=2)
     yield m
     m.close()
 
@@ -102,6 +104,26 @@ def test_fill_on_the_fill_thread_gives_the_same_mask(manager, hf):
     fill = manager.bitmask_async([None, g, None])
     assert torch.equal(fill.result(), manager.bitmask([None, g, None]))
     assert manager.bitmask_async([None]) is None
+
+
+def test_lexer_families_are_independent_templates_and_fill_each_row_in_place(manager, hf):
+    """Sequences of one spec are dealt out among independently compiled templates (copies of one
+    template share its lexer's lock); a batch's rows, reordered by family for the fill, land in
+    their own rows and are what each row alone gives."""
+    spec = StructuredOutputs(regex=r"[a-z ]+\.")
+    gs = [manager.start(spec) for _ in range(6)]
+    assert sorted(g.family for g in gs) == [0, 0, 1, 1, 2, 2]
+    templates = {id(manager._template(spec, f)) for f in range(manager.families)}
+    assert len(templates) == manager.families
+    word = hf.encode(" the", add_special_tokens=False)[0]
+    for g in gs[1::2]:  # a word in: "." allowed now (rows 0, 2, 4 still need one)
+        assert g.accept(word)
+    batch = [None, *gs[:3], None, *gs[3:]]
+    mask = manager.bitmask_async(batch).result()
+    for row, g in enumerate(batch):
+        alone = manager.bitmask([g])
+        assert bool((mask[row] == -1).all()) if alone is None else torch.equal(mask[row], alone[0])
+    assert torch.equal(mask[1], mask[3]) and not torch.equal(mask[1], mask[2])
 
 
 def test_a_failed_fill_is_the_steps_error_and_no_later_launch_retries_it():
