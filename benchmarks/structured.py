@@ -12,13 +12,20 @@ Sections:
   costs where the GPU waits for it. A constrained row is launched ahead like any other: its mask
   is filled while the GPU runs its forward, one step behind (`LaunchedStep.deferred`), and
   applied by one Triton pass. Unless --no-compare, the paths before run too, in the same
-  process: `fill_in_finish` (the masks filled, and the sampling queued, on the step thread before
-  the step before's result is handed over) and `mask_in_step` (no launch-ahead for constrained
-  rows, the mask applied by torch ops). On CUDA each row also counts the steps where the device
-  ran out of work: a forward queued after the last sampling had run, or a sampling queued after
-  its logits were ready. With --timeline, CUDA events split each step's device time into the
-  forward (with its logits), the wait for the sampling to be queued, the sampling, and the wait
-  for the next forward (`DeviceTimeline`): where a constrained step's extra time goes.
+  process: `lexer_families(llm, 1)` (every sequence of a spec a copy of one template, so a
+  batch's fill runs one row at a time behind its lexer's lock), a column with twice the lexer
+  families and fill threads, `fill_in_finish` (the masks filled, and the sampling queued, on the
+  step thread before the step before's result is handed over) and `mask_in_step` (no
+  launch-ahead for constrained rows, the mask applied by torch ops). On CUDA each row also counts
+  the steps where the device ran out of work: a forward queued after the last sampling had run,
+  or a sampling queued after its logits were ready, and times the fills. With --timeline, CUDA
+  events split each step's device time into the forward (with its logits), the wait for the
+  sampling to be queued, the sampling, and the wait for the next forward (`DeviceTimeline`):
+  where a constrained step's extra time goes. --marginal adds runs of twice --tokens (a step's
+  cost without a run's fixed costs); --profile DIR writes torch.profiler traces of a free, a
+  constrained and a one-family run at the largest batch and reads them (`benchmarks.trace_gaps`);
+- fill: a batch's first fill after each row's first token (nothing cached), outside the engine,
+  by lexer families x fill threads.
 """
 
 from __future__ import annotations
@@ -116,6 +123,48 @@ def compile_section(hf: Any, num_schemas: int | None = None) -> list[tuple[str, 
     return rows
 
 
+def fill_section(hf: Any, vocab: int, rows: int = 32, reps: int = 3) -> list[tuple[str, str]]:
+    """A batch's first fill after each row's first token (no row's mask cached: the costly fill
+    of every run of the steps section), outside the engine, by lexer families x fill threads:
+    copies of one template share its lexer and the lock around it."""
+    import resource
+
+    from llmesh import StructuredOutputs
+    from worker_svc.structured import StructuredOutputManager, executor_threads
+
+    spec = StructuredOutputs(regex=r"[a-zA-Z ,.]*")
+    words = hf.encode(" the cat sat on a mat and then it went home to see", add_special_tokens=False)
+    k = max(2, executor_threads())
+    out = []
+    for families, threads in ((1, 1), (1, k), (k, k), (2 * k, 2 * k)):
+        m = StructuredOutputManager(lambda: hf, vocab, [0], families=families, fill_threads=threads)
+        first, cpu, nxt = [], [], []
+        for rep in range(reps + 1):  # the first warms the templates and the executor
+            gs = [m.start(spec) for _ in range(rows)]
+            m.bitmask(gs)  # each row's first mask: its template's, inherited
+            for i, g in enumerate(gs):
+                assert g.accept(words[i % len(words)])
+            r0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+            m.bitmask_async(gs).result()
+            wall, r1 = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
+            t = time.perf_counter()
+            m.bitmask_async(gs).result()
+            if rep:
+                first.append(wall)
+                cpu.append(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime)
+                nxt.append(time.perf_counter() - t)
+        m.close()
+        out.append(
+            (
+                f"first fill, {rows} rows, {families} lexer families x {threads} threads",
+                f"{statistics.median(first) * 1e3:.2f} ms (CPU of all threads "
+                f"{statistics.median(cpu) * 1e3:.1f} ms); "
+                f"the next fill {statistics.median(nxt) * 1e3:.2f} ms",
+            )
+        )
+    return out
+
+
 def _stats(name: str, comp: list[float], masks: list[float]) -> list[tuple[str, str]]:
     ms = sorted(masks)
     return [
@@ -176,6 +225,22 @@ def fill_in_finish(llm: Any) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def lexer_families(llm: Any, families: int, threads: int | None = None) -> Iterator[None]:
+    """Sequences started meanwhile are copies of `families` independent templates of their spec
+    (1: the path before, every row of a spec behind its template's lexer lock), their masks
+    filled by `threads` threads (default: as many as now)."""
+    so = llm.engine.runner.structured
+    before = so.families, so.fill_threads, so._executor
+    so.families = families
+    if threads is not None and threads != so.fill_threads:
+        so.fill_threads, so._executor = threads, None  # a new executor of that many threads
+    try:
+        yield
+    finally:
+        so.families, so.fill_threads, so._executor = before
+
+
+@contextlib.contextmanager
 def device_starved(llm: Any) -> Iterator[dict[str, int]]:
     """Counts, on CUDA, the forwards queued when the device had finished the last sampling queued,
     and the samplings queued when their logits were already computed: steps the host held up;
@@ -190,6 +255,16 @@ def device_starved(llm: Any) -> Iterator[dict[str, int]]:
         return
     ex, sampler = runner.executor, runner.sampler
     forward, logits, sample, verify = ex.forward, ex.logits, sampler.sample_async, sampler.verify_async
+    fill = runner.structured._fill
+    fills: list[float] = []
+
+    def timed_fill(*a: Any) -> None:
+        t = time.perf_counter()
+        try:
+            fill(*a)
+        finally:
+            fills.append(time.perf_counter() - t)
+
     last: dict[str, Any] = {"sampled": None, "logits": None}
     allocator = ("num_alloc_retries", "num_device_free", "num_device_alloc")
     before = {k: torch.cuda.memory_stats().get(k, 0) for k in allocator}
@@ -220,10 +295,14 @@ def device_starved(llm: Any) -> Iterator[dict[str, int]]:
 
     ex.forward, ex.logits = fwd, lgt
     sampler.sample_async, sampler.verify_async = sampling(sample), sampling(verify)
+    runner.structured._fill = timed_fill
     try:
         yield counts
     finally:
-        del ex.forward, ex.logits, sampler.sample_async, sampler.verify_async
+        del ex.forward, ex.logits, sampler.sample_async, sampler.verify_async, runner.structured._fill
+        counts["fills"] = len(fills)
+        counts["fill max us"] = int(max(fills, default=0.0) * 1e6)
+        counts["fill total us"] = int(sum(fills) * 1e6)
         for k in allocator:
             counts[k] = torch.cuda.memory_stats().get(k, 0) - before[k]
 
@@ -305,7 +384,13 @@ class DeviceTimeline:
 
 
 def step_section(
-    llm: Any, batches: list[int], tokens: int, reps: int, compare: bool, timeline: bool = False
+    llm: Any,
+    batches: list[int],
+    tokens: int,
+    reps: int,
+    compare: bool,
+    timeline: bool = False,
+    marginal_too: bool = False,
 ) -> list[tuple[str, str]]:
     from llmesh import SamplingParams, StructuredOutputs
 
@@ -314,12 +399,21 @@ def step_section(
     spec = StructuredOutputs(regex=r"[a-zA-Z ,.]*")
     modes = [("free", None, contextlib.nullcontext), ("constrained", spec, contextlib.nullcontext)]
     if compare:
+        threads = llm.engine.runner.structured.fill_threads
+        modes.append(("constrained, one lexer family (before)", spec, lambda: lexer_families(llm, 1)))
+        modes.append(
+            (
+                f"constrained, {2 * threads} families x {2 * threads} threads",
+                spec,
+                lambda: lexer_families(llm, 2 * threads, 2 * threads),
+            )
+        )
         modes.append(("constrained, fill in finish (before)", spec, lambda: fill_in_finish(llm)))
         modes.append(("constrained, mask in the step (before)", spec, lambda: mask_in_step(llm)))
     rows = []
     for b in batches:
         prompts = [[1 + (i * 7 + j) % 1000 for j in range(16)] for i in range(b)]
-        per, outs, starved, spans = {}, {}, {}, {}
+        per, outs, starved, spans, marginal = {}, {}, {}, {}, {}
         for label, so, path in modes:
             sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, structured_outputs=so)
             with path():
@@ -335,6 +429,17 @@ def step_section(
                         for _ in range(reps):
                             llm.generate(prompts, sp, use_tqdm=False)
                             spans[label].read()
+                # Twice the steps: what a step costs without each run's fixed costs.
+                if marginal_too and label in ("free", "constrained"):
+                    sp2 = SamplingParams(
+                        temperature=0, max_tokens=2 * tokens, ignore_eos=True, structured_outputs=so
+                    )
+                    best2 = float("inf")
+                    for _ in range(reps):
+                        t = time.perf_counter()
+                        llm.generate(prompts, sp2, use_tqdm=False)
+                        best2 = min(best2, time.perf_counter() - t)
+                    marginal[label] = (best2 - best) / tokens
             per[label] = best / tokens
             outs[label] = [o.outputs[0].token_ids for o in out]
         for label in per:
@@ -344,6 +449,14 @@ def step_section(
                     (
                         f"batch {b}: ms per step free / {label}",
                         f"{per['free'] * 1e3:.2f} / {per[label] * 1e3:.2f}  ({over * 100:+.1f} %)",
+                    )
+                )
+            if label in marginal:
+                over = marginal[label] / marginal["free"] - 1
+                rows.append(
+                    (
+                        f"batch {b}: {label}: ms per step, {tokens} more steps a run",
+                        f"{marginal[label] * 1e3:.2f}  ({over * 100:+.1f} % of free)",
                     )
                 )
             if label in spans:
@@ -356,7 +469,8 @@ def step_section(
                         f"forward late {c['forward late']} of {c['forwards']}, "
                         f"sampling late {c['sampling late']} of {c['samplings']}; allocator "
                         f"retries {c['num_alloc_retries']}, frees {c['num_device_free']}, "
-                        f"allocs {c['num_device_alloc']}",
+                        f"allocs {c['num_device_alloc']}; fills {c['fills']}: longest "
+                        f"{c['fill max us'] / 1e3:.2f} ms, all {c['fill total us'] / 1e3:.1f} ms",
                     )
                 )
         if compare:
@@ -364,6 +478,45 @@ def step_section(
                 outs["constrained"] == outs[label] for label in outs if label.startswith("constrained")
             )
             rows.append((f"batch {b}: constrained tokens the same every way", str(same)))
+    return rows
+
+
+def profile_section(llm: Any, batch: int, tokens: int, out_dir: str) -> list[tuple[str, str]]:
+    """torch.profiler traces (CUDA activity only: the host's own overhead stays small) of one
+    free and one constrained run at `batch`, written to `out_dir`, and what each shows
+    (`benchmarks.trace_gaps`): the device's busy and idle time a step, and the idle's place."""
+    import gzip
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.trace_gaps import analyse, load, step_times
+    from llmesh import SamplingParams, StructuredOutputs
+
+    os.makedirs(out_dir, exist_ok=True)
+    prompts = [[1 + (i * 7 + j) % 1000 for j in range(16)] for i in range(batch)]
+    rows = []
+    spec = StructuredOutputs(regex=r"[a-zA-Z ,.]*")
+    paths = (
+        ("free", None, contextlib.nullcontext),
+        ("constrained", spec, contextlib.nullcontext),
+        ("one_family", spec, lambda: lexer_families(llm, 1)),
+    )
+    for label, so, path in paths:
+        sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, structured_outputs=so)
+        with path():
+            llm.generate(prompts, sp, use_tqdm=False)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                llm.generate(prompts, sp, use_tqdm=False)
+                torch.cuda.synchronize()
+        raw = os.path.join(out_dir, f"trace_{label}_b{batch}.json")
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as f, gzip.open(raw + ".gz", "wb") as g:
+            shutil.copyfileobj(f, g)
+        os.remove(raw)
+        rows.append((f"batch {batch}: {label}: profile", "\n" + analyse(load(raw + ".gz"))))
+        rows.append((f"batch {batch}: {label}: device time a step", step_times(load(raw + ".gz"))))
     return rows
 
 
@@ -381,6 +534,18 @@ def main() -> None:
     ap.add_argument(
         "--timeline", action="store_true", help="CUDA events: where each step's device time goes (extra runs)"
     )
+    ap.add_argument(
+        "--marginal",
+        action="store_true",
+        help="runs of twice --tokens too: a step without a run's fixed costs",
+    )
+    ap.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="CUDA: torch.profiler traces of a free and a constrained run at the largest batch, into DIR",
+    )
+    ap.add_argument("--profile-tokens", type=int, default=16)
     ap.add_argument("--smollm2", default=None, help="SmolLM2 .gguf or folder (default: the embedded package)")
     ap.add_argument("--smoke", action="store_true", help="3 schemas, batch 2, 4 tokens (make test)")
     args = ap.parse_args()
@@ -396,6 +561,11 @@ def main() -> None:
     rows: list[tuple[str, str]] = []
     if "compile" in args.sections:
         rows += compile_section(hf, num_schemas)
+    if "fill" in args.sections:
+        from benchmarks.gpu import SHAPES
+
+        vocab = SHAPES[args.model]["vocab_size"] if args.model != "smollm2" else V_SMOL
+        rows += fill_section(hf, vocab, max(args.batch))
     if "steps" in args.sections:
         kw: dict[str, Any] = dict(device=args.device, max_num_seqs=max(args.batch), max_model_len=1024)
         tmp = None
@@ -412,7 +582,11 @@ def main() -> None:
             kw.update(load_format="dummy", dtype="bfloat16" if args.device == "cuda" else "float32")
         llm = LLM(path, **kw)
         timeline = args.timeline and args.device.startswith("cuda")
-        rows += step_section(llm, args.batch, args.tokens, args.reps, not args.no_compare, timeline)
+        rows += step_section(
+            llm, args.batch, args.tokens, args.reps, not args.no_compare, timeline, args.marginal
+        )
+        if args.profile and args.device.startswith("cuda"):
+            rows += profile_section(llm, max(args.batch), args.profile_tokens, args.profile)
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
     width = max(len(r[0]) for r in rows)
