@@ -400,7 +400,8 @@ def step_section(
     modes = [("free", None, contextlib.nullcontext), ("constrained", spec, contextlib.nullcontext)]
     if compare:
         threads = llm.engine.runner.structured.fill_threads
-        modes.append(("constrained, one lexer family (before)", spec, lambda: lexer_families(llm, 1)))
+        if llm.engine.runner.structured.families > 1:  # one already on a machine of few cores
+            modes.append(("constrained, one lexer family (before)", spec, lambda: lexer_families(llm, 1)))
         modes.append(
             (
                 f"constrained, {2 * threads} families x {2 * threads} threads",

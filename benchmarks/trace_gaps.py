@@ -106,13 +106,43 @@ def step_times(events: list[dict[str, Any]], steps_kernel: str = "ArgMax") -> st
     return " ".join(f"{(b - a) / 1e3:.2f}" for a, b in zip(marks, marks[1:], strict=False))
 
 
+def _smoke_events(steps: int = 6) -> list[dict[str, Any]]:
+    """A made-up trace: per step a forward kernel, an upload queued late, the argmax."""
+    events: list[dict[str, Any]] = []
+    for i in range(steps):
+        t = i * 200.0
+        for j, (cat, name, ts, dur) in enumerate(
+            (
+                ("kernel", "gemm", t, 100.0),
+                ("gpu_memcpy", "Memcpy HtoD", t + 120, 5.0),
+                ("kernel", "ArgMax", t + 130, 10.0),
+            )
+        ):
+            corr = i * 10 + j
+            events.append({"cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}})
+            launch = ts - 1 if j == 1 else ts - 150  # the upload: queued only as the device idled
+            events.append(
+                {
+                    "cat": "cuda_runtime",
+                    "name": "cudaLaunchKernel",
+                    "ts": launch - 5,
+                    "dur": 5.0,
+                    "args": {"correlation": corr},
+                }
+            )
+    return events
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("trace")
+    ap.add_argument("trace", nargs="?")
     ap.add_argument("--steps-kernel", default="ArgMax")
     ap.add_argument("--skip", type=int, default=2)
+    ap.add_argument("--smoke", action="store_true", help="a made-up trace (make test)")
     args = ap.parse_args()
-    events = load(args.trace)
+    if not args.smoke and args.trace is None:
+        ap.error("a trace, or --smoke")
+    events = _smoke_events() if args.smoke else load(args.trace)
     print(analyse(events, args.steps_kernel, args.skip))
     print("steps (ms):", step_times(events, args.steps_kernel))
 
