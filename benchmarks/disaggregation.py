@@ -12,6 +12,11 @@ loopback (random weights of --shape, `--load-format dummy`), one worker per devi
   GPU through CUDA IPC, shared memory on the CPU; worker_svc/kv_peer.py), shorter ones run whole
   on the second;
 * "1P+1D store": the same, the handover through the KV store (the scheduler's --no-direct-handover).
+A 1P+1D row may name its queue rule (scheduler_svc/disaggregation.py): "1P+1D@Q:C" keeps a long
+prompt on the decode worker, in chunks of C tokens, while the prefill worker's predicted wait is
+over Q seconds and the decode worker is predicted to give its first token sooner (the scheduler's
+--disaggregation-max-queue-s Q --disaggregation-local-chunk-tokens C; without a suffix, --max-queue-s
+and --local-chunk-tokens); "1P+1D@off" sends every long prompt to the prefill worker.
 
 The workload (seeded, the same schedule for both rows): decode-heavy chats (--chat-prompt,
 --chat-output tokens) arriving at --chat-rate per second, and long prompts (--long-prompt tokens,
@@ -19,8 +24,10 @@ The workload (seeded, the same schedule for both rows): decode-heavy chats (--ch
 (gaps between the streamed tokens of each request, stream interval 1), output tok/s, handovers,
 fallbacks, direct handovers (and those whose copy failed), the KV bytes a direct handover copied
 and the decode worker's host time issuing the copy (on CUDA the copy itself runs on its stream,
-ahead of the forward), and the prompt tokens the decode worker computed per handover (the tail
-past the prompt's last whole store chunk, with the first token; 1 for a direct one). Greedy check:
+ahead of the forward), the prompt tokens the decode worker computed per handover (the tail
+past the prompt's last whole store chunk, with the first token; 1 for a direct one), and the long
+prompts the queue rule kept on the decode worker (`local`; every decision by reason in the JSON
+and below the table). Greedy check:
 --check prompts long enough to hand over, sent one at a time to every row: their tokens must be
 equal to the first row's.
 
@@ -149,7 +156,19 @@ def per_worker(args: argparse.Namespace) -> tuple[list[list[str]], list[dict[str
     return flags, env
 
 
+def queue_rule(name: str, args: argparse.Namespace) -> tuple[str, list[str]]:
+    """A row's base name and the scheduler flags of its queue rule ("1P+1D@0.1:512", "1P+1D@off")."""
+    base, _, rule = name.partition("@")
+    q, c = (1e9, 0) if rule == "off" else (args.max_queue_s, args.local_chunk_tokens)
+    if rule and rule != "off":
+        q_s, _, c_s = rule.partition(":")
+        q, c = float(q_s), int(c_s or c)
+    flags = ["--disaggregation-max-queue-s", str(q), "--disaggregation-local-chunk-tokens", str(c)]
+    return base, flags
+
+
 def run_row(name: str, model: str, reqs, checks, args) -> dict[str, Any]:
+    base, rule = queue_rule(name, args)
     worker_args = [
         "--load-format", "dummy", "--dtype", "bfloat16" if args.cuda else "float32",
         "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
@@ -161,10 +180,10 @@ def run_row(name: str, model: str, reqs, checks, args) -> dict[str, Any]:
         "--no-tokenizer", "--max-model-len", str(args.max_model_len),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         "--disaggregation-threshold", str(args.threshold), "--stream-interval", "1",
-        "--handover-timeout-s", str(args.handover_timeout_s),
-        *(["--no-direct-handover"] if name == "1P+1D store" else []),
+        "--handover-timeout-s", str(args.handover_timeout_s), *rule,
+        *(["--no-direct-handover"] if base == "1P+1D store" else []),
     ]  # fmt: skip
-    roles = None if name == "aggregated" else ["prefill", "decode"]
+    roles = None if base == "aggregated" else ["prefill", "decode"]
     with tempfile.TemporaryDirectory() as logs:
         try:
             return _measure_row(name, roles, model, reqs, checks, args, logs, worker_args, sched_args)
@@ -215,6 +234,8 @@ def _measure_row(name, roles, model, reqs, checks, args, logs, worker_args, sche
     long_prompt_tokens = sum(len(p) for _, p, _, k in reqs if k == "long")
     loaded = sum(w.store_hit_tokens for w in after.workers) - sum(w.store_hit_tokens for w in before.workers)
     direct = after.pd_direct - before.pd_direct
+    decisions = {k: n - before.pd_decisions.get(k, 0) for k, n in after.pd_decisions.items()}
+    decisions = {k: n for k, n in sorted(decisions.items()) if n}
     tail_tokens = float("nan")
     if handovers:  # a direct handover computes the first token only; one through the store its tail too
         store_tail = long_prompt_tokens * (handovers - direct) / handovers - loaded
@@ -238,6 +259,8 @@ def _measure_row(name, roles, model, reqs, checks, args, logs, worker_args, sche
         "direct_mib": (after.pd_direct_bytes - before.pd_direct_bytes) / max(direct, 1) / (1 << 20),
         "copy_ms": 1000 * (after.pd_direct_copy_seconds - before.pd_direct_copy_seconds) / max(direct, 1),
         "tail_tokens": tail_tokens,
+        "local": decisions.get("decode/queue_long", 0),
+        "decisions": decisions,
         "greedy": greedy,
     }
 
@@ -331,7 +354,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         ("itl_p999_ms", "{:.0f}"), ("stalls_100ms", "{}"),
         ("out_tok_s", "{:.0f}"), ("handovers", "{}"), ("fallbacks", "{}"), ("handover_ms", "{:.1f}"),
         ("direct", "{}"), ("direct_failed", "{}"), ("direct_mib", "{:.1f}"), ("copy_ms", "{:.2f}"),
-        ("tail_tokens", "{:.0f}"),
+        ("tail_tokens", "{:.0f}"), ("local", "{}"),
     ]  # fmt: skip
     lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
@@ -354,6 +377,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long-output", type=int, nargs=2, default=[32, 64])
     ap.add_argument("--threshold", type=int, default=1024, help="the scheduler's --disaggregation-threshold")
     ap.add_argument("--handover-timeout-s", type=float, default=3.0, help="the scheduler's")
+    ap.add_argument(
+        "--max-queue-s", type=float, default=0.1, help="the scheduler's --disaggregation-max-queue-s"
+    )
+    ap.add_argument(
+        "--local-chunk-tokens", type=int, default=512,
+        help="the scheduler's --disaggregation-local-chunk-tokens (a decode worker's chunk bound)",
+    )  # fmt: skip
     ap.add_argument("--chunk-tokens", type=int, default=256, help="the workers' --kv-chunk-tokens")
     ap.add_argument("--max-model-len", type=int, default=8448)
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -397,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
         args.long_start_s, args.threshold, args.chunk_tokens, args.max_model_len = 0.05, 96, 32, 512
         args.max_num_seqs, args.max_num_batched_tokens, args.check, args.check_tokens = 16, 512, 1, 8
         args.put_bytes, args.store_bytes = "64MiB", "256MiB"
+        if args.rows == ap.get_default("rows"):  # the queue rule's flags, a decode worker's chunk bound
+            args.rows = "aggregated,1P+1D@0.1:32"
     args.cuda = args.devices.startswith("cuda")
     args.vocab = cfg["vocab_size"]
     reqs = workload(args)
@@ -423,6 +455,9 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             log(table(rows[-1:]), f"\n({time.perf_counter() - t0:.0f} s)")
     text = table(rows)
+    for r in rows:
+        if r["decisions"]:
+            text += f"\n{r['row']}: decisions {r['decisions']}"
     for d in rows[1:]:
         a = rows[0]
         same = a["greedy"] == d["greedy"]
@@ -443,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         if r["handovers"] and args.smoke:
             assert r["fallbacks"] == 0 and r["direct_failed"] == 0, r
-            assert r["direct"] == (r["handovers"] if r["row"] == "1P+1D" else 0), r
+            assert r["direct"] == (r["handovers"] if r["row"].partition("@")[0] == "1P+1D" else 0), r
         if args.smoke:
             assert r["greedy"] == rows[0]["greedy"], r["row"]
     return 0

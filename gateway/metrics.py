@@ -171,6 +171,16 @@ def pd_metrics(stats: worker_pb2.SchedulerStats) -> Iterable[Metric]:
         family = CounterMetricFamily(f"llmesh:pd_{name}", doc)
         family.add_metric([], float(value))
         yield family
+    decisions = CounterMetricFamily(
+        "llmesh:pd_decisions",
+        "Requests long enough for a prefill worker, or kept whole for a short prompt: where they went "
+        "(prefill or decode) and why (the scheduler's queue rule)",
+        labels=["to", "reason"],
+    )
+    for key, n in sorted(stats.pd_decisions.items()):
+        to, _, reason = key.partition("/")
+        decisions.add_metric([to, reason], float(n))
+    yield decisions
 
 
 def _load_error_histogram(stats: worker_pb2.SchedulerStats) -> HistogramMetricFamily:

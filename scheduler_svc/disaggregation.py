@@ -5,12 +5,34 @@ and samples their first token; a "decode" or "both" worker takes the decode of h
 requests and whole requests too short to hand over. A pool with no prefill worker serves
 every request whole, as before; one with prefill workers only serves whole requests there.
 
-Per request, Dynamo's conditional disaggregation: a request goes to a prefill worker when the
-prompt tokens its decode worker would have to compute (those not in its GPU cache or host tier)
-reach `threshold`, and it is a plain generation: no output yet (a moved request continues where
-it is), more than one token wanted, no prompt logprobs, not pooling, and a way to hand the KV
-over (a KV store, or a decode worker that copies directly). Short prompts stay whole on the decode
-worker: their prefill costs the decode batch less than a handover would.
+Per request, Dynamo's conditional disaggregation, both halves (its router sends a prefill remote
+when it is longer than `max_local_prefill_length` and the prefill queue is shorter than
+`max_prefill_queue_size`):
+1. Length: a request is a candidate for a prefill worker when the prompt tokens its decode worker
+   would have to compute (those not in its GPU cache or host tier) reach `threshold`, and it is a
+   plain generation: no output yet (a moved request continues where it is), more than one token
+   wanted, no prompt logprobs, not pooling, and a way to hand the KV over (a KV store, or a decode
+   worker that copies directly). Short prompts stay whole on the decode worker: their prefill costs
+   the decode batch less than a handover would.
+2. Queues (`QueueRule`): a candidate still stays on its decode worker when the prefill worker's
+   predicted queue wait is over `max_queue_s` (--disaggregation-max-queue-s) *and* its predicted
+   time to first token there is lower than on the prefill worker. Both predictions come from what
+   the scheduler measures and plans (`WorkerLoad`): each worker's prompt tokens placed but not
+   planned yet, those of its plans in flight (less what the head plan has already run), and its
+   step time fitted as `a + b * tokens` over its latest steps that computed prompt tokens
+   (`StepFit`, a median fit: a step that compiled a kernel for a new shape takes seconds, and a
+   least-squares line through it would mispredict every wait after). The prefill side drains its queue
+   and then the prompt in steps of up to its step budget; the decode side computes the prompt in
+   chunks of at most its `long_prefill_token_threshold` (--disaggregation-local-chunk-tokens, set
+   on --role decode workers only), one chunk per step beside its decode batch, so a step with a
+   chunk in it stays within the ITL budget (vLLM's long_prefill_token_threshold is the model).
+   The bias is towards disaggregating, since the decode batch's ITL is what it protects: a short
+   predicted wait always goes to the prefill worker, whatever the decode side could do; a decode
+   worker keeps at most one long prompt in progress (vLLM's max_long_partial_prefills = 1: two
+   would put two chunks in a step); one whose chunks are not bounded keeps none; and until the
+   prefill worker's steps are measured, nothing is predicted and the prompt goes there. Every
+   decision is counted by where it went and why (`DisaggregationStats.decisions`, the
+   llmesh:pd_decisions counter with its `to` and `reason` labels).
 
 The direct handover (one host; vLLM's NixlConnector is the model): where a decode worker can copy
 out of the prefill worker's cache (`direct_compatible`: same host, an export it opens, the same
@@ -50,9 +72,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 from scheduler_svc.prefix_hash import extend_block_keys
@@ -73,6 +97,17 @@ ROLES = ("both", "prefill", "decode")
 HOLD_MAX_S = 30.0
 # Polling the store for a handover's chunks: first interval, then doubled up to the last.
 POLL_FIRST_S, POLL_MAX_S = 0.002, 0.01
+
+
+# Why a candidate (a long plain generation) went where it did: the `reason` label of the decisions.
+TO_PREFILL, TO_DECODE = "prefill", "decode"
+SHORT_PROMPT = "short_prompt"  # under the threshold: kept whole on the decode worker
+QUEUE_SHORT = "queue_short"  # the prefill worker's predicted wait is within the bound
+QUEUE_LONG = "queue_long"  # ... over it, and the decode worker predicted to give the first token sooner
+PREFILL_FASTER = "prefill_faster"  # ... over it, yet the prefill worker still predicted sooner
+UNMEASURED = "unmeasured"  # no step time measured on the prefill worker yet: nothing to predict
+DECODE_BUSY = "decode_busy"  # the decode worker already computes a long prompt of its own
+DECODE_UNBOUNDED = "decode_unbounded"  # its chunks are not bounded: a long prompt would stall it
 
 
 class ChunkLookup(Protocol):
@@ -115,6 +150,89 @@ def peer_copy(req: Request, peer: PeerBlocks, block_ids: list[int], num_gpu_bloc
     return PeerCopy(req.request_id, peer.export, src, dst)
 
 
+# Steps a StepFit keeps (the latest), and the fewest prompt tokens a step must compute to be one.
+STEP_FIT_WINDOW = 32
+STEP_FIT_MIN_TOKENS = 32
+
+
+class StepFit:
+    """A worker's step seconds as `a + b * prompt tokens`, fitted by medians over its latest steps
+    that computed prompt tokens (Theil-Sen: the slope is the median of the pairwise slopes, the
+    intercept the median residual), so the odd slow step (a kernel compiled for a new shape, a
+    host hiccup) moves it little. Where the steps span one size only, or time does not grow with
+    tokens, it is flat at their median (a decode worker's steps, bound by their decodes)."""
+
+    def __init__(self, window: int = STEP_FIT_WINDOW) -> None:
+        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def observe(self, plan: StepPlan, busy_s: float) -> None:
+        """A step's result: its prompt tokens (new sequences and chunks of more than one token)
+        and the worker's busy time for it. Steps that loaded KV from a tier spent it elsewhere."""
+        if plan.kv.load_block_ids or plan.kv.store_loads or plan.kv.peer_copies:
+            return
+        tokens = sum(s.num_new_tokens for s in plan.new_seqs)
+        tokens += sum(s.num_new_tokens for s in plan.scheduled if s.num_new_tokens > 1)
+        if tokens >= STEP_FIT_MIN_TOKENS and busy_s > 0:
+            self.samples.append((tokens, busy_s))
+
+    def coefficients(self) -> tuple[float, float] | None:
+        """(a, b); None before the first step."""
+        if not self.samples:
+            return None
+        pts = list(self.samples)
+        slopes = [
+            (y1 - y0) / (x1 - x0) for i, (x0, y0) in enumerate(pts) for x1, y1 in pts[i + 1 :] if x1 != x0
+        ]
+        b = max(0.0, statistics.median(slopes)) if slopes else 0.0
+        a = max(0.0, statistics.median(y - b * x for x, y in pts))
+        return a, b
+
+
+@dataclass
+class WorkerLoad:
+    """What the queue rule knows of one worker's prefill work, as the scheduler sees it."""
+
+    queued_tokens: int  # prompt tokens placed on it that no plan has scheduled yet
+    inflight_tokens: int = 0  # tokens of its plans in flight
+    inflight_s: float = 0.0  # how long the oldest of those has been running
+    # A step's seconds fitted as a + b * tokens over its steps that computed prompt tokens; None:
+    # not measured yet.
+    fit: tuple[float, float] | None = None
+    step_tokens: int = 2048  # most prompt tokens one request computes in a step
+    chunk_bounded: bool = False  # its planner bounds each request's chunk (a decode worker's)
+    long_prefilling: bool = False  # a long prompt is being computed there (or waits to be)
+
+    def seconds(self, tokens: int, fit: tuple[float, float] | None = None) -> float:
+        """Predicted seconds to compute `tokens` prompt tokens in steps of up to `step_tokens`."""
+        a, b = fit or self.fit or (0.0, 0.0)
+        return -(-tokens // max(1, self.step_tokens)) * a + b * tokens if tokens > 0 else 0.0
+
+    def inflight_left_s(self, fit: tuple[float, float] | None = None) -> float:
+        """Predicted seconds until its plans in flight are done."""
+        return max(0.0, self.seconds(self.inflight_tokens, fit) - self.inflight_s)
+
+    def wait_s(self) -> float:
+        """Predicted seconds until a prompt placed now starts: what is in flight, then the queue."""
+        return self.inflight_left_s() + self.seconds(self.queued_tokens)
+
+
+def load_of(planner, inflight_tokens: int, inflight_s: float, fit: StepFit, long_tokens: int) -> WorkerLoad:
+    """A worker's load from its planner (requests placed, their prompt tokens not scheduled yet),
+    its plans in flight and its step fit. `long_tokens`: a prompt this long is a long one (the
+    disaggregation threshold)."""
+    queued, long_prefilling = 0, False
+    for r in planner.requests.values():
+        left = r.num_tokens - r.num_computed_tokens
+        if left > 1 and not r.handed_over:  # a decode has one token pending at most; a handover
+            queued += left  # copies or loads its prompt
+            long_prefilling = long_prefilling or r.num_tokens >= long_tokens
+    cfg = planner.config
+    step = cfg.long_prefill_token_threshold or cfg.max_num_batched_tokens
+    bounded = cfg.long_prefill_token_threshold > 0
+    coefficients = fit.coefficients()
+    return WorkerLoad(queued, inflight_tokens, inflight_s, coefficients, step, bounded, long_prefilling)
+
+
 @dataclass
 class DisaggregationStats:
     handovers: int = 0  # requests moved from a prefill worker to a decode worker
@@ -130,6 +248,8 @@ class DisaggregationStats:
     direct_failed: int = 0
     direct_bytes: int = 0
     direct_copy_seconds: float = 0.0
+    # Candidates by where they went and why ("prefill/queue_short", "decode/queue_long", ...).
+    decisions: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -163,12 +283,16 @@ class Handover:
 
 
 class Disaggregation:
-    def __init__(self, threshold: int, timeout_s: float) -> None:
+    def __init__(self, threshold: int, timeout_s: float, max_queue_s: float = 0.1) -> None:
         self.threshold = threshold
         self.timeout_s = timeout_s
+        self.max_queue_s = max_queue_s
         self.pending: dict[str, Handover] = {}
         self.holds: dict[str, Hold] = {}  # direct handovers placed, by request id
         self.stats = DisaggregationStats()
+        # The queue rule's latest prediction (seconds): the prefill worker's wait, the first token
+        # there and on the decode worker.
+        self.last_prediction: tuple[float, float, float] | None = None
 
     # ----- routing -----
     @staticmethod
@@ -190,7 +314,39 @@ class Disaggregation:
             return False
         if uncached_tokens < self.threshold:
             self.stats.kept_whole += 1
+            self.decided(TO_DECODE, SHORT_PROMPT)
             return False
+        return True
+
+    def remote(self, uncached_tokens: int, prefill: WorkerLoad, decode: WorkerLoad) -> bool:
+        """The queue rule, for a candidate `wants` let through: whether its prefill goes to the
+        prefill worker of load `prefill` (True) or stays on its decode worker of load `decode`,
+        in chunks of its `step_tokens` (False). Counted by reason either way."""
+        n = uncached_tokens
+        if prefill.fit is None:
+            return self.decided(TO_PREFILL, UNMEASURED)
+        wait = prefill.wait_s()
+        ttft_prefill = wait + prefill.seconds(n)
+        # The decode worker's own fit; where it is missing or flat (its steps are mostly decode-
+        # bound), the prefill worker's rate per token, the same model on the same kind of device.
+        a, b = decode.fit or prefill.fit
+        fit = (a, b or prefill.fit[1])
+        # Its queued prompts (chats) share the steps with the chunks: they cost their tokens.
+        ttft_decode = decode.inflight_left_s(fit) + fit[1] * decode.queued_tokens + decode.seconds(n, fit)
+        self.last_prediction = (wait, ttft_prefill, ttft_decode)
+        if wait <= self.max_queue_s:
+            return self.decided(TO_PREFILL, QUEUE_SHORT)
+        if not decode.chunk_bounded:
+            return self.decided(TO_PREFILL, DECODE_UNBOUNDED)
+        if decode.long_prefilling:
+            return self.decided(TO_PREFILL, DECODE_BUSY)
+        if ttft_decode < ttft_prefill:
+            return not self.decided(TO_DECODE, QUEUE_LONG)
+        return self.decided(TO_PREFILL, PREFILL_FASTER)
+
+    def decided(self, to: str, reason: str) -> bool:
+        key = f"{to}/{reason}"
+        self.stats.decisions[key] = self.stats.decisions.get(key, 0) + 1
         return True
 
     def send_to_prefill(self, req: Request, worker_id: str, hold: bool = False) -> None:

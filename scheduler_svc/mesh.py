@@ -38,7 +38,14 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.disaggregation import Disaggregation, Handover, direct_compatible
+from scheduler_svc.disaggregation import (
+    Disaggregation,
+    Handover,
+    StepFit,
+    WorkerLoad,
+    direct_compatible,
+    load_of,
+)
 from scheduler_svc.kv_events import KVEventLog
 from scheduler_svc.kv_tiers import KVTierPlanner
 from scheduler_svc.load_predictor import LoadPredictor
@@ -201,6 +208,22 @@ class MeshConfig:
         "of its cache (GPU to GPU through CUDA IPC; shared memory on the CPU) instead of through the "
         "KV store (--no-direct-handover: always the store)",
     )
+    # The queue half of conditional disaggregation (disaggregation.py's QueueRule): a long prompt
+    # stays on its decode worker, in bounded chunks, while the prefill worker's queue is long.
+    disaggregation_max_queue_s: float = option(
+        0.1,
+        ge=0,
+        help="a prompt long enough for a prefill worker still runs on its decode worker (in chunks "
+        "of --disaggregation-local-chunk-tokens) when the prefill worker's predicted queue wait "
+        "exceeds this many seconds and the decode worker is predicted to give its first token sooner",
+    )
+    disaggregation_local_chunk_tokens: int = option(
+        512,
+        ge=0,
+        help="on --role decode workers, the most prompt tokens one request computes in a step (vLLM's "
+        "long_prefill_token_threshold), so a long prompt kept there leaves its decode batch's "
+        "inter-token latency near a decode step's; 0: the step budget (no long prompt is kept there)",
+    )
 
     def __post_init__(self) -> None:
         check_bounds(self)
@@ -221,6 +244,9 @@ class WorkerSlot:
     breaks_without_progress: int = 0
     redial_now: asyncio.Event = field(default_factory=asyncio.Event)  # cut a re-dial backoff short
     num_inflight: int = 0  # plans sent whose results are not back
+    inflight_tokens: int = 0  # their tokens (the queue rule's view of work under way)
+    inflight_since: float = 0.0  # when the oldest of them started running (perf_counter)
+    step_fit: StepFit = field(default_factory=StepFit)  # its step time by prompt tokens (queue rule)
 
     @property
     def settled(self) -> bool:
@@ -261,7 +287,9 @@ class Mesh:
         # The pool's KV events for the routers in front of this scheduler (kv_events.py); None: off.
         self.kv_events: KVEventLog | None = None
         # Prefill-role workers and the KV handovers to decode workers.
-        self.pd = Disaggregation(config.disaggregation_threshold, config.handover_timeout_s)
+        self.pd = Disaggregation(
+            config.disaggregation_threshold, config.handover_timeout_s, config.disaggregation_max_queue_s
+        )
 
     # ----- workers -----
     def add_worker(self, worker_id: str, info: WorkerInfo, link: WorkerLink) -> WorkerSlot:
@@ -273,6 +301,10 @@ class Mesh:
             cfg.for_worker(info.max_num_seqs, info.max_num_batched_tokens),
             max_model_len=min(cfg.max_model_len or info.max_model_len, info.max_model_len),
         )
+        if info.role == "decode" and not planner_cfg.long_prefill_token_threshold:
+            # Bounded chunks: a long prompt the queue rule keeps here shares steps with the decodes.
+            chunk = self.config.disaggregation_local_chunk_tokens
+            planner_cfg = replace(planner_cfg, long_prefill_token_threshold=chunk)
         blocks = BlockManager(
             info.num_kv_blocks, info.block_size, info.fingerprint, self.config.enable_prefix_caching
         )
@@ -561,7 +593,10 @@ class Mesh:
         if prefillers and self.pd.wants(req, uncached, slot.info.kv_chunk_blocks, has_store, direct):
             planners = {s.worker_id: s.planner for s in prefillers}
             pick = route(planners, req.all_token_ids, margin, req.cache_root, lora_key(req))
-            if pick is not None:
+            remote = pick is not None and self.pd.remote(
+                uncached, self._load(self.workers[pick.worker_id]), self._load(slot)
+            )
+            if remote:
                 choice, slot = pick, self.workers[pick.worker_id]
                 # Its blocks are held after its first token if a decode worker can copy them.
                 hold = direct and any(direct_compatible(slot.info, d.info) for d in decoders)
@@ -709,6 +744,7 @@ class Mesh:
         planner = slot.planner
         depth = 2 if self.config.async_scheduling else 1
         inflight: deque[tuple[StepPlan, float]] = deque()
+        slot.inflight_tokens = 0  # a new stream: plans of a broken one are not under way
         last_result_at = 0.0  # a step's busy time starts at its send or at the result before it
         while True:
             while len(inflight) < depth and planner.has_work_for_worker():
@@ -720,17 +756,24 @@ class Mesh:
                 await slot.link.send(plan)
                 inflight.append((plan, time.perf_counter()))
                 slot.num_inflight = len(inflight)
+                slot.inflight_tokens += plan.num_tokens
+                if len(inflight) == 1:
+                    slot.inflight_since = inflight[0][1]
             if not inflight:
                 await self._idle(slot)
                 continue
             result = await slot.link.recv()
             plan, sent_at = inflight.popleft()
             slot.num_inflight = len(inflight)
+            slot.inflight_tokens -= plan.num_tokens
+            slot.inflight_since = time.perf_counter()  # the next plan runs from here (or its send)
             if result.step_id != plan.step_id:
                 raise LinkBroken(f"worker {slot.worker_id}: result {result.step_id} for plan {plan.step_id}")
             now = time.perf_counter()
             slot.step_seconds += now - sent_at
-            planner.tiers.observe(plan, result, now - max(sent_at, last_result_at))  # the load predictor
+            busy_s = now - max(sent_at, last_result_at)
+            planner.tiers.observe(plan, result, busy_s)  # the load predictor
+            slot.step_fit.observe(plan, busy_s)  # the disaggregation queue rule
             if plan.kv.peer_copies:  # direct handovers copied: the prefill side's blocks go
                 self.pd.copied(plan, result)
             last_result_at = now
@@ -770,6 +813,11 @@ class Mesh:
         stream.queue.put_nowait(delta)
 
     # ----- disaggregated prefill/decode (scheduler_svc/disaggregation.py) -----
+    def _load(self, slot: WorkerSlot) -> WorkerLoad:
+        """A worker's prefill work, queued and under way, for the queue rule."""
+        running_s = time.perf_counter() - slot.inflight_since if slot.inflight_tokens else 0.0
+        return load_of(slot.planner, slot.inflight_tokens, running_s, slot.step_fit, self.pd.threshold)
+
     def _hand_over(self, delta: RequestDelta, stream: _Stream) -> None:
         """A prefill-side request sampled its first token: unless that ends it, the token streams
         on (not as the end) and the request moves to a decode worker once its KV is in the store."""

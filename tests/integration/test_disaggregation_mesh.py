@@ -49,8 +49,12 @@ def reference() -> dict[int, list[list[int]]]:
 @pytest.fixture
 def mesh(tmp_path):
     worker_args = ["--kv-cache-memory", str(64 << 20), "--kv-chunk-tokens", str(CHUNK_TOKENS)]
-    # A lost worker's requests move at once; a dead one is removed within 3 s.
-    sched_args = ["--disaggregation-threshold", "64", "--failover-after-s", "0", "--worker-dead-after-s", "3"]
+    # A lost worker's requests move at once; a dead one is removed within 3 s. Every long prompt goes
+    # to the prefill worker whatever its queue (the queue rule's own tests are in test_disaggregation.py).
+    sched_args = [
+        "--disaggregation-threshold", "64", "--failover-after-s", "0", "--worker-dead-after-s", "3",
+        "--disaggregation-max-queue-s", "1000",
+    ]  # fmt: skip
     try:
         mesh = start_mesh(
             3,

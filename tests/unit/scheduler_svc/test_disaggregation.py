@@ -22,9 +22,10 @@ import pytest
 from llmesh import LLM
 from llmesh.kv_store import ThreadedLookup, open_kv_store
 from llmesh.local_link import LocalWorkerLink
-from scheduler_svc.disaggregation import Disaggregation
+from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.disaggregation import Disaggregation, StepFit, WorkerLoad, load_of
 from scheduler_svc.mesh import Connected, LinkBroken, Mesh, MeshConfig
-from scheduler_svc.planner import PlannerConfig
+from scheduler_svc.planner import Planner, PlannerConfig
 from scheduler_svc.request import Request
 from services.sampling_params import SamplingParams
 from services.step import StepResult
@@ -110,6 +111,12 @@ class DyingLink(LocalWorkerLink):
     def __init__(self, runner: ModelRunner, results: int) -> None:
         super().__init__(StepPipeline(runner), runner.info, runner.drop_all)
         self.left, self.dead = results, False
+        self.max_prompt_chunk = 0  # the most prompt tokens one sequence computed in a plan
+
+    async def send(self, plan) -> None:
+        chunks = [s.num_new_tokens for s in (*plan.new_seqs, *plan.scheduled)]
+        self.max_prompt_chunk = max([self.max_prompt_chunk, *chunks])
+        await super().send(plan)
 
     async def connect(self, timeout_s: float = 10.0) -> Connected:
         if self.dead:
@@ -127,9 +134,11 @@ class DyingLink(LocalWorkerLink):
 def make_mesh(pool, decoders: int = 1, dies: dict[str, int] | None = None, **config) -> Mesh:
     store, runners = pool
     planner = PlannerConfig(max_num_seqs=8, max_num_batched_tokens=512)
+    # The queue rule off unless a test asks (a CPU's prefill queue is seconds long).
     kw = dict(
-        disaggregation_threshold=64, handover_timeout_s=5.0, failover_after_s=0.0, worker_dead_after_s=0.3
-    )
+        disaggregation_threshold=64, handover_timeout_s=5.0, failover_after_s=0.0, worker_dead_after_s=0.3,
+        disaggregation_max_queue_s=1e9,
+    )  # fmt: skip
     mesh = Mesh(MeshConfig(planner=planner, **{**kw, **config}), kv_store=ThreadedLookup(store))
     for wid in ["prefill", *[f"decode-{i}" for i in range(decoders)]]:
         runner, proxy = runners[wid]
@@ -296,6 +305,31 @@ async def test_a_decode_worker_lost_moves_its_requests_to_another(pool, referenc
     await close(mesh)
 
 
+async def test_the_queue_rule_keeps_a_long_prompt_local_in_bounded_chunks(pool, reference):
+    """The prefill worker measured slow (0.1 s a token): the first long prompt finds its queue empty
+    and goes there; the second finds the first queued there (15 s predicted) and stays on the
+    decode worker, computed in chunks of 32 tokens beside the decodes; the third finds that worker
+    busy with it and goes to the prefill worker. Every token is the aggregated engine's."""
+    prompts = make_prompts(1)
+    mesh = make_mesh(pool, disaggregation_max_queue_s=0.5, disaggregation_local_chunk_tokens=32)
+    mesh.kv_store = None  # direct handovers only: the store holds these prompts from the tests before
+    mesh.workers["prefill"].step_fit.samples.extend([(100, 10.0), (200, 20.0)])
+    out = await generate_all(mesh, prompts)
+    assert out == {rid: reference[rid] for rid in prompts}
+    await settle(mesh)
+    stats = mesh.stats()
+    assert stats["pd_decisions"] == {
+        "prefill/queue_short": 1, "decode/queue_long": 1, "prefill/decode_busy": 1, "decode/short_prompt": 3
+    }  # fmt: skip
+    assert stats["pd_disaggregated"] == stats["pd_handovers"] == 2
+    decode = mesh.workers["decode-0"]
+    assert decode.planner.config.long_prefill_token_threshold == 32
+    assert decode.link.max_prompt_chunk == 32  # the kept prompt's chunks, bounded
+    assert mesh.workers["prefill"].link.max_prompt_chunk >= LONG  # a prefill worker's are not
+    assert_no_leaks(mesh)
+    await close(mesh)
+
+
 async def test_an_abort_between_the_workers_ends_the_stream(pool):
     """A request aborted while its KV is on its way: the caller gets the end, nothing is left."""
     prompts = make_prompts(6)
@@ -354,3 +388,79 @@ def test_a_prefill_side_request_gets_its_callers_params_back():
     pd.send_to_prefill(req, "p")
     assert req.sampling_params.max_tokens == 1 and req.sampling_params.min_tokens == 1
     assert pd.restore(req).sampling_params is sp and not pd.pending
+
+
+# ----- the queue rule alone (no model) -----
+FIT = (0.01, 0.001)  # a step: 10 ms + 1 ms a prompt token
+
+
+def test_the_queue_rule_sends_to_prefill_while_its_queue_is_short():
+    pd = Disaggregation(threshold=64, timeout_s=1.0, max_queue_s=0.1)
+    decode = WorkerLoad(0, fit=FIT, step_tokens=32, chunk_bounded=True)
+    assert pd.remote(400, WorkerLoad(0, fit=FIT, step_tokens=512), decode)  # no queue at all
+    # 50 tokens queued (60 ms) and the end of a plan in flight (310 ms predicted, 290 ms run).
+    short = WorkerLoad(50, 300, 0.29, FIT, 512)
+    assert short.wait_s() == pytest.approx(0.08)
+    assert pd.remote(400, short, decode)
+    assert pd.stats.decisions == {"prefill/queue_short": 2}
+    # Until the prefill worker's steps are measured nothing is predicted: it goes there.
+    assert pd.remote(400, WorkerLoad(5000), decode)
+    assert pd.stats.decisions["prefill/unmeasured"] == 1
+
+
+def test_the_queue_rule_keeps_local_when_the_predicted_wait_is_long():
+    pd = Disaggregation(threshold=64, timeout_s=1.0, max_queue_s=0.1)
+    # 1,000 tokens queued and a 300-token plan in flight for 0.1 s: 1.23 s before a prompt starts.
+    busy = WorkerLoad(1000, 300, 0.1, FIT, 512)
+    assert busy.wait_s() == pytest.approx(1.23)
+    decode = WorkerLoad(40, fit=FIT, step_tokens=32, chunk_bounded=True)
+    assert not pd.remote(400, busy, decode)  # 13 chunks: 0.57 s there against 1.64 s
+    assert pd.last_prediction == pytest.approx((1.23, 1.64, 0.57))
+    # Not if the decode worker computes a long prompt already, or its chunks are not bounded,
+    # or it would still be slower (its fixed step cost, 0.5 s, is 13 times over 1.64 s).
+    assert pd.remote(400, busy, dataclasses.replace(decode, long_prefilling=True))
+    assert pd.remote(400, busy, dataclasses.replace(decode, chunk_bounded=False))
+    assert pd.remote(400, busy, dataclasses.replace(decode, fit=(0.5, 0.001)))
+    # A decode worker not measured yet (or flat: decode-bound steps) is predicted at the prefill
+    # worker's rate per token.
+    assert not pd.remote(400, busy, dataclasses.replace(decode, fit=None))
+    assert not pd.remote(400, busy, dataclasses.replace(decode, fit=(0.01, 0.0)))
+    assert pd.stats.decisions == {
+        "decode/queue_long": 3, "prefill/decode_busy": 1, "prefill/decode_unbounded": 1,
+        "prefill/prefill_faster": 1,
+    }  # fmt: skip
+
+
+def test_a_workers_load_is_its_prompt_tokens_not_yet_planned():
+    blocks = BlockManager(64, 16, b"fp", True)
+    config = PlannerConfig(8, 256, max_model_len=512, long_prefill_token_threshold=32)
+    planner = Planner(config, blocks)
+    sp = SamplingParams(max_tokens=4)
+    planner.add_request(Request("long", list(range(3, 203)), sp))
+    planner.add_request(Request("short", list(range(3, 23)), sp))
+    handed = Request("handed", list(range(300, 400)), sp)
+    handed.handed_over = True  # its prompt is copied or loaded: no queued prefill
+    planner.add_request(handed)
+    load = load_of(planner, 0, 0.0, StepFit(), long_tokens=64)
+    assert (load.queued_tokens, load.long_prefilling, load.chunk_bounded) == (220, True, True)
+    assert load.step_tokens == 32 and load.fit is None
+    plan = planner.schedule()  # a bounded chunk of each: the long prompt's first 32 tokens
+    load = load_of(planner, plan.num_tokens, 0.0, StepFit(), long_tokens=64)
+    assert (load.queued_tokens, load.long_prefilling) == (200 - 32, True)
+    unbounded = Planner(PlannerConfig(8, 256, max_model_len=512), BlockManager(64, 16, b"fp", True))
+    assert not load_of(unbounded, 0, 0.0, StepFit(), 64).chunk_bounded
+
+
+def test_a_step_fit_is_not_thrown_by_a_slow_step():
+    """A first step that compiled kernels (2 s for 4,096 tokens) among steps of 10 ms + 20 us a
+    token: the medians keep the line; least squares would have put 2 s into the fixed part."""
+    fit = StepFit()
+    assert fit.coefficients() is None
+    fit.samples.append((4096, 2.0))
+    for n in (4096, 5000, 6000, 7000, 8192, 4500):
+        fit.samples.append((n, 0.01 + 20e-6 * n))
+    a, b = fit.coefficients()
+    assert a == pytest.approx(0.01) and b == pytest.approx(20e-6)
+    flat = StepFit()  # decode-bound steps: time does not grow with their few prompt tokens
+    flat.samples.extend([(40, 0.007), (300, 0.006), (120, 0.0065)])
+    assert flat.coefficients() == (0.0065, 0.0)
