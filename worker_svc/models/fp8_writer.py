@@ -150,6 +150,11 @@ def hf_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             yield f"{prefix}{parent}.{seg}_proj.{kind}", piece
 
 
+def is_linear_weight(name: str) -> bool:
+    """Whether a Hugging Face tensor name is a decoder projection's weight (what is quantized)."""
+    return bool(_LINEAR.match(name))
+
+
 def _targets(shapes: dict[str, tuple[int, ...]], scheme: Fp8Scheme) -> set[str]:
     """The weights to quantize: decoder linear weights not ignored, with dims that are multiples
     of 16 (the FP8 GEMM's rule; the loader refuses FP8 weights of other shapes)."""
