@@ -57,15 +57,13 @@ def _llm(path: str) -> Any:
     return LLM(path, dtype="float32", device="cpu", max_model_len=2048, num_kv_blocks=256, enforce_eager=True)
 
 
-def _nll(llm: Any, ids: list[int]) -> float:
-    """Mean next-token NLL over `ids` (the engine's prompt logprobs)."""
+def _token_nlls(llm: Any, ids: list[int]) -> list[float]:
+    """Each next token's NLL over `ids` (the engine's prompt logprobs)."""
     from llmesh import SamplingParams
 
-    out = llm.generate(
-        [{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
-    )
-    lps = out[0].prompt_logprobs
-    return -sum(lps[i][tok].logprob for i, tok in enumerate(ids) if i) / (len(ids) - 1)
+    sp = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    lps = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0].prompt_logprobs
+    return [-lps[i][tok].logprob for i, tok in enumerate(ids) if i]
 
 
 def _greedy(llm: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -157,7 +155,7 @@ def main() -> None:
         shapes = header_shapes(safetensors_files(src))
         texts, prompts = _texts(args, src)
         ref = _llm(src)
-        base = {name: _nll(ref, ids) for name, ids in texts.items()}
+        base = {name: _token_nlls(ref, ids) for name, ids in texts.items()}
         ref_greedy = _greedy(ref, prompts, args.new_tokens)
         ref.close()
         rows = []
@@ -166,35 +164,39 @@ def main() -> None:
             out = os.path.join(tmp, recipe)
             quantize_checkpoint(src, out, ignore=kept, progress=False)
             llm = _llm(out)
-            ppl = {name: math.exp(_nll(llm, ids)) / math.exp(base[name]) - 1 for name, ids in texts.items()}
+            nlls = {name: _token_nlls(llm, ids) for name, ids in texts.items()}
+            ppl = {name: math.exp(_mean(nlls[name]) - _mean(base[name])) - 1 for name in texts}
+            moved = _mean([abs(a - b) for name in texts for a, b in zip(nlls[name], base[name], strict=True)])
             agree = _agree(_greedy(llm, prompts, args.new_tokens), ref_greedy)
             llm.close()
             served, bf16 = _linear_bytes(
                 shapes, parse_scheme(quantization_config("compressed-tensors", kept)).ignores
             )
-            rows.append((recipe, ppl, agree, served / bf16))
+            rows.append((recipe, ppl, moved, agree, served / bf16))
     _print_table(texts, base, rows, len(prompts) * args.new_tokens)
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
 
 
 def _print_table(
     texts: dict[str, list[int]],
-    base: dict[str, float],
-    rows: list[tuple[str, dict[str, float], int, float]],
+    base: dict[str, list[float]],
+    rows: list[tuple[str, dict[str, float], float, int, float]],
     n: int,
 ) -> None:
+    """Perplexity change per text; |dNLL|: each scored token's NLL change, its absolute value
+    averaged over every text (less noisy than perplexity, whose changes partly cancel)."""
     names = list(texts)
-    print(
-        "\n| recipe | "
-        + " | ".join(f"{k} ({len(texts[k])} tok)" for k in names)
-        + " | greedy | linear bytes |"
-    )
-    print("| --- |" + " ---: |" * (len(names) + 2))
-    print(
-        "| unquantized (fp32) | " + " | ".join(f"ppl {math.exp(base[k]):.3f}" for k in names) + " | | 1.00 |"
-    )
-    for recipe, ppl, agree, ratio in rows:
+    head = " | ".join(f"{k} ({len(texts[k])} tok)" for k in names)
+    print(f"\n| recipe | {head} | mean abs dNLL | greedy | linear bytes |")
+    print("| --- |" + " ---: |" * (len(names) + 3))
+    cells = " | ".join(f"ppl {math.exp(_mean(base[k])):.3f}" for k in names)
+    print(f"| unquantized (fp32) | {cells} | | | 1.00 |")
+    for recipe, ppl, moved, agree, ratio in rows:
         cells = " | ".join(f"{100 * ppl[k]:+.2f} %" for k in names)
-        print(f"| {recipe} | {cells} | {agree}/{n} | {ratio:.3f} |")
+        print(f"| {recipe} | {cells} | {moved:.4f} | {agree}/{n} | {ratio:.3f} |")
 
 
 if __name__ == "__main__":
