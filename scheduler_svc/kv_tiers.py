@@ -19,6 +19,14 @@ Loaded blocks are neither saved back nor put back.
 A store hit is loaded only as far as loading is predicted faster than computing it
 (scheduler_svc/load_predictor.py: the worker's measured load bandwidth against its measured
 prefill rate); the chunks past that are computed, as for a miss.
+
+A prompt that skips its lookup (no hit of its size could pay) is still peeked at: the Mesh sends
+the same lookup without waiting for it (`peek_started` / `peek_done`), and what it finds is
+remembered as in the store before the prompt's chunks are put, so a prefix the store holds is not
+put again (34 MB for a 256-token chunk of an 8B model, sent by the worker's put thread after every
+short prompt). Puts wait for the peeks in flight while only plans that compute nothing would
+carry them; a plan that computes takes them anyway (what is known by then is filtered out): a
+forward could overwrite their blocks.
 """
 
 from __future__ import annotations
@@ -107,6 +115,8 @@ class KVTierPlanner:
         self._predicted_by_step: dict[int, list[float | None]] = {}
         # Plans that compute whose results have not come back (see finish_plan).
         self._in_flight: set[int] = set()
+        self._peeks = 0  # lookups in flight that no request waits for (peek_started)
+        self.puts_spared = 0  # chunks not put: a peek found them in the store
 
     @property
     def enabled(self) -> bool:
@@ -145,6 +155,20 @@ class KVTierPlanner:
             return True
         self.stats.kv_lookups_skipped += 1
         return False
+
+    def peek_started(self) -> None:
+        """A lookup no request waits for is in flight (the Mesh's peek at a prompt that skipped
+        its own): saves and puts wait for it while only plans that compute nothing would carry them."""
+        self._peeks += 1
+
+    @property
+    def peeking(self) -> bool:
+        return self._peeks > 0
+
+    def peek_done(self, held_chunk_keys: list[bytes]) -> None:
+        """A peek answered (or failed: no keys): the chunks it found are in the store, never put."""
+        self._peeks -= 1
+        self._remember(held_chunk_keys)
 
     def _worth_loading(self, hit: TierHit, start: int, end: int, compute_tokens: int) -> int:
         """Where the store load of blocks [start, end) should end: after the leading chunks
@@ -209,7 +233,7 @@ class KVTierPlanner:
             self._in_flight.add(step_id)
         if self._predicted_now:
             self._predicted_by_step[step_id], self._predicted_now = self._predicted_now, []
-        hold = not runs_forward and bool(self._in_flight)
+        hold = not runs_forward and bool(self._in_flight or self._peeks)
         if not hold:
             self._attach_saves_and_puts(kv, step_id)
         self.host.unpin_all()
@@ -237,8 +261,11 @@ class KVTierPlanner:
             kv.save_host_slots.append(slot)
             assigned.append(key)
         self.stats.saved_blocks += len(assigned)
-        kv.store_puts = [StorePut(key, ids) for key, ids in self._pending_puts]
-        self._remember([key for key, _ in self._pending_puts])
+        # Chunks learnt to be in the store since they were planned (a peek) are not put.
+        puts = [(key, ids) for key, ids in self._pending_puts if key not in self._in_store]
+        self.puts_spared += len(self._pending_puts) - len(puts)
+        kv.store_puts = [StorePut(key, ids) for key, ids in puts]
+        self._remember([key for key, _ in puts])
         self.stats.stored_chunks += len(kv.store_puts)
         if assigned:
             self._assigned_by_step[step_id] = assigned
@@ -254,8 +281,10 @@ class KVTierPlanner:
 
     def has_pending(self) -> bool:
         """Whether saves or puts wait for a plan of their own: only while no plan that computes is
-        in flight (see finish_plan); until then they ride with the next plan that computes."""
-        return bool(self._pending_saves or self._pending_puts) and not self._in_flight
+        in flight and no peek is (see finish_plan); until then they ride with the next plan that
+        computes."""
+        pending = self._pending_saves or self._pending_puts
+        return bool(pending) and not self._in_flight and not self._peeks
 
     # ----- results -----
     def executed(self, step_id: int, failed_load_seq_ids: list[str], kv_verify_failures: int = 0) -> None:

@@ -130,6 +130,18 @@ class KVStoreLookup(Protocol):
         ...
 
 
+# Loop turns a peek (Mesh._peek) waits before its lookup: the consumers of the token just emitted
+# (a gRPC stream's write; the offline caller's future, two turns) run first. Sent at once, the
+# lookup's thread shared the GIL with an in-process caller waking up for its first token, and the
+# puts it releases with it.
+DELIVERY_TURNS = 3
+
+
+async def _let_deliveries_run() -> None:
+    for _ in range(DELIVERY_TURNS):
+        await asyncio.sleep(0)
+
+
 @dataclass
 class MeshConfig:
     """The scheduler core's knobs, declared once: the scheduler service's config inherits them
@@ -251,7 +263,8 @@ class WorkerSlot:
     @property
     def settled(self) -> bool:
         """Nothing left to send or to hear back (every KV transfer planned so far has run)."""
-        return self.num_inflight == 0 and not self.planner.has_work_for_worker()
+        idle = self.num_inflight == 0 and not self.planner.has_work_for_worker()
+        return idle and not self.planner.tiers.peeking  # a peek's answer may release puts
 
 
 @dataclass
@@ -275,6 +288,8 @@ class Mesh:
         self.kv_store = kv_store
         self.num_kv_lookup_errors = 0
         self._lookups: set[asyncio.Task] = set()
+        # Requests that skipped their lookup, peeked at once their first token is out (_peek).
+        self._peeks_due: dict[str, tuple[WorkerSlot, Request]] = {}
         self.workers: dict[str, WorkerSlot] = {}
         self.streams: dict[str, _Stream] = {}
         self.ready = asyncio.Event()
@@ -605,14 +620,18 @@ class Mesh:
         # Worth a lookup only if a whole chunk past what this worker's GPU cache holds may be there.
         wanted = chunk_tokens and req.num_tokens > choice.cached_tokens + chunk_tokens
         wanted = wanted and req.peer is None  # a direct handover copies its prompt: no store
+        peek = False
         if self.kv_store is not None and wanted and not req.handed_over:  # ... and if a hit could load faster
             wanted = slot.planner.tiers.worth_looking(req.num_tokens - choice.cached_tokens)
+            peek = not wanted  # its chunks may be stored all the same: asked without waiting (_peek)
         if self.kv_store is not None and wanted:
             req.kv_lookup_pending = True
         slot.planner.add_request(req)  # may raise RequestRejected
         self.streams[req.request_id] = _Stream(queue, choice.worker_id)
         if req.kv_lookup_pending:
             self._lookups.add(asyncio.get_running_loop().create_task(self._lookup(slot, req)))
+        elif peek:
+            self._peeks_due[req.request_id] = (slot, req)
         slot.wakeup.set()
 
     async def _lookup(self, slot: WorkerSlot, req: Request) -> None:
@@ -642,6 +661,43 @@ class Mesh:
             req.kv_lookup_pending = False
             self._lookups.discard(asyncio.current_task())  # type: ignore[arg-type]
             slot.wakeup.set()
+
+    def _start_peek(self, delta: RequestDelta) -> None:
+        """A request that skipped its lookup has its first token out (or ended): peek now."""
+        slot, req = self._peeks_due.pop(delta.request_id)
+        if not delta.new_token_ids:
+            return  # ended before its first token: nothing of its prompt was computed to put
+        slot.planner.tiers.peek_started()  # its puts wait for the answer (kv_tiers)
+        peek = self._peek(slot, req.prompt_token_ids, req.cache_root)
+        self._lookups.add(asyncio.get_running_loop().create_task(peek))
+
+    async def _peek(self, slot: WorkerSlot, prompt: list[int], cache_root: bytes) -> None:
+        """The lookup of a prompt that skipped its own, sent once its first token is out (a lookup
+        under way would share the GIL with an in-process worker's launch) and waited for by no
+        request: the chunks the store holds are remembered before the prompt's puts are attached
+        (kv_tiers.peek_done), so the worker does not put them again (LMCache's non-blocking lookup)."""
+        info, tiers = slot.info, slot.planner.tiers
+        chunk = info.kv_chunk_blocks
+        held: list[bytes] = []
+        try:
+            await _let_deliveries_run()  # and after the token it followed has been handed on
+            keys = extend_block_keys([], prompt, info.block_size, info.fingerprint, cache_root)
+            chunk_keys = keys[chunk - 1 :: chunk]
+            assert self.kv_store is not None
+            found = await asyncio.wait_for(
+                self.kv_store.lookup(store_fingerprint(info.fingerprint, chunk), chunk_keys),
+                self.config.kv_lookup_timeout_s,
+            )
+            held = chunk_keys[: max(0, int(found))]
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the store is slow or down: its chunks are put as before
+            self.num_kv_lookup_errors += 1
+            log.info("kv store peek failed", extra={"error": repr(e)})
+        finally:
+            tiers.peek_done(held)
+            self._lookups.discard(asyncio.current_task())  # type: ignore[arg-type]
+            slot.wakeup.set()  # the puts it held back may go
 
     def _requeue(self, dead: WorkerSlot) -> None:
         """Move every unfinished request of a worker to the others, tokens so far kept."""
@@ -780,6 +836,8 @@ class Mesh:
             slot.num_steps += 1
             slot.breaks_without_progress = 0
             for delta in planner.update(plan, result):
+                if delta.request_id in self._peeks_due:
+                    self._start_peek(delta)
                 self._emit(delta)
 
     async def _idle(self, slot: WorkerSlot) -> None:

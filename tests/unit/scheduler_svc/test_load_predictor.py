@@ -10,7 +10,8 @@ import pytest
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.kv_tiers import KVTierPlanner
 from scheduler_svc.load_predictor import ERROR_BOUNDS, PROBE_EVERY, LinearFit, LoadDecision, LoadPredictor
-from scheduler_svc.mesh import Mesh
+from scheduler_svc.mesh import Mesh, MeshConfig
+from scheduler_svc.planner import PlannerConfig
 from scheduler_svc.request import Request
 from services.sampling_params import SamplingParams
 from services.step import KVTransfers, NewSequence, StepPlan, StepResult, StoreLoad
@@ -212,7 +213,7 @@ class GatedLookup:
         return len(keys)
 
 
-async def test_a_skipped_prompt_never_calls_the_store_and_a_lookup_holds_back_no_other_prompt():
+async def test_a_skipped_prompt_never_waits_for_the_store_and_a_lookup_holds_back_no_other_prompt():
     info = dataclasses.replace(INFO, kv_chunk_blocks=C)  # 8-token blocks: 32-token chunks
     store = GatedLookup(gate_chunks=4)
     mesh = Mesh(mesh_config(), kv_store=store)
@@ -232,21 +233,94 @@ async def test_a_skipped_prompt_never_calls_the_store_and_a_lookup_holds_back_no
         async for _ in mesh.generate(f"r{i}", prompt, SamplingParams(max_tokens=1)):
             pass
 
-    # 100-token prompts (12 ms of prefill, a probe would add 7 %): never a lookup, due or not.
+    # 100-token prompts (12 ms of prefill, a probe would add 7 %): never a lookup, due or not; each
+    # is peeked at once its token is out (the peek's answer spares its puts, nobody waits for it).
     for i in range(2 * PROBE_EVERY):
         await first_token(i, 100)
-    assert store.calls == 0 and tiers.stats.kv_lookups_skipped == 2 * PROBE_EVERY
+    await asyncio.sleep(0.01)
+    assert store.calls == 2 * PROBE_EVERY and tiers.stats.kv_lookups_skipped == 2 * PROBE_EVERY
     # A 480-token prompt (50 ms): the due probe looks it up. While the store is slow to answer,
     # a short prompt behind it gets its token.
     long = asyncio.create_task(first_token(80, 480))
     await asyncio.sleep(0.01)
-    assert store.calls == 1 and not long.done()
+    assert store.calls == 2 * PROBE_EVERY + 1 and not long.done()
     await asyncio.wait_for(first_token(81, 100), 5)
     assert not long.done()
     store.gate.set()
     await asyncio.wait_for(long, 5)
     assert tiers.stats.store_hit_tokens == 32  # the probe: one chunk, the rest computed
     await mesh.remove_worker("w")
+
+
+class PeekedStore:
+    """A KV store whose lookups answer only once `gate` is set: the first says it holds every
+    chunk asked about, the later ones none."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.gate = asyncio.Event()
+
+    async def lookup(self, fingerprint: bytes, keys: list[bytes]) -> int:
+        self.calls += 1
+        first = self.calls == 1
+        await self.gate.wait()
+        return len(keys) if first else 0
+
+
+class PutRecorder(CountingWorker):
+    def __init__(self) -> None:
+        super().__init__()
+        self.puts: list[bytes] = []
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.puts += [p.key for p in plan.kv.store_puts]
+        return super().execute(plan)
+
+
+async def test_a_skipped_prompt_is_peeked_at_after_its_token_and_what_the_store_holds_is_not_put():
+    info = dataclasses.replace(INFO, kv_chunk_blocks=C)  # 8-token blocks: 32-token chunks
+    store, worker = PeekedStore(), PutRecorder()
+    planner = PlannerConfig(max_num_seqs=4, max_num_batched_tokens=128, max_model_len=512)
+    mesh = Mesh(MeshConfig(planner=planner), kv_store=store)
+    mesh.add_worker("w", info, local(worker))
+    slot = mesh.workers["w"]
+    slot.planner.tiers.predictor = predictor(load_s_per_block=1.0, prefill_s_per_token=1e-5)  # skip
+
+    async def first_token(i: int) -> None:  # 100 tokens: 3 whole chunks, one prefill step
+        prompt = [(i * 11 + 7 * j) % 90 + 8 for j in range(100)]
+        async for _ in mesh.generate(f"r{i}", prompt, SamplingParams(max_tokens=1)):
+            pass
+
+    async def settled() -> None:
+        while not slot.settled:
+            await asyncio.sleep(0.001)
+
+    # The token comes while the store has not answered: nothing waited for it, nothing was put.
+    await asyncio.wait_for(first_token(0), 5)
+    await asyncio.sleep(0.01)
+    assert store.calls == 1 and worker.puts == [] and not slot.settled
+    store.gate.set()  # it holds the 3 chunks: none is put
+    await asyncio.wait_for(settled(), 5)
+    assert worker.puts == [] and slot.planner.tiers.puts_spared == 3
+    await asyncio.wait_for(first_token(1), 5)  # the store holds none of these: all 3 are put
+    await asyncio.wait_for(settled(), 5)
+    assert store.calls == 2 and len(worker.puts) == 3 and slot.planner.tiers.puts_spared == 3
+    await mesh.remove_worker("w")
+
+
+def test_a_peek_holds_puts_back_only_from_plans_that_compute_nothing():
+    tiers = KVTierPlanner(BlockManager(64, BS, b"fp", True), 0, 1, LoadPredictor(BS))
+    tiers._pending_puts = [(b"a", [0]), (b"b", [1])]
+    tiers.peek_started()
+    assert tiers.peeking and not tiers.has_pending()
+    assert not tiers.finish_plan(1, [], runs_forward=False).store_puts  # waits for the answer
+    tiers.peek_done([b"a"])  # the store holds a
+    assert tiers.has_pending()
+    assert [p.key for p in tiers.finish_plan(2, [], runs_forward=False).store_puts] == [b"b"]
+    assert tiers.puts_spared == 1
+    tiers._pending_puts = [(b"c", [2])]
+    tiers.peek_started()  # a forward could overwrite c's blocks: a plan that computes takes it
+    assert [p.key for p in tiers.finish_plan(3, []).store_puts] == [b"c"]
 
 
 def test_puts_wait_for_the_plan_in_flight_instead_of_riding_ahead_of_its_tokens():
