@@ -18,7 +18,16 @@ Workloads (greedy; every path is checked to give the recompute path's tokens):
   Store rows load behind the scheduler's load predictor (a hit is loaded only as far as it is
   predicted faster than recompute); each asker first loads `--warm-loads` other documents, so
   the predictor has measured its path, as a worker that has served has. `--predictor-off-too`
-  adds the gRPC and bulk rows with the predictor off (every hit loaded);
+  adds the gRPC and bulk rows with the predictor off (every hit loaded). `--paired` keeps the
+  recompute engine alive and times it on each prompt right before the row's engine does (the
+  "vs paired" columns: a store row against recompute at the same moment of the run, not against
+  the first row of the process), and adds a row "no store (prefix caching on)": the store rows'
+  engine without a store, which tells the store's cost from the prefix cache's;
+- the same documents through the mesh (`--mesh`): a scheduler, a worker and the KV store each a
+  process, the worker reading the store over its bulk path (another host's case: no shared memory
+  and no GIL shared with the scheduler), against a second mesh without a store alive beside it,
+  timed on each prompt just before (paired); TTFT is the first token on the scheduler's Generate
+  stream;
 - multi-round chat: users whose histories grow every round, served by two
   engines in turn (as a router without stickiness would): out tok/s with and
   without the store;
@@ -209,13 +218,16 @@ def document_rows(args, engine_kw: dict, vocab: int, stack: ExitStack) -> list[t
     warm_up = random_tokens(rng, args.prefix + args.suffix, vocab)
     ttft(cold, warm_up)
     reference = [ttft(cold, p) for p in prompts]
-    rows = [("recompute", [t for t, _ in reference], 0.0, True, 0)]
+    first = [t for t, _ in reference]
+    rows = [("recompute", first, 0.0, True, 0, first)]
     expected = [toks for _, toks in reference]
-    del cold
-    release()
+    paired = cold if args.paired else None  # kept: timed beside every row (two engines fit an H100)
+    if paired is None:
+        del cold
+        release()
 
     def measure(name: str, asker: LLM, before=None) -> None:
-        times, same = [], True
+        times, base, same = [], [], True
         counters = asker.engine.runner.kv_tiers.counters
         loaded0 = _loaded_tokens(asker)
         b0 = counters.host_loaded_bytes + counters.store_loaded_bytes
@@ -223,6 +235,8 @@ def document_rows(args, engine_kw: dict, vocab: int, stack: ExitStack) -> list[t
         for prompt, want in zip(prompts, expected, strict=True):
             if before is not None:
                 before()
+            if paired is not None:  # the same prompt recomputed just before (its engine idles after)
+                base.append(ttft(paired, prompt)[0])
             t, got = ttft(asker, prompt)
             print(f"  {name}: TTFT {t * 1e3:.1f} ms", file=sys.stderr, flush=True)
             times.append(t)
@@ -231,7 +245,15 @@ def document_rows(args, engine_kw: dict, vocab: int, stack: ExitStack) -> list[t
         moved = counters.host_loaded_bytes + counters.store_loaded_bytes - b0
         secs = counters.host_load_seconds + counters.store_load_seconds - s0
         loaded = (_loaded_tokens(asker) - loaded0) // len(prompts)
-        rows.append((name, times, moved / secs / 1e9 if secs else 0.0, same, loaded))
+        rows.append((name, times, moved / secs / 1e9 if secs else 0.0, same, loaded, base or first))
+
+    if paired is not None:  # the store rows' engine, no store: what prefix caching alone costs
+        plain = LLM(**kw)
+        ttft(plain, warm_up)
+        measure("no store (prefix caching on)", plain)
+        plain.engine.close()
+        del plain
+        release()
 
     # Worker CPU tier: a GPU cache of about one request, so each document is evicted by the next.
     if not args.skip_host_tier:
@@ -245,7 +267,7 @@ def document_rows(args, engine_kw: dict, vocab: int, stack: ExitStack) -> list[t
         release()
 
     if args.skip_stores:
-        return rows
+        return _without(paired, rows)
     # (row, the store, how the engine reaches a service (streamed over gRPC, through shared memory,
     # over the bulk path) and whether the predictor is on, whether the asker verifies the entries'
     # MACs: off only to measure what they cost)
@@ -322,7 +344,109 @@ def document_rows(args, engine_kw: dict, vocab: int, stack: ExitStack) -> list[t
         asker.engine.close()
         del asker
         release()
+    return _without(paired, rows)
+
+
+def _without(engine: LLM | None, rows: list[tuple]) -> list[tuple]:
+    """Close the paired recompute engine (if any) before the next workload's engines start."""
+    if engine is not None:
+        engine.engine.close()
+        del engine
+        release()
     return rows
+
+
+def mesh_rows(args, model: str, vocab: int) -> list[tuple]:
+    """The documents through two meshes alive side by side: one with a KV store (its worker on the
+    bulk path), one without; rows as document_rows' (the store row's tokens loaded from the
+    scheduler's stats)."""
+    from services.launcher import start_mesh
+
+    rng = random.Random(args.seed)
+    docs = [random_tokens(rng, args.prefix, vocab) for _ in range(args.docs)]
+    prompts = [d + random_tokens(rng, args.suffix, vocab) for d in docs]
+    warm_docs = [random_tokens(rng, args.prefix, vocab) for _ in range(args.warm_loads)]
+    warm_asks = [d + random_tokens(rng, args.suffix, vocab) for d in warm_docs]
+    max_len = args.prefix + args.suffix + 64
+    # A GPU cache of about three prompts: each document is evicted by those written and asked
+    # after it, so its ask finds it in the store only (as on another worker).
+    blocks = 3 * -(-max_len // 16)
+    worker = ["--load-format", "dummy", "--device", args.device, "--max-model-len", str(max_len)]
+    worker += ["--num-kv-blocks", str(blocks), "--kv-chunk-tokens", str(args.chunk_tokens)]
+    worker += ["--enforce-eager"] if args.enforce_eager else []
+    sched = ["--no-tokenizer", "--max-model-len", str(max_len)]
+    with ExitStack() as stack:
+        logs = stack.enter_context(tempfile.TemporaryDirectory())
+        os.makedirs(logs + "/p"), os.makedirs(logs + "/s")
+        plain = stack.enter_context(
+            start_mesh(1, model=model, worker_args=worker, scheduler_args=sched, log_dir=logs + "/p")
+        )
+        stored = stack.enter_context(
+            start_mesh(
+                1,
+                model=model,
+                worker_args=[*worker, "--kv-store-transfer", "bulk"],
+                scheduler_args=sched,
+                kvstore=True,
+                kvstore_args=["--memory-bytes", str(args.store_bytes)],
+                log_dir=logs + "/s",
+            )
+        )
+        return asyncio.run(_mesh_ttfts(plain, stored, warm_docs + docs, warm_asks, prompts))
+
+
+async def _mesh_ttfts(plain, stored, written, warm_asks, prompts) -> list[tuple]:
+    import grpc
+
+    from llmesh.v1 import generation_pb2 as g
+    from llmesh.v1 import generation_pb2_grpc as gg
+    from services.grpc_server import channel_options
+
+    async def first(stub, prompt: list[int]) -> tuple[float, list[int]]:
+        req = g.GenerateRequest(
+            prompt_token_ids=g.TokenIds(ids=prompt),
+            sampling_params=g.SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+        )
+        started, took, tokens = time.perf_counter(), 0.0, []
+        async for resp in stub.Generate(req):
+            if resp.token_ids and not tokens:
+                took = time.perf_counter() - started
+            tokens.extend(resp.token_ids)
+        return took, tokens
+
+    p_chan = grpc.aio.insecure_channel(plain.scheduler.address, options=channel_options())
+    s_chan = grpc.aio.insecure_channel(stored.scheduler.address, options=channel_options())
+    async with p_chan, s_chan:
+        p_stub, s_stub = gg.SchedulerStub(p_chan), gg.SchedulerStub(s_chan)
+        for prompt in written[:2]:  # first launches, both meshes
+            await first(p_stub, prompt)
+        for doc in written:  # computed and put; its sender is done well before the asks
+            await first(s_stub, doc)
+        await asyncio.sleep(2.0)
+        for ask in warm_asks:  # loads (probes, then as predicted) that measure the path
+            await first(s_stub, ask)
+        loaded0 = _mesh_loaded(stored)
+        base, times, same = [], [], True
+        for prompt in prompts:
+            await asyncio.sleep(0.2)  # the last ask's peek and puts are over
+            b, want = await first(p_stub, prompt)
+            t, got = await first(s_stub, prompt)
+            print(f"  mesh: TTFT {t * 1e3:.1f} ms (no store {b * 1e3:.1f})", file=sys.stderr, flush=True)
+            base.append(b)
+            times.append(t)
+            same &= got == want
+        loaded = (_mesh_loaded(stored) - loaded0) // len(prompts)
+    return [
+        ("mesh, no store", base, 0.0, True, 0, base),
+        ("mesh, store over bulk (another process, no shared memory)", times, 0.0, same, loaded, base),
+    ]
+
+
+def _mesh_loaded(mesh) -> int:
+    """Prompt tokens the mesh's workers have loaded from the store so far (the scheduler's stats)."""
+    from benchmarks.disaggregation import scheduler_stats
+
+    return sum(w.store_hit_tokens for w in scheduler_stats(mesh.scheduler.address, mesh.security).workers)
 
 
 def _loaded_tokens(llm: LLM) -> int:
@@ -475,6 +599,18 @@ def main() -> None:
     ap.add_argument(
         "--warm-loads", type=int, default=5, help="documents each store asker loads before it is timed"
     )
+    ap.add_argument(
+        "--mesh",
+        action="store_true",
+        help="also the documents through two meshes of processes (with a store over bulk, without one)",
+    )
+    ap.add_argument("--mesh-only", action="store_true", help="only the mesh rows (--mesh)")
+    ap.add_argument(
+        "--paired",
+        action="store_true",
+        help="time the recompute engine on each prompt right before every row's engine (kept alive), "
+        "and a row of the store rows' engine without a store",
+    )
     ap.add_argument("--num-kv-blocks", type=int, default=0, help="GPU cache blocks (0 = from memory)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="one short document, a short chat (make test)")
@@ -519,9 +655,13 @@ def main() -> None:
         args.store_bytes = needed
 
     with ExitStack() as stack:
-        rows = [] if args.skip_documents else document_rows(args, engine_kw, vocab, stack)
+        skip = args.skip_documents or args.mesh_only
+        rows = [] if skip else document_rows(args, engine_kw, vocab, stack)
     if rows:
         print_documents(args, rows, kv_per_token, device)
+    if args.mesh or args.mesh_only:
+        mesh = mesh_rows(args, engine_kw.get("model"), vocab)
+        print_documents(args, mesh, kv_per_token, device, paired=True)
     if args.skip_chat:
         return
     with ExitStack() as stack:
@@ -534,7 +674,7 @@ def main() -> None:
         sys.exit("smoke: a path's tokens differ from recompute's")
 
 
-def print_documents(args, rows: list[tuple], kv_per_token: int, device: str) -> None:
+def print_documents(args, rows: list[tuple], kv_per_token: int, device: str, paired: bool = False) -> None:
     """Mean and median TTFT per path: a single eager launch on a busy host can take 2-3x its
     usual time, and a mean of a few documents moved by 10 ms for it (issue 32's 256-token rows)."""
     base, base_median = statistics.mean(rows[0][1]), statistics.median(rows[0][1])
@@ -543,16 +683,23 @@ def print_documents(args, rows: list[tuple], kv_per_token: int, device: str) -> 
         f"\nlong shared document: {args.prefix}-token prefix ({doc_mb:.0f} MB of KV) + {args.suffix}-token "
         f"question, {args.docs} documents, device {device}"
     )
+    paired = paired or args.paired
+    extra = " paired recompute ms median | vs paired (mean) | vs paired (median) |" if paired else ""
     print(
         "| path | TTFT ms mean | vs recompute | TTFT ms median | vs recompute (median) | load GB/s "
-        "| tokens loaded | same tokens |"
+        f"| tokens loaded | same tokens |{extra}"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
-    for name, times, gbs, same, loaded in rows:
+    aligns = "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"
+    print(aligns + (" ---: | ---: | ---: |" if paired else ""))
+    for name, times, gbs, same, loaded, beside in rows:
         t, m = statistics.mean(times), statistics.median(times)
+        cells = ""
+        if paired:  # against the recompute engine timed on the same prompts just before
+            bt, bm = statistics.mean(beside), statistics.median(beside)
+            cells = f" {bm * 1e3:.1f} | {bt / t:.3f}x | {bm / m:.3f}x |"
         print(
             f"| {name} | {t * 1e3:.1f} | {base / t:.2f}x | {m * 1e3:.1f} | {base_median / m:.2f}x "
-            f"| {gbs:.2f} | {loaded} | {'yes' if same else 'NO'} |"
+            f"| {gbs:.2f} | {loaded} | {'yes' if same else 'NO'} |{cells}"
         )
 
 
