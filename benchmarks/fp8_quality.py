@@ -36,6 +36,9 @@ PROMPTS = [
 ]
 
 
+from worker_svc.models.fp8_writer import edge_down_proj  # noqa: E402
+
+
 def _edge(names: list[str], layers: int) -> list[str]:
     return [f"model.layers.{i}.{n}" for i in (0, layers - 1) for n in names]
 
@@ -43,7 +46,7 @@ def _edge(names: list[str], layers: int) -> list[str]:
 # recipe -> the modules it keeps in the model's dtype, given the number of decoder layers
 RECIPES: dict[str, Callable[[int], list[str]]] = {
     "fp8": lambda layers: [],
-    "edge-down": lambda layers: _edge(["mlp.down_proj"], layers),
+    "edge-down": edge_down_proj,  # `llmesh quantize --recipe edge-down`
     "edge-layers": lambda layers: _edge(
         [f"self_attn.{p}_proj" for p in "qkvo"] + [f"mlp.{p}_proj" for p in ("gate", "up", "down")], layers
     ),

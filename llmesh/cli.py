@@ -45,12 +45,17 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_quantize(args: argparse.Namespace) -> int:
+    import json
+
     from services.model_files import resolve_model
-    from worker_svc.models.fp8_writer import quantize_checkpoint
+    from worker_svc.models.fp8_writer import RECIPES, quantize_checkpoint
 
     try:
         src = resolve_model(args.model, args.cache_dir)
-        r = quantize_checkpoint(src, args.out, args.format, args.ignore)
+        with open(os.path.join(src, "config.json"), encoding="utf-8") as f:
+            layers = int(json.load(f).get("num_hidden_layers", 0))
+        ignore = [*RECIPES[args.recipe](layers), *args.ignore]
+        r = quantize_checkpoint(src, args.out, args.format, ignore)
     except (ValueError, OSError) as e:
         print(f"llmesh quantize: {e}", file=sys.stderr)
         return 1
@@ -128,6 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="MODULE",
         help="a module kept in its dtype (model.layers.0.mlp.down_proj, or re:PATTERN); repeatable",
+    )
+    p.add_argument(
+        "--recipe",
+        choices=("none", "edge-down"),
+        default="none",
+        help="modules kept for quality: edge-down = the first and last layers' down_proj "
+        "(docs/benchmarks.md)",
     )
     p.set_defaults(func=_cmd_quantize)
 

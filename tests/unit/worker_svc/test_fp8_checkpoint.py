@@ -208,10 +208,12 @@ def test_llmesh_quantize_keeps_ignored_modules_and_refuses_a_quantized_source(
     from llmesh.cli import main
 
     out = str(tmp_path / "o")
-    assert main(["quantize", "--model", written["src"], "--out", out, "--ignore", "re:.*down_proj"]) == 0
-    assert "12 linear weights in FP8 (compressed-tensors), 2 kept" in capsys.readouterr().out
+    argv = ["--recipe", "edge-down", "--ignore", "re:.*layers\\.0\\.self_attn\\.o_proj"]
+    assert main(["quantize", "--model", written["src"], "--out", out, *argv]) == 0
+    assert "11 linear weights in FP8 (compressed-tensors), 3 kept" in capsys.readouterr().out
     model, cfg = load_model(out)
-    assert model.get_parameter("layers.0.mlp.down_proj.weight").dtype == torch.float32
+    for kept in ("layers.0.mlp.down_proj", "layers.1.mlp.down_proj", "layers.0.self_attn.o_proj"):
+        assert model.get_parameter(kept + ".weight").dtype == torch.float32
     assert model.get_parameter("layers.0.mlp.gate_up_proj.weight").dtype == torch.float8_e4m3fn
     ref = _logits(load_model(written["src"])[0], cfg)  # SiLU·mul hands the kept layer unquantized rows
     assert ((_logits(model, cfg) - ref).abs().max() / ref.abs().max()) < 0.1
