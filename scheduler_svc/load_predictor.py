@@ -42,6 +42,8 @@ underestimates, so the predictor errs towards recomputing.
 
 from __future__ import annotations
 
+import statistics
+from bisect import bisect_left, bisect_right
 from collections import deque
 from dataclasses import dataclass
 
@@ -51,6 +53,14 @@ PROBE_EVERY = 16  # skipped loads in a row before one chunk is loaded anyway, to
 # lookup if it needs one) is at most this share of the request's predicted prefill.
 PROBE_LOSS = 0.05
 EXTRAPOLATE = 4  # a load this many times the largest measured is probed before it is skipped
+# A sample this many times slower than the median of at least OUTLIER_NEIGHBOURS others of about
+# its size (x within NEAR) is left out of its fit: a fresh worker's first steps (kernels loaded,
+# compiled) ran ~2 s where their peers ran 30 ms, and one of them in the window tilted the prefill
+# line enough that every 256-token chunk looked worth loading through the mesh (H100: 49.5 ms
+# TTFT against 31.3 recomputed). A sample with few neighbours (a new size) always counts.
+OUTLIER = 3.0
+OUTLIER_NEIGHBOURS = 3
+NEAR = 1.25
 # Steps computing fewer prompt tokens than this say little about the prefill rate (decode-bound).
 MIN_PREFILL_TOKENS = 32
 # Bounds (seconds) of the prediction error histogram (|measured - predicted| per load).
@@ -71,10 +81,28 @@ class LinearFit:
     def __init__(self, window: int = WINDOW, flat_without_slope: bool = False) -> None:
         self.samples: deque[tuple[float, float]] = deque(maxlen=window)
         self.flat_without_slope = flat_without_slope
+        self._fit: tuple[float, float] | None = None  # coefficients of the samples as they were
+        self._fitted: tuple | None = None  # ... when these (adds, count, last sample) held
+        self._adds = 0
 
     def add(self, x: float, y: float) -> None:
         if x > 0 and y >= 0:
             self.samples.append((float(x), float(y)))
+            self._adds += 1
+
+    def inliers(self) -> list[tuple[float, float]]:
+        """The samples less the slow outliers (OUTLIER): sorted by x, each compared with the
+        median of the others within NEAR of its x."""
+        pts = sorted(self.samples)
+        xs = [x for x, _ in pts]
+        kept = []
+        for i, (x, y) in enumerate(pts):
+            lo, hi = bisect_left(xs, x / NEAR), bisect_right(xs, x * NEAR)
+            near = [pts[j][1] for j in range(lo, hi) if j != i]
+            if len(near) >= OUTLIER_NEIGHBOURS and y > OUTLIER * statistics.median(near):
+                continue
+            kept.append((x, y))
+        return kept
 
     @property
     def measured(self) -> bool:
@@ -91,23 +119,30 @@ class LinearFit:
         return bool(xs) and max(xs) > 1.25 * min(xs)
 
     def coefficients(self) -> tuple[float, float] | None:
-        """(a, b); None before the first sample. With no spread in x: a line through 0."""
-        n = len(self.samples)
-        if not n:
+        """(a, b); None before the first sample. With no spread in x: a line through 0. Slow
+        outliers are left out (`inliers`); made again only once a sample has been added."""
+        if not self.samples:
             return None
-        sx = sum(x for x, _ in self.samples)
-        sy = sum(y for _, y in self.samples)
+        key = (self._adds, len(self.samples), self.samples[-1])
+        if self._fitted != key:
+            self._fit, self._fitted = self._least_squares(self.inliers()), key
+        return self._fit
+
+    def _least_squares(self, samples: list[tuple[float, float]]) -> tuple[float, float]:
+        n = len(samples)
+        sx = sum(x for x, _ in samples)
+        sy = sum(y for _, y in samples)
         mx, my = sx / n, sy / n
-        var = sum((x - mx) ** 2 for x, _ in self.samples)
+        var = sum((x - mx) ** 2 for x, _ in samples)
         through_zero = (0.0, sy / sx)
         if var <= 1e-9 * max(mx * mx, 1.0) * n:
             return through_zero
-        b = sum((x - mx) * (y - my) for x, y in self.samples) / var
+        b = sum((x - mx) * (y - my) for x, y in samples) / var
         a = my - b * mx
         if b <= 0:  # noise swamps the slope: flat at the mean, or the mean rate
             return (my, 0.0) if self.flat_without_slope else through_zero
         if a < 0:  # no negative overhead: the slope through the origin
-            return (0.0, sum(x * y for x, y in self.samples) / sum(x * x for x, _ in self.samples))
+            return (0.0, sum(x * y for x, y in samples) / sum(x * x for x, _ in samples))
         return (a, b)
 
 

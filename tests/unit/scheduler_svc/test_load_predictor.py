@@ -341,6 +341,20 @@ def test_puts_wait_for_the_plan_in_flight_instead_of_riding_ahead_of_its_tokens(
     assert [p.key for p in tiers.finish_plan(5, []).store_puts] == [b"k2"]
 
 
+def test_a_fresh_workers_slow_first_step_does_not_tilt_the_prefill_fit():
+    p = LoadPredictor(BS)
+    p.observe_prefill(256, 2.0)  # kernels loaded on first use: 2 s where its peers took 30 ms
+    for _ in range(12):
+        p.observe_prefill(256, 0.030)
+    p.observe_prefill(32, 0.025)  # a tail after a load
+    p.observe_load(16, 16 * 1000, 0.016)
+    assert p.compute_seconds(256) == pytest.approx(0.005 * 256 / 224)  # 177 ms with the outlier
+    assert p.decide(16, [16], compute_tokens=288).chunks == 0
+    p.observe_prefill(8448, 0.23)  # a new size, alone: counts, however slow beside the rest
+    assert (8448, 0.23) in p.prefill.inliers()
+    assert p.compute_seconds(8192) > 0.15
+
+
 def test_a_step_whose_time_is_its_fixed_cost_loads_nothing():
     p = LoadPredictor(BS)
     for tokens, seconds in ((288, 0.018), (32, 0.019), (288, 0.0185), (32, 0.0175)):  # eager launches
