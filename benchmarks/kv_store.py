@@ -392,10 +392,11 @@ def mesh_rows(args, model: str, vocab: int) -> list[tuple]:
                 log_dir=logs + "/s",
             )
         )
-        return asyncio.run(_mesh_ttfts(plain, stored, warm_docs + docs, warm_asks, prompts))
+        warm_up = [random_tokens(rng, args.prefix + args.suffix, vocab) for _ in range(2)]
+        return asyncio.run(_mesh_ttfts(plain, stored, warm_up, warm_docs + docs, warm_asks, prompts))
 
 
-async def _mesh_ttfts(plain, stored, written, warm_asks, prompts) -> list[tuple]:
+async def _mesh_ttfts(plain, stored, warm_up, written, warm_asks, prompts) -> list[tuple]:
     import grpc
 
     from llmesh.v1 import generation_pb2 as g
@@ -418,8 +419,9 @@ async def _mesh_ttfts(plain, stored, written, warm_asks, prompts) -> list[tuple]
     s_chan = grpc.aio.insecure_channel(stored.scheduler.address, options=channel_options())
     async with p_chan, s_chan:
         p_stub, s_stub = gg.SchedulerStub(p_chan), gg.SchedulerStub(s_chan)
-        for prompt in written[:2]:  # first launches, both meshes
+        for prompt in warm_up:  # first launches, both meshes: workers that have served before
             await first(p_stub, prompt)
+            await first(s_stub, prompt)
         for doc in written:  # computed and put; its sender is done well before the asks
             await first(s_stub, doc)
         await asyncio.sleep(2.0)
