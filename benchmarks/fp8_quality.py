@@ -26,6 +26,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from worker_svc.models.fp8_writer import edge_down_proj, edge_layers  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXTS = {"prose": "docs/architecture.md", "README": "README.md", "Python": "worker_svc/runner.py"}
 PROMPTS = [
@@ -36,20 +38,11 @@ PROMPTS = [
 ]
 
 
-from worker_svc.models.fp8_writer import edge_down_proj  # noqa: E402
-
-
-def _edge(names: list[str], layers: int) -> list[str]:
-    return [f"model.layers.{i}.{n}" for i in (0, layers - 1) for n in names]
-
-
 # recipe -> the modules it keeps in the model's dtype, given the number of decoder layers
 RECIPES: dict[str, Callable[[int], list[str]]] = {
     "fp8": lambda layers: [],
     "edge-down": edge_down_proj,  # `llmesh quantize --recipe edge-down`
-    "edge-layers": lambda layers: _edge(
-        [f"self_attn.{p}_proj" for p in "qkvo"] + [f"mlp.{p}_proj" for p in ("gate", "up", "down")], layers
-    ),
+    "edge-layers": edge_layers,  # `--recipe edge-layers`
     "all-down": lambda layers: ["re:.*mlp\\.down_proj"],
 }
 
@@ -119,7 +112,8 @@ def _smoke_model(root: str) -> str:
 
 def _texts(args: argparse.Namespace, folder: str) -> tuple[dict[str, list[int]], list[list[int]]]:
     """Token ids of the texts and of the prompts (bytes as ids for the tokenizer-less smoke model)."""
-    raw = {name: open(os.path.join(ROOT, path), encoding="utf-8").read() for name, path in TEXTS.items()}
+    files = {os.path.basename(p): p for p in args.texts.split(",")} if args.texts else TEXTS
+    raw = {name: open(os.path.join(ROOT, path), encoding="utf-8").read() for name, path in files.items()}
     if args.smoke:
         enc: Callable[[str], list[int]] = lambda s: [b % 1000 + 3 for b in s.encode()]  # noqa: E731
     else:
@@ -135,6 +129,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="bf16/fp32 HF folder (default: the embedded SmolLM2-135M)")
     ap.add_argument("--tokens", type=int, default=1000, help="tokens of each text scored")
+    ap.add_argument(
+        "--texts", default=None, help="comma-separated files to score instead of the three default ones"
+    )
     ap.add_argument("--new-tokens", type=int, default=16, help="greedy tokens per prompt")
     ap.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated, of {', '.join(RECIPES)}")
     ap.add_argument("--smoke", action="store_true", help="a tiny random model, 32 tokens, one recipe")

@@ -136,10 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--recipe",
-        choices=("none", "edge-down"),
+        choices=("none", "edge-down", "edge-layers"),
         default="none",
-        help="modules kept for quality: edge-down = the first and last layers' down_proj "
-        "(docs/benchmarks.md)",
+        help="modules kept for quality: edge-down = the first and last layers' down_proj; "
+        "edge-layers = the first and last layers whole (docs/benchmarks.md)",
     )
     p.set_defaults(func=_cmd_quantize)
 

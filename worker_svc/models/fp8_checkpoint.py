@@ -180,12 +180,12 @@ def _ct_activations(a: dict[str, Any] | None) -> Literal["dynamic", "static", "n
 
 
 def _hf_modules(name: str, layer: nn.Module) -> list[str]:
-    """The Hugging Face module names a ShardedLinear of ours stands for: one a segment for a
+    """The Hugging Face module names a ShardedLinear of ours stands for: one per segment of a
     merged layer (qkv_proj -> q_proj, k_proj, v_proj), else its own name (under `model.`)."""
     segments = list(layer.segments)  # type: ignore[attr-defined]
-    parent, _, own = name.rpartition(".")
     if len(segments) == 1:
         return [f"model.{name}"]
+    parent = name.rpartition(".")[0]
     return [f"model.{parent}.{seg}_proj" for seg in segments]
 
 

@@ -159,7 +159,16 @@ def edge_down_proj(num_layers: int) -> list[str]:
     return [f"model.layers.{i}.mlp.down_proj" for i in sorted({0, num_layers - 1})]
 
 
-RECIPES = {"none": lambda num_layers: [], "edge-down": edge_down_proj}
+def edge_layers(num_layers: int) -> list[str]:
+    """The stronger recipe (`--recipe edge-layers`): every projection of the first and last
+    decoder layers kept. On SmolLM2-135M the smallest perplexity changes of the recipes tried
+    (within 2 % on 6 of 7 texts, against 2 of 7 for all-FP8); ~7 % more linear-weight bytes
+    (on the 8B shape 2 of 32 layers in bf16: ~5 % more bytes a decode step reads)."""
+    names = [f"self_attn.{p}_proj" for p in "qkvo"] + [f"mlp.{p}_proj" for p in ("gate", "up", "down")]
+    return [f"model.layers.{i}.{n}" for i in sorted({0, num_layers - 1}) for n in names]
+
+
+RECIPES = {"none": lambda num_layers: [], "edge-down": edge_down_proj, "edge-layers": edge_layers}
 
 
 def is_linear_weight(name: str) -> bool:
