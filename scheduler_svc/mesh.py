@@ -305,6 +305,7 @@ class Mesh:
         self.pd = Disaggregation(
             config.disaggregation_threshold, config.handover_timeout_s, config.disaggregation_max_queue_s
         )
+        pass
 
     # ----- workers -----
     def add_worker(self, worker_id: str, info: WorkerInfo, link: WorkerLink) -> WorkerSlot:
@@ -538,6 +539,7 @@ class Mesh:
         if stream is None:
             return False
         stream.flush()
+        self._peeks_due.pop(request_id, None)  # ended before its first token: no peek
         handover = self.pd.cancel(request_id)
         if handover is not None and handover.task is not None:  # between the workers: on none
             stream.queue.put_nowait(handover.aborted())
@@ -737,6 +739,7 @@ class Mesh:
         log.error("failing a worker's requests", extra={"worker_id": slot.worker_id, "reason": reason})
         for req in slot.planner.take_all():
             self.pd.cancel(req.request_id)
+            self._peeks_due.pop(req.request_id, None)
             stream = self.streams.pop(req.request_id, None)
             if stream is not None:
                 stream.flush()
@@ -871,6 +874,11 @@ class Mesh:
         stream.queue.put_nowait(delta)
 
     # ----- disaggregated prefill/decode (scheduler_svc/disaggregation.py) -----
+    def _wake(self, worker_id: str) -> None:
+        slot = self.workers.get(worker_id)
+        if slot is not None:
+            slot.wakeup.set()
+
     def _load(self, slot: WorkerSlot) -> WorkerLoad:
         """A worker's prefill work, queued and under way, for the queue rule."""
         running_s = time.perf_counter() - slot.inflight_since if slot.inflight_tokens else 0.0
@@ -935,4 +943,5 @@ class Mesh:
         finally:
             if held is not None:  # not placed as a direct handover: nothing copies them
                 held.release_hold(rid)
+                self._wake(h.prefill_worker)
             self._lookups.discard(asyncio.current_task())  # type: ignore[arg-type]

@@ -305,6 +305,11 @@ async def test_a_skipped_prompt_is_peeked_at_after_its_token_and_what_the_store_
     await asyncio.wait_for(first_token(1), 5)  # the store holds none of these: all 3 are put
     await asyncio.wait_for(settled(), 5)
     assert store.calls == 2 and len(worker.puts) == 3 and slot.planner.tiers.puts_spared == 3
+    mesh.submit("r2", [9] * 100, SamplingParams(max_tokens=1))
+    assert "r2" in mesh._peeks_due
+    mesh.abort("r2")  # ended before its first token: never peeked, nothing left behind
+    assert not mesh._peeks_due
+    await asyncio.wait_for(settled(), 5)
     await mesh.remove_worker("w")
 
 
