@@ -766,8 +766,9 @@ class Mesh:
             if elapsed >= cfg.worker_dead_after_s:
                 return False
             slot.redial_now.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(slot.redial_now.wait(), min(delay, max(left, 0.01)))
+            with contextlib.suppress(TimeoutError):  # asyncio.timeout, not wait_for: see _idle
+                async with asyncio.timeout(min(delay, max(left, 0.01))):
+                    await slot.redial_now.wait()
             delay = min(delay * 2, 2.0)
 
     def _resume(self, slot: WorkerSlot, connected: Connected) -> bool:
@@ -848,8 +849,11 @@ class Mesh:
         while not slot.wakeup.is_set():
             if not slot.link.alive:
                 raise LinkBroken(f"worker {slot.worker_id}: the step stream ended while idle")
+            # Not wait_for: on Python 3.11 a wait_for whose event is set as the task is cancelled
+            # returns normally and swallows the cancel, and a removed worker's slot task ran on.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(slot.wakeup.wait(), IDLE_LINK_CHECK_S)
+                async with asyncio.timeout(IDLE_LINK_CHECK_S):
+                    await slot.wakeup.wait()
 
     def _emit(self, delta: RequestDelta) -> None:
         stream = self.streams.get(delta.request_id)
