@@ -293,6 +293,9 @@ class Disaggregation:
         # The queue rule's latest prediction (seconds): the prefill worker's wait, the first token
         # there and on the decode worker.
         self.last_prediction: tuple[float, float, float] | None = None
+        # Called with a prefill worker's id when held blocks of its go back: its planner may now
+        # admit a prompt that waited for them (the Mesh wakes its step loop).
+        self.on_freed: Callable[[str], None] = lambda worker_id: None
 
     # ----- routing -----
     @staticmethod
@@ -428,6 +431,7 @@ class Disaggregation:
             h.task.cancel()
         if h is not None and h.held is not None:  # never placed: no plan copies them
             h.held.release_hold(request_id)
+            self.on_freed(h.prefill_worker)
         self.release(request_id, planned_too=False)
         return h
 
@@ -469,6 +473,7 @@ class Disaggregation:
         if hold.request.peer is hold.peer:
             hold.request.peer = None  # not copied yet: its decode worker computes the prompt
         hold.blocks.release_hold(request_id)
+        self.on_freed(hold.peer.worker_id)
 
     def release_decoder(self, worker_id: str, planned_too: bool) -> None:
         """A decode worker's link broke (`planned_too` False: its plans may still run) or it is

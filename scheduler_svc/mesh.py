@@ -305,6 +305,7 @@ class Mesh:
         self.pd = Disaggregation(
             config.disaggregation_threshold, config.handover_timeout_s, config.disaggregation_max_queue_s
         )
+        self.pd.on_freed = self._wake  # held blocks freed: a prompt may have waited for them
 
     # ----- workers -----
     def add_worker(self, worker_id: str, info: WorkerInfo, link: WorkerLink) -> WorkerSlot:
@@ -877,6 +878,11 @@ class Mesh:
         stream.queue.put_nowait(delta)
 
     # ----- disaggregated prefill/decode (scheduler_svc/disaggregation.py) -----
+    def _wake(self, worker_id: str) -> None:
+        slot = self.workers.get(worker_id)
+        if slot is not None:
+            slot.wakeup.set()
+
     def _load(self, slot: WorkerSlot) -> WorkerLoad:
         """A worker's prefill work, queued and under way, for the queue rule."""
         running_s = time.perf_counter() - slot.inflight_since if slot.inflight_tokens else 0.0
@@ -941,4 +947,5 @@ class Mesh:
         finally:
             if held is not None:  # not placed as a direct handover: nothing copies them
                 held.release_hold(rid)
+                self._wake(h.prefill_worker)
             self._lookups.discard(asyncio.current_task())  # type: ignore[arg-type]

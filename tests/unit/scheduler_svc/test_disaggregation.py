@@ -265,6 +265,32 @@ async def test_a_prefill_worker_gone_before_the_copy_is_planned_ends_in_a_recomp
     await close(mesh)
 
 
+async def test_a_prompt_waiting_for_held_blocks_runs_once_they_are_copied(pool):
+    """The prefill worker's cache (45 blocks) holds two handed-over prompts (19 blocks each) until
+    the decode worker copies them; a third waits for blocks meanwhile, and runs once the copies
+    free them (the freed hold wakes the prefill worker: nothing else would)."""
+    rng = random.Random(9)
+    prompts = {f"held-{i}": [rng.randrange(100, 40000) for _ in range(300)] for i in range(3)}
+    mesh = make_mesh(pool)
+    mesh.kv_store = None
+    prefill, decode = mesh.workers["prefill"], mesh.workers["decode-0"]
+    decode.planner.config = dataclasses.replace(decode.planner.config, max_num_seqs=0)  # admits nothing
+    tasks = asyncio.gather(generate_all(mesh, prompts))
+    deadline = time.monotonic() + 60
+    while len(mesh.pd.holds) < 2:
+        assert time.monotonic() < deadline, "the handovers were not placed"
+        await asyncio.sleep(0.01)
+    assert prefill.planner.num_waiting == 1  # no blocks for the third
+    decode.planner.config = dataclasses.replace(decode.planner.config, max_num_seqs=8)
+    decode.wakeup.set()
+    (out,) = await asyncio.wait_for(tasks, 60)
+    assert all(len(tokens) == MAX_TOKENS for tokens in out.values()), out
+    await settle(mesh)
+    assert mesh.stats()["pd_direct"] == 3
+    assert_no_leaks(mesh)
+    await close(mesh)
+
+
 @pytest.mark.parametrize("cut", ["missing", "corrupt"])
 async def test_a_cut_transfer_is_recomputed_by_the_decode_worker(pool, reference, cut):
     prompts = make_prompts(2 if cut == "missing" else 3)
