@@ -330,10 +330,12 @@ class Disaggregation:
             return self.decided(TO_PREFILL, UNMEASURED)
         wait = prefill.wait_s()
         ttft_prefill = wait + prefill.seconds(n)
-        # The decode worker's own fit; where it is missing or flat (its steps are mostly decode-
-        # bound), the prefill worker's rate per token, the same model on the same kind of device.
+        # The decode worker's fixed cost per step (its decode batch) from its own fit, and a rate
+        # per token no better than the prefill worker's (the same model on the same kind of
+        # device, in larger steps): its steps compute a few short prompts beside their decodes,
+        # whose slope is noise more often than not.
         a, b = decode.fit or prefill.fit
-        fit = (a, b or prefill.fit[1])
+        fit = (a, max(b, prefill.fit[1]))
         # Its queued prompts (chats) share the steps with the chunks: they cost their tokens.
         ttft_decode = decode.inflight_left_s(fit) + fit[1] * decode.queued_tokens + decode.seconds(n, fit)
         self.last_prediction = (wait, ttft_prefill, ttft_decode)
