@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import secrets
@@ -50,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import ExitStack
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -77,6 +79,74 @@ def release() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+        if FREE_PINNED:
+            torch._C._host_emptyCache()
+
+
+# --variants: the store rows (and the mesh rows) again with diagnostic switches of the worker's
+# KV store memory (worker_svc/kv_diagnostics), set in this process's environment (the mesh's
+# children inherit it) while the row's engines start: which page-locked memory slows a worker
+# that loads nothing (issue 32). "freepinned" empties torch's cache of pinned host memory
+# whenever an engine is let go (a closed writer's 2 GiB put staging stays cached, pinned, otherwise).
+VARIANTS: dict[str, dict[str, str]] = {
+    "base": {},
+    "noarena": {"LLMESH_KV_DIAG_NO_ARENA_LOCK": "1"},
+    "noseg": {"LLMESH_KV_DIAG_NO_SEGMENT_LOCK": "1"},
+    "pageload": {"LLMESH_KV_DIAG_PAGEABLE_LOAD": "1"},
+    "pageput": {"LLMESH_KV_DIAG_PAGEABLE_PUT": "1"},
+    "nopin": {
+        "LLMESH_KV_DIAG_NO_ARENA_LOCK": "1",
+        "LLMESH_KV_DIAG_NO_SEGMENT_LOCK": "1",
+        "LLMESH_KV_DIAG_PAGEABLE_LOAD": "1",
+        "LLMESH_KV_DIAG_PAGEABLE_PUT": "1",
+    },
+    "freepinned": {},
+}
+FREE_PINNED = False  # release() also empties torch's pinned host cache (the "freepinned" variant)
+
+
+@contextlib.contextmanager
+def variant(name: str) -> Iterator[str]:
+    """Run a row under variant `name`; yields the suffix of its rows' names."""
+    global FREE_PINNED
+    switches = VARIANTS[name]
+    saved = {k: os.environ.get(k) for k in switches}
+    os.environ.update(switches)
+    FREE_PINNED = name == "freepinned"
+    try:
+        yield "" if name == "base" else f" [{name}]"
+    finally:
+        FREE_PINNED = False
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+_VMSTAT_KEYS = ("compact_", "thp_", "numa_", "pgmigrate", "pgfault", "pgmajfault")
+
+
+def _process_counters() -> dict[str, int]:
+    """This process's faults and context switches, and the host's compaction / THP / NUMA
+    counters (/proc/vmstat): what a process-wide slowdown leaves behind."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    out = {"minflt": ru.ru_minflt, "majflt": ru.ru_majflt, "nvcsw": ru.ru_nvcsw, "nivcsw": ru.ru_nivcsw}
+    with contextlib.suppress(OSError):
+        with open("/proc/vmstat") as f:
+            for line in f:
+                key, value = line.split()
+                if key.startswith(_VMSTAT_KEYS):
+                    out["vm." + key] = int(value)
+    return out
+
+
+def _counter_line(before: dict[str, int], after: dict[str, int], n: int) -> str:
+    """Per-request deltas of the counters that moved."""
+    moved = {k: (after[k] - before.get(k, 0)) / max(n, 1) for k in after if after[k] != before.get(k, 0)}
+    return ", ".join(f"{k} {v:.0f}" for k, v in moved.items()) or "nothing moved"
 
 
 TRACE: list[tuple[str, float, float]] | None = None  # (what, start, end) with --trace
@@ -232,6 +302,7 @@ def document_rows(args, engine_kw: dict, vocab: int, stack: ExitStack) -> list[t
         loaded0 = _loaded_tokens(asker)
         b0 = counters.host_loaded_bytes + counters.store_loaded_bytes
         s0 = counters.host_load_seconds + counters.store_load_seconds
+        counted = _process_counters()
         for prompt, want in zip(prompts, expected, strict=True):
             if before is not None:
                 before()
@@ -241,6 +312,8 @@ def document_rows(args, engine_kw: dict, vocab: int, stack: ExitStack) -> list[t
             print(f"  {name}: TTFT {t * 1e3:.1f} ms", file=sys.stderr, flush=True)
             times.append(t)
             same &= got == want
+        line = _counter_line(counted, _process_counters(), len(prompts))
+        print(f"  {name}: per request (both engines): {line}", file=sys.stderr, flush=True)
         counters = asker.engine.runner.kv_tiers.counters  # now with the copy times of the last loads
         moved = counters.host_loaded_bytes + counters.store_loaded_bytes - b0
         secs = counters.host_load_seconds + counters.store_load_seconds - s0
@@ -305,46 +378,55 @@ def document_rows(args, engine_kw: dict, vocab: int, stack: ExitStack) -> list[t
         stores.append((over_bulk, arena_store, bulk, True))
         if args.predictor_off_too:
             stores.append((over_bulk + ", predictor off", arena_store, {**bulk, **no_predictor}, True))
-    for name, make, path, verify in stores:
-        store = make()
-        path_kw = dict(kw, kv_store_segment_bytes=args.segment_bytes, **path)
-        # The writer's puts take shared memory where the store is on this host (the bulk path
-        # serves gets only): its path is not what is measured.
-        writer_kw = {k: v for k, v in path_kw.items() if k != "kv_store_transfer"}
-        writer = LLM(kv_store=store, **writer_kw)
-        for d in warm_docs + docs:  # the timed documents last: the most recent, never evicted first
-            ttft(writer, d)
-            # Each document's puts sent before the next is computed: 7 documents of 1 GiB (8k
-            # tokens of an 8B model) in a row filled the put staging faster than the sender drained
-            # it, its later chunks were dropped, and the store held ~6 leading chunks of each.
-            writer.engine.flush_kv()
-        c = writer.engine.runner.kv_tiers.counters  # a store row can load only what was put
-        print(
-            f"  {name}: writer put {c.store_put_chunks} chunks, {c.store_put_dropped} dropped, "
-            f"{c.store_put_failed} failed",
-            file=sys.stderr,
-            flush=True,
-        )
-        writer.engine.close()
-        del writer
-        release()
-        asker = LLM(kv_store=store, **path_kw)
-        if not verify:
-            skip_mac_checks(asker.engine.runner.kv_tiers)
-        ttft(asker, warm_up)  # connects; a miss (computed, and put like any prompt)
-        asker.engine.flush_kv()  # its puts are done before the loads are timed
-        # Its store client has mapped and page-locked the arena or segments (done once, in the
-        # background, when a worker starts: ~1 s for a 4 GiB arena on an H100 host).
-        asker.engine.runner.kv_tiers.wait_prepared()
-        for ask in warm_asks:  # loads (probes, then as predicted) that measure the path
-            ttft(asker, ask)
-        # Each ask starts with the earlier asks' puts sent (a computed 8k prompt puts 1 GiB, whose
-        # sender thread would otherwise share the next ask's GIL: the recompute row has no store).
-        measure(name, asker, before=asker.engine.flush_kv)
-        asker.engine.close()
-        del asker
-        release()
+    runs = [(v, row) for v in args.variants.split(",") for row in stores]
+    for variant_name, (name, make, path, verify) in runs:
+        with variant(variant_name) as suffix:
+            _store_row(
+                args, kw, name + suffix, make, path, verify, warm_docs, docs, warm_up, warm_asks, measure
+            )
     return _without(paired, rows)
+
+
+def _store_row(args, kw, name, make, path, verify, warm_docs, docs, warm_up, warm_asks, measure) -> None:
+    """One store row: a writer puts the documents, an asker is timed on them."""
+    store = make()
+    path_kw = dict(kw, kv_store_segment_bytes=args.segment_bytes, **path)
+    # The writer's puts take shared memory where the store is on this host (the bulk path
+    # serves gets only): its path is not what is measured.
+    writer_kw = {k: v for k, v in path_kw.items() if k != "kv_store_transfer"}
+    writer = LLM(kv_store=store, **writer_kw)
+    for d in warm_docs + docs:  # the timed documents last: the most recent, never evicted first
+        ttft(writer, d)
+        # Each document's puts sent before the next is computed: 7 documents of 1 GiB (8k
+        # tokens of an 8B model) in a row filled the put staging faster than the sender drained
+        # it, its later chunks were dropped, and the store held ~6 leading chunks of each.
+        writer.engine.flush_kv()
+    c = writer.engine.runner.kv_tiers.counters  # a store row can load only what was put
+    print(
+        f"  {name}: writer put {c.store_put_chunks} chunks, {c.store_put_dropped} dropped, "
+        f"{c.store_put_failed} failed",
+        file=sys.stderr,
+        flush=True,
+    )
+    writer.engine.close()
+    del writer
+    release()
+    asker = LLM(kv_store=store, **path_kw)
+    if not verify:
+        skip_mac_checks(asker.engine.runner.kv_tiers)
+    ttft(asker, warm_up)  # connects; a miss (computed, and put like any prompt)
+    asker.engine.flush_kv()  # its puts are done before the loads are timed
+    # Its store client has mapped and page-locked the arena or segments (done once, in the
+    # background, when a worker starts: ~1 s for a 4 GiB arena on an H100 host).
+    asker.engine.runner.kv_tiers.wait_prepared()
+    for ask in warm_asks:  # loads (probes, then as predicted) that measure the path
+        ttft(asker, ask)
+    # Each ask starts with the earlier asks' puts sent (a computed 8k prompt puts 1 GiB, whose
+    # sender thread would otherwise share the next ask's GIL: the recompute row has no store).
+    measure(name, asker, before=asker.engine.flush_kv)
+    asker.engine.close()
+    del asker
+    release()
 
 
 def _without(engine: LLM | None, rows: list[tuple]) -> list[tuple]:
@@ -613,6 +695,13 @@ def main() -> None:
         help="time the recompute engine on each prompt right before every row's engine (kept alive), "
         "and a row of the store rows' engine without a store",
     )
+    ap.add_argument(
+        "--variants",
+        default="base",
+        help="the store and mesh rows under each of these diagnostic variants (comma-separated: "
+        + ", ".join(VARIANTS)
+        + "; issue 32)",
+    )
     ap.add_argument("--num-kv-blocks", type=int, default=0, help="GPU cache blocks (0 = from memory)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="one short document, a short chat (make test)")
@@ -662,8 +751,11 @@ def main() -> None:
     if rows:
         print_documents(args, rows, kv_per_token, device)
     if args.mesh or args.mesh_only:
-        mesh = mesh_rows(args, engine_kw.get("model"), vocab)
-        print_documents(args, mesh, kv_per_token, device, paired=True)
+        for variant_name in args.variants.split(","):
+            with variant(variant_name) as suffix:
+                mesh = mesh_rows(args, engine_kw.get("model"), vocab)
+            mesh = [(row[0] + suffix, *row[1:]) for row in mesh]
+            print_documents(args, mesh, kv_per_token, device, paired=True)
     if args.skip_chat:
         return
     with ExitStack() as stack:

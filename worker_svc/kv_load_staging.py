@@ -24,8 +24,12 @@ log = logging.getLogger(__name__)
 
 
 class LoadStaging:
-    def __init__(self, chunk_shape: tuple[int, ...], dtype: torch.dtype, max_bytes: int) -> None:
+    def __init__(
+        self, chunk_shape: tuple[int, ...], dtype: torch.dtype, max_bytes: int, pinned: bool = True
+    ) -> None:
+        """`pinned` False: pageable slots (a diagnostic, worker_svc/kv_diagnostics: slower uploads)."""
         self.chunk_shape = chunk_shape
+        self.pinned = pinned
         self.dtype = dtype
         self.chunk_bytes = math.prod(chunk_shape) * dtype.itemsize
         self.max_chunks = max(1, max_bytes // self.chunk_bytes) if self.chunk_bytes else 0
@@ -40,7 +44,7 @@ class LoadStaging:
                 return
             try:
                 self.pool = torch.empty(
-                    (self.max_chunks, *self.chunk_shape), dtype=self.dtype, pin_memory=True
+                    (self.max_chunks, *self.chunk_shape), dtype=self.dtype, pin_memory=self.pinned
                 )
             except RuntimeError as e:  # no pinned memory to be had: pageable (slower uploads)
                 log.warning("kv load staging not pinned", extra={"chunks": self.max_chunks, "error": str(e)})

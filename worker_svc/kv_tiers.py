@@ -48,6 +48,7 @@ from services.kv_mac import KVMac
 from services.mesh_secret import client_key
 from services.step import KVTransfers, StoreLoad, StorePut, store_fingerprint
 from worker_svc.kv_cache import KVCacheSpec
+from worker_svc.kv_diagnostics import diag
 from worker_svc.kv_load_staging import LoadStaging
 from worker_svc.kv_put_staging import PutStaging
 
@@ -157,11 +158,21 @@ class WorkerKVTiers:
         # one per layer, until the runner takes them for its forward.
         self.load_stream = torch.cuda.Stream(self.device) if pin and num_host_blocks else None
         self._layer_events: list[torch.cuda.Event] | None = None
-        if pin and store is not None and hasattr(store, "on_segments"):
+        if (
+            pin
+            and store is not None
+            and hasattr(store, "on_segments")
+            and not diag("LLMESH_KV_DIAG_NO_SEGMENT_LOCK")
+        ):
             # The store client's shared memory segments, page-locked: chunks loaded from them
             # reach the device by DMA, with no staging copy.
             store.on_segments(_page_lock, _page_unlock)
-        if pin and store is not None and hasattr(store, "on_arena"):
+        if (
+            pin
+            and store is not None
+            and hasattr(store, "on_arena")
+            and not diag("LLMESH_KV_DIAG_NO_ARENA_LOCK")
+        ):
             # The store's arena, mapped read-only: page-locked once per mapping (the read-only
             # flag: the pages are never written from here), so in-place loads are one DMA each.
             store.on_arena(_page_lock_arena, _page_unlock_arena)
@@ -169,7 +180,11 @@ class WorkerKVTiers:
         # Store loads over the bulk path land here (pinned on CUDA; on the CPU in the load's own buffer).
         chunk_shape = (self.chunk_blocks, *block_shape)
         bulk = store is not None and getattr(store, "uses_bulk", False)
-        self.load_staging = LoadStaging(chunk_shape, spec.dtype, load_bytes) if pin and bulk else None
+        self.load_staging = (
+            LoadStaging(chunk_shape, spec.dtype, load_bytes, pinned=not diag("LLMESH_KV_DIAG_PAGEABLE_LOAD"))
+            if pin and bulk
+            else None
+        )
         # (blocks, bytes, seconds) of each store load since the last take_load_reports: the
         # scheduler's load predictor learns each path's bandwidth from them (StepResult).
         self._load_reports: list[tuple[int, int, float]] = []
@@ -179,7 +194,8 @@ class WorkerKVTiers:
             self._preparing = threading.Thread(target=self._prepare, name="llmesh-kv-prepare", daemon=True)
             self._preparing.start()
         self._puts: queue.Queue = queue.Queue()
-        self.staging = PutStaging(chunk_shape, spec.dtype, put_bytes if self.chunk_blocks else 0, pin)
+        put_pin = pin and not diag("LLMESH_KV_DIAG_PAGEABLE_PUT")
+        self.staging = PutStaging(chunk_shape, spec.dtype, put_bytes if self.chunk_blocks else 0, put_pin)
         self._sender: threading.Thread | None = None
         if self.chunk_blocks:
             self._sender = threading.Thread(target=self._send_puts, name="llmesh-kv-put", daemon=True)
