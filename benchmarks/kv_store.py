@@ -134,6 +134,15 @@ def _process_counters() -> dict[str, int]:
 
     ru = resource.getrusage(resource.RUSAGE_SELF)
     out = {"minflt": ru.ru_minflt, "majflt": ru.ru_majflt, "nvcsw": ru.ru_nvcsw, "nivcsw": ru.ru_nivcsw}
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out["threads"] = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0
+    for tid in os.listdir("/proc/self/task") if out["threads"] else []:
+        with contextlib.suppress(OSError, IndexError, ValueError):  # a thread that just ended
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            out[f"cpu.{names.get(int(tid), 'native')}.{tid}"] = int(fields[11]) + int(fields[12])
     with contextlib.suppress(OSError):
         with open("/proc/vmstat") as f:
             for line in f:
@@ -144,9 +153,24 @@ def _process_counters() -> dict[str, int]:
 
 
 def _counter_line(before: dict[str, int], after: dict[str, int], n: int) -> str:
-    """Per-request deltas of the counters that moved."""
-    moved = {k: (after[k] - before.get(k, 0)) / max(n, 1) for k in after if after[k] != before.get(k, 0)}
-    return ", ".join(f"{k} {v:.0f}" for k, v in moved.items()) or "nothing moved"
+    """Per-request deltas of the counters that moved; the threads (OS threads, then the three
+    that ran the most beside the caller's, in clock ticks over the row)."""
+    cpu = sorted(
+        (
+            (after[k] - before.get(k, 0), k[4:])
+            for k in after
+            if k.startswith("cpu.") and "MainThread" not in k
+        ),
+        reverse=True,
+    )
+    moved = {
+        k: (after[k] - before.get(k, 0)) / max(n, 1)
+        for k in after
+        if after[k] != before.get(k, 0) and not k.startswith(("cpu.", "threads"))
+    }
+    line = ", ".join(f"{k} {v:.0f}" for k, v in moved.items()) or "nothing moved"
+    busiest = ", ".join(f"{name} {ticks}" for ticks, name in cpu[:3] if ticks)
+    return f"{line}; {after.get('threads', 0)} threads; busiest (ticks): {busiest or 'none'}"
 
 
 TRACE: list[tuple[str, float, float]] | None = None  # (what, start, end) with --trace
