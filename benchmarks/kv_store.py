@@ -143,6 +143,14 @@ def _process_counters() -> dict[str, int]:
             with open(f"/proc/self/task/{tid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
             out[f"cpu.{names.get(int(tid), 'native')}.{tid}"] = int(fields[11]) + int(fields[12])
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        # The caching allocator: cudaMalloc / cudaFree calls and retries (a free-and-retry
+        # synchronizes), shared by every engine of the process.
+        stats = torch.cuda.memory_stats()
+        for key in ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams"):
+            out["cuda." + key] = int(stats.get(key, 0))
     with contextlib.suppress(OSError):
         with open("/proc/vmstat") as f:
             for line in f:
@@ -344,13 +352,16 @@ def document_rows(args, engine_kw: dict, vocab: int, stack: ExitStack) -> list[t
         loaded = (_loaded_tokens(asker) - loaded0) // len(prompts)
         rows.append((name, times, moved / secs / 1e9 if secs else 0.0, same, loaded, base or first))
 
-    if paired is not None:  # the store rows' engine, no store: what prefix caching alone costs
+    def plain_row(name: str) -> None:
         plain = LLM(**kw)
         ttft(plain, warm_up)
-        measure("no store (prefix caching on)", plain)
+        measure(name, plain)
         plain.engine.close()
         del plain
         release()
+
+    if paired is not None:  # the store rows' engine, no store: what prefix caching alone costs
+        plain_row("no store (prefix caching on)")
 
     # Worker CPU tier: a GPU cache of about one request, so each document is evicted by the next.
     if not args.skip_host_tier:
@@ -408,6 +419,11 @@ def document_rows(args, engine_kw: dict, vocab: int, stack: ExitStack) -> list[t
             _store_row(
                 args, kw, name + suffix, make, path, verify, warm_docs, docs, warm_up, warm_asks, measure
             )
+    if paired is not None and args.variants != "base":
+        # The control for the process drifting (issue 32: on one H100 host the no-store engine's
+        # eager launch wandered from 18 to 25 ms against the paired recompute's within a row): the
+        # same no-store engine again, after every store row.
+        plain_row("no store (prefix caching on), again after the store rows")
     return _without(paired, rows)
 
 
