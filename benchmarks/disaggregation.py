@@ -378,10 +378,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threshold", type=int, default=1024, help="the scheduler's --disaggregation-threshold")
     ap.add_argument("--handover-timeout-s", type=float, default=3.0, help="the scheduler's")
     ap.add_argument(
-        "--max-queue-s", type=float, default=0.1, help="the scheduler's --disaggregation-max-queue-s"
+        "--max-queue-s", type=float, default=0.05, help="the scheduler's --disaggregation-max-queue-s"
     )
     ap.add_argument(
-        "--local-chunk-tokens", type=int, default=512,
+        "--local-chunk-tokens", type=int, default=1536,
         help="the scheduler's --disaggregation-local-chunk-tokens (a decode worker's chunk bound)",
     )  # fmt: skip
     ap.add_argument("--chunk-tokens", type=int, default=256, help="the workers' --kv-chunk-tokens")
