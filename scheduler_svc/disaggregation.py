@@ -170,8 +170,7 @@ class StepFit:
         and the worker's busy time for it. Steps that loaded KV from a tier spent it elsewhere."""
         if plan.kv.load_block_ids or plan.kv.store_loads or plan.kv.peer_copies:
             return
-        tokens = sum(s.num_new_tokens for s in plan.new_seqs)
-        tokens += sum(s.num_new_tokens for s in plan.scheduled if s.num_new_tokens > 1)
+        tokens = plan.num_prompt_tokens
         if tokens >= STEP_FIT_MIN_TOKENS and busy_s > 0:
             self.samples.append((tokens, busy_s))
 

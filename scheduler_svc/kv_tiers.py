@@ -311,9 +311,7 @@ class KVTierPlanner:
         # Host loads overlap the forward (a side stream); a failed store load computed more than
         # the plan says: neither step is a clean sample.
         if not plan.kv.load_block_ids and not result.failed_load_seq_ids:
-            prompt = sum(s.num_new_tokens for s in plan.new_seqs)
-            prompt += sum(s.num_new_tokens for s in plan.scheduled if s.num_new_tokens > 1)
-            p.observe_prefill(prompt, max(0.0, busy_s - sum(result.kv_load_seconds)))
+            p.observe_prefill(plan.num_prompt_tokens, max(0.0, busy_s - sum(result.kv_load_seconds)))
         st.kv_load_bytes_per_second = p.bytes_per_second
         st.kv_prefill_tokens_per_second = p.prefill_tokens_per_second
 

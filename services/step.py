@@ -170,6 +170,13 @@ class StepPlan:
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.new_seqs) + sum(s.num_new_tokens for s in self.scheduled)
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt tokens computed: every new sequence's, and the chunks (more than one token) of
+        those scheduled; a decode's single token is not one."""
+        chunks = sum(s.num_new_tokens for s in self.scheduled if s.num_new_tokens > 1)
+        return sum(s.num_new_tokens for s in self.new_seqs) + chunks
+
 
 @dataclass
 class TokenLogprobs:
