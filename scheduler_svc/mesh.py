@@ -639,22 +639,27 @@ class Mesh:
             self._peeks_due[req.request_id] = (slot, req)
         slot.wakeup.set()
 
+    async def _stored_chunks(
+        self, info: WorkerInfo, prompt: list[int], cache_root: bytes
+    ) -> tuple[list[bytes], int]:
+        """The prompt's chunk keys on a worker of `info`, and how many leading ones the KV store
+        says it holds (its answer as given; raises what the lookup raised, or on its timeout)."""
+        chunk = info.kv_chunk_blocks
+        keys = extend_block_keys([], prompt, info.block_size, info.fingerprint, cache_root)
+        chunk_keys = keys[chunk - 1 :: chunk]
+        assert self.kv_store is not None
+        found = await asyncio.wait_for(
+            self.kv_store.lookup(store_fingerprint(info.fingerprint, chunk), chunk_keys),
+            self.config.kv_lookup_timeout_s,
+        )
+        return chunk_keys, int(found)
+
     async def _lookup(self, slot: WorkerSlot, req: Request) -> None:
         """Ask the KV store how many leading chunks of the prompt it holds; the request waits meanwhile."""
-        info = slot.info
-        chunk = info.kv_chunk_blocks
         started = time.perf_counter()
         try:
-            keys = extend_block_keys(
-                [], req.prompt_token_ids, info.block_size, info.fingerprint, req.cache_root
-            )
-            chunk_keys = keys[chunk - 1 :: chunk]
-            assert self.kv_store is not None
-            found = await asyncio.wait_for(
-                self.kv_store.lookup(store_fingerprint(info.fingerprint, chunk), chunk_keys),
-                self.config.kv_lookup_timeout_s,
-            )
-            req.store_hit_blocks = min(int(found), len(chunk_keys)) * chunk
+            chunk_keys, found = await self._stored_chunks(slot.info, req.prompt_token_ids, req.cache_root)
+            req.store_hit_blocks = min(found, len(chunk_keys)) * slot.info.kv_chunk_blocks
             # What a hit costs before any load (the load predictor weighs it).
             slot.planner.tiers.predictor.observe_lookup(time.perf_counter() - started)
         except asyncio.CancelledError:
@@ -681,19 +686,12 @@ class Mesh:
         under way would share the GIL with an in-process worker's launch) and waited for by no
         request: the chunks the store holds are remembered before the prompt's puts are attached
         (kv_tiers.peek_done), so the worker does not put them again (LMCache's non-blocking lookup)."""
-        info, tiers = slot.info, slot.planner.tiers
-        chunk = info.kv_chunk_blocks
+        tiers = slot.planner.tiers
         held: list[bytes] = []
         try:
             await _let_deliveries_run()  # and after the token it followed has been handed on
-            keys = extend_block_keys([], prompt, info.block_size, info.fingerprint, cache_root)
-            chunk_keys = keys[chunk - 1 :: chunk]
-            assert self.kv_store is not None
-            found = await asyncio.wait_for(
-                self.kv_store.lookup(store_fingerprint(info.fingerprint, chunk), chunk_keys),
-                self.config.kv_lookup_timeout_s,
-            )
-            held = chunk_keys[: max(0, int(found))]
+            chunk_keys, found = await self._stored_chunks(slot.info, prompt, cache_root)
+            held = chunk_keys[: max(0, found)]
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the store is slow or down: its chunks are put as before
