@@ -1,0 +1,162 @@
+"""What a host gives N copies of one CPU-bound job against one copy: the ceiling under issue 30's
+"4 shards >= 3.5x one shard" that no software on that host can pass.
+
+    .venv/bin/python benchmarks/host_scaling.py [--procs 1,4,8,16] [--seconds 5] [--jobs python,proto,memory]
+    .venv/bin/python benchmarks/host_scaling.py --smoke    # a second, 2-core machine (make test)
+
+shard_scaling.py measured the same shard code at 20.1 us of CPU a token alone on 4 cores of an
+idle 16-core host and 25.4-27.7 us with the other 12 cores busy, and four fully isolated copies
+of the 1-shard row (each on 4 cores of its own, its own clients, nothing shared but the host) at
+2.80-3.22x the lone one. This script asks the same of jobs that share nothing at all: P processes,
+each pinned to one CPU of its own (`cpu_order`: whole cores first), each running one job as fast
+as it can for `--seconds`, all started together. Jobs:
+
+  * `python`: the interpreter's own work on a cache-resident working set (dict and list churn,
+    integer arithmetic): the shard core's planning loop in miniature;
+  * `proto`: build, serialize and parse the response a scheduler streams per token
+    (`GenerateResponse` with one token id), what the API processes and clients do
+    per token;
+  * `memory`: random reads over a 64 MiB list of Python ints (past any core's share of L3): the
+    part of a job that shares the host's caches and memory bandwidth.
+
+Reported per job and process count: operations a second per process, the aggregate, and the
+aggregate against P copies of the lone process (1.00x: perfect scaling). The row that answers
+issue 30's question is P = 16 against P = 4: four copies of a 4-core job against one, on this
+host, the ratio `16 / 4` column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from shard_scaling import cpu_order  # noqa: E402
+
+JOBS = ("python", "proto", "memory")
+
+
+def _python_job(deadline: float) -> int:
+    """Dict and list churn over a few thousand keys: interpreter-bound, in cache."""
+    ops = 0
+    table: dict[int, list[int]] = {}
+    while time.perf_counter() < deadline:
+        for i in range(1000):
+            key = (i * 2654435761) & 4095
+            row = table.get(key)
+            if row is None:
+                table[key] = [i, i + 1]
+            else:
+                row.append(i)
+                if len(row) > 8:
+                    del table[key]
+        ops += 1000
+    return ops
+
+
+def _proto_job(deadline: float) -> int:
+    """A token's response message: built, serialized, parsed (the per-token wire work)."""
+    from llmesh.v1 import generation_pb2 as pb
+
+    ops = 0
+    while time.perf_counter() < deadline:
+        for i in range(200):
+            msg = pb.GenerateResponse(request_id="req-0123456789abcdef")
+            msg.token_ids.append(i)
+            data = msg.SerializeToString()
+            pb.GenerateResponse.FromString(data)
+        ops += 200
+    return ops
+
+
+def _memory_job(deadline: float, mib: int) -> int:
+    """Random reads over `mib` MiB of list slots (8 bytes a pointer, each to its own int)."""
+    n = mib * (1 << 20) // 8
+    big = list(range(n))
+    rng = random.Random(os.getpid())
+    idx = [rng.randrange(n) for _ in range(4096)]
+    ops = 0
+    acc = 0
+    while time.perf_counter() < deadline:
+        for j in idx:
+            acc += big[j]
+        ops += len(idx)
+        idx = idx[1:] + idx[:1]  # a new order each pass, so the reads stay scattered
+    return ops
+
+
+def _worker(job: str, cpu: int, seconds: float, mib: int, barrier, results) -> None:
+    os.sched_setaffinity(0, {cpu})
+    if job == "memory":  # build the list before the clock starts
+        _memory_job(0.0, mib)
+    barrier.wait()
+    deadline = time.perf_counter() + seconds
+    if job == "python":
+        ops = _python_job(deadline)
+    elif job == "proto":
+        ops = _proto_job(deadline)
+    else:
+        ops = _memory_job(deadline, mib)
+    results.put(ops / seconds)
+
+
+def run(job: str, cpus: list[int], seconds: float, mib: int) -> list[float]:
+    """Each process's operations a second, P processes on `cpus` (one each), started together."""
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(len(cpus))
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(job, c, seconds, mib, barrier, results)) for c in cpus]
+    for p in procs:
+        p.start()
+    rates = [results.get(timeout=seconds + 120) for _ in procs]
+    for p in procs:
+        p.join()
+    return rates
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--procs", default="1,4,8,16", help="process counts (capped at the host's CPUs)")
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--jobs", default=",".join(JOBS))
+    ap.add_argument("--memory-mib", type=int, default=64)
+    ap.add_argument("--smoke", action="store_true", help="1 and 2 processes, 0.3 s each, 8 MiB")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.procs, args.seconds, args.memory_mib = "1,2", 0.3, 8
+    jobs = [j for j in args.jobs.split(",") if j]
+    unknown = set(jobs) - set(JOBS)
+    if unknown:
+        ap.error(f"--jobs: unknown {sorted(unknown)}; choose from {list(JOBS)}")
+    order = cpu_order()
+    counts = sorted({min(int(p), len(order)) for p in args.procs.split(",") if p})
+    print(f"host: {os.cpu_count()} CPUs, {len(order)} allowed; {args.seconds:g} s a row")
+    head = f"{counts[-1]} / {counts[-1] // 4 or 1}"
+    print(f"| job | processes | ops/s per process (min-max) | aggregate | vs P x lone | {head} |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for job in jobs:
+        agg: dict[int, float] = {}
+        lone = 0.0
+        for p in counts:
+            rates = run(job, order[:p], args.seconds, args.memory_mib)
+            agg[p] = sum(rates)
+            if p == counts[0]:
+                lone = agg[p] / p
+            quarter = counts[-1] // 4 or 1
+            ratio = f"{agg[p] / agg[quarter]:.2f}x" if p == counts[-1] and quarter in agg else ""
+            print(
+                f"| {job} | {p} | {min(rates):,.0f}-{max(rates):,.0f} | {agg[p]:,.0f} | "
+                f"{agg[p] / (p * lone):.2f}x | {ratio} |",
+                flush=True,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
