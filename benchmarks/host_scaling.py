@@ -23,6 +23,12 @@ Reported per job and process count: operations a second per process, the aggrega
 aggregate against P copies of the lone process (1.00x: perfect scaling). The row that answers
 issue 30's question is P = 16 against P = 4: four copies of a 4-core job against one, on this
 host, the ratio `16 / 4` column.
+
+`--pairs` then asks which CPUs slow each other down: a KVM guest may report 16 cores with "1
+thread per core" whose vCPUs are SMT siblings on the host, so that two busy vCPUs of one
+physical core each run at ~0.5-0.65x. It prints each CPU's worst partner and the order that
+puts such pairs side by side, for shard_scaling.py's `--cpu-order`: a row's slice of the host
+is then a slice of its physical cores, as cpu_order means it to be where sysfs tells the truth.
 """
 
 from __future__ import annotations
@@ -106,6 +112,63 @@ def _worker(job: str, cpu: int, seconds: float, mib: int, barrier, results) -> N
     results.put(ops / seconds)
 
 
+def _pinned_loop(cpu: int, conn) -> None:
+    """A worker of the pair probe: pinned to `cpu`, it runs the python job for each
+    (start_at, seconds) it is sent, from start_at on, and answers its ops a second."""
+    os.sched_setaffinity(0, {cpu})
+    while True:
+        ask = conn.recv()
+        if ask is None:
+            return
+        start_at, seconds = ask
+        while time.time() < start_at:
+            pass
+        conn.send(_python_job(time.perf_counter() + seconds) / seconds)
+
+
+def probe_pairs(cpus: list[int], seconds: float) -> list[tuple[int, int | None, float]]:
+    """Which CPUs slow each other down: hidden SMT siblings, where a hypervisor reports "1
+    thread per core". Each CPU is timed alone, then each unpaired CPU with every later unpaired
+    one at once; its partner is the one that slowed the two most, if they ran under 0.8x their
+    lone rates (a real sibling pair runs at ~0.5-0.65x). Returns (cpu, partner or None, the
+    pair's mean rate against alone)."""
+    ctx = mp.get_context("spawn")
+    pipes, procs = {}, []
+    for c in cpus:
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_pinned_loop, args=(c, child), daemon=True)
+        proc.start()
+        pipes[c], procs = parent, [*procs, proc]
+
+    def together(group: list[int]) -> list[float]:
+        start_at = time.time() + 0.05
+        for c in group:
+            pipes[c].send((start_at, seconds))
+        return [pipes[c].recv() for c in group]
+
+    lone = {c: together([c])[0] for c in cpus}
+    out: list[tuple[int, int | None, float]] = []
+    left = list(cpus)
+    while left:
+        c = left.pop(0)
+        best, best_ratio = None, 1.0
+        for d in left:
+            rc, rd = together([c, d])
+            ratio = (rc / lone[c] + rd / lone[d]) / 2
+            if ratio < best_ratio:
+                best, best_ratio = d, ratio
+        if best is not None and best_ratio < 0.8:
+            left.remove(best)
+            out.append((c, best, best_ratio))
+        else:
+            out.append((c, None, best_ratio))
+    for c in cpus:
+        pipes[c].send(None)
+    for proc in procs:
+        proc.join(timeout=5)
+    return out
+
+
 def run(job: str, cpus: list[int], seconds: float, mib: int) -> list[float]:
     """Each process's operations a second, P processes on `cpus` (one each), started together."""
     ctx = mp.get_context("spawn")
@@ -126,10 +189,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--jobs", default=",".join(JOBS))
     ap.add_argument("--memory-mib", type=int, default=64)
+    ap.add_argument(
+        "--pairs", action="store_true", help="also probe which CPUs slow each other (hidden SMT siblings)"
+    )
+    ap.add_argument("--pair-seconds", type=float, default=0.4)
     ap.add_argument("--smoke", action="store_true", help="1 and 2 processes, 0.3 s each, 8 MiB")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.procs, args.seconds, args.memory_mib = "1,2", 0.3, 8
+        args.procs, args.seconds, args.memory_mib, args.pairs, args.pair_seconds = "1,2", 0.3, 8, True, 0.1
     jobs = [j for j in args.jobs.split(",") if j]
     unknown = set(jobs) - set(JOBS)
     if unknown:
@@ -155,6 +222,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"{agg[p] / (p * lone):.2f}x | {ratio} |",
                 flush=True,
             )
+    if args.pairs:
+        pairs = probe_pairs(order, args.pair_seconds)
+        print("\n| CPU | slowed most by | the pair's rate vs alone |\n| ---: | ---: | ---: |")
+        for c, d, ratio in pairs:
+            print(f"| {c} | {'-' if d is None else d} | {ratio:.2f}x |")
+        core_order = [x for c, d, _ in pairs for x in ((c,) if d is None else (c, d))]
+        print(f"\nsiblings side by side (shard_scaling.py --cpu-order): {','.join(map(str, core_order))}")
     return 0
 
 

@@ -4,7 +4,8 @@
         [--streams-per-shard 256] [--requests-per-shard 2048] [--prompt-len 128] [--output-len 128]
         [--stream-interval 1] [--api-server-count 6] [--client-procs-per-shard 8]
         [--router-procs 2N] [--router-reuse-port] [--router-policy index] [--one-via-router]
-        [--cpus-per-shard C] [--rows one,relay,direct,split,isolated] [--connections-per-client 2]
+        [--cpus-per-shard C] [--cpu-order 0,8,1,9,...] [--rows one,relay,direct,split,isolated]
+        [--connections-per-client 2]
     .venv/bin/python benchmarks/shard_scaling.py --smoke    # seconds, 2-core machine (make test)
 
 Issue 30's must-show "8 null workers over 4 shards >= 3.5x one shard", in one run and one table.
@@ -123,11 +124,19 @@ def _cpu_list(text: str) -> list[int]:
     return out
 
 
+# Set by --cpu-order: the order host_scaling.py --pairs found, where sysfs hides the siblings.
+_CPU_ORDER: list[int] = []
+
+
 def cpu_order() -> list[int]:
     """This process's CPUs with each core's hyperthreads side by side: the first k of them are
     k / threads-per-core whole cores, whatever the host's numbering (siblings are often i and
-    i + cores). A row's slice of the host is then a slice of its cores, as a pod's would be."""
+    i + cores). A row's slice of the host is then a slice of its cores, as a pod's would be.
+    `--cpu-order` gives the order instead (a KVM guest's sysfs may say "1 thread per core" of
+    vCPUs that are siblings on the host: host_scaling.py --pairs finds them by timing)."""
     allowed = sorted(os.sched_getaffinity(0))
+    if _CPU_ORDER:
+        return [c for c in _CPU_ORDER if c in allowed]
     order: list[int] = []
     for cpu in allowed:
         if cpu in order:
@@ -469,9 +478,17 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="pin a row of n shards (and its clients, routers) to its first n x C cores (0: no pinning)",
     )
+    ap.add_argument(
+        "--cpu-order",
+        default="",
+        help="the CPUs in the order rows take them, siblings side by side (host_scaling.py --pairs "
+        "prints it); default: sysfs's thread siblings",
+    )
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--smoke", action="store_true", help="1 vs 2 shards, a few tiny requests (make test)")
     args = ap.parse_args(argv)
+    if args.cpu_order:
+        _CPU_ORDER[:] = [int(c) for c in args.cpu_order.split(",")]
     if args.smoke:
         args.shards, args.workers_per_shard, args.streams_per_shard, args.requests_per_shard = 2, 1, 4, 8
         args.prompt_len, args.output_len, args.max_num_seqs, args.api_server_count = 8, 4, 8, 0
