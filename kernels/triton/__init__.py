@@ -26,8 +26,11 @@ class DualKernel:
     keep everything in one body.
     """
 
-    def __init__(self, fn: Callable[..., Any], **jit_kwargs: Any) -> None:
+    def __init__(self, fn: Callable[..., Any], pdl: bool = False, **jit_kwargs: Any) -> None:
         self.fn = fn
+        # pdl: the kernel takes a `PDL: tl.constexpr` and, when it is set, waits on the grid
+        # before it in the stream (`gdc_wait`) before it touches anything that grid may write.
+        self.pdl = pdl
         self._jit_kwargs = jit_kwargs
         self._compiled: Any = None
         self._interpreted: Any = None
@@ -56,7 +59,13 @@ class DualKernel:
         def launch(*args: Any, **kwargs: Any) -> Any:
             device = next(a.device for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
             if not is_interpreted(device):
+                if self.pdl:
+                    kwargs["PDL"] = on = pdl_enabled(device)
+                    if on:
+                        kwargs["launch_pdl"] = True
                 return self.compiled[grid](*args, **kwargs)
+            if self.pdl:
+                kwargs["PDL"] = False
             with _interpretable_lang():
                 return self.interpreted[grid](*args, **kwargs)
 
@@ -152,6 +161,32 @@ def is_interpreted(device: torch.device) -> bool:
     return device.type == "cpu" or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# Programmatic dependent launch (Hopper and later): a kernel launched with it may be scheduled
+# while the kernel before it in the stream is still running; it waits for that kernel's results
+# (`gdc_wait`, griddepcontrol.wait) only where it needs them. At batch 1 a decode step is ~290
+# kernels of a few microseconds each, and each boundary costs a launch, a pipeline fill and the
+# last wave's tail in series; with PDL the next kernel's programs are resident and its weights on
+# their way into L2 when the previous one ends (what TensorRT-LLM's and FlashInfer's decode
+# kernels do). Every `dual_jit(pdl=True)` kernel calls `gdc_wait` before its first read of
+# anything another kernel writes and before any write of its own, then `gdc_launch_dependents`,
+# so the kernel after it can start early but never more than one kernel ahead. LLMESH_PDL=0
+# turns it off (the same kernels launched plainly; `gdc_wait` is then a no-op).
+_PDL_BY_DEVICE: dict[int, bool] = {}
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """True where launches on `device` use programmatic dependent launch (CUDA, sm90+)."""
+    if device.type != "cuda" or os.environ.get("LLMESH_PDL", "1") == "0":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    on = _PDL_BY_DEVICE.get(index)
+    if on is None:
+        from kernels.triton.pdl import AVAILABLE
+
+        on = _PDL_BY_DEVICE[index] = AVAILABLE and torch.cuda.get_device_capability(index) >= (9, 0)
+    return on
+
+
 # The submodules import `dual_jit` from this (partly initialised) package, hence the late imports.
 from kernels.triton.kv_write import write_kv_cache  # noqa: E402
 from kernels.triton.paged_attention import merge_attn_partials, paged_attention  # noqa: E402
@@ -164,6 +199,7 @@ __all__ = [
     "DualKernel",
     "dual_jit",
     "is_interpreted",
+    "pdl_enabled",
     "merge_attn_partials",
     "paged_attention",
     "rms_norm",

@@ -18,13 +18,14 @@ import triton
 import triton.language as tl
 
 from kernels.triton import dual_jit
+from kernels.triton.pdl import gdc_launch_dependents, gdc_wait
 
 ROW_BLOCK = 16384  # the widest row quantized from registers in one load
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # an all-zero row still gets a finite, nonzero scale
 
 
-@dual_jit
+@dual_jit(pdl=True)
 def _quantize_fp8_rows_kernel(
     x_ptr,
     q_ptr,
@@ -37,7 +38,11 @@ def _quantize_fp8_rows_kernel(
     min_scale,
     BLOCK_N: tl.constexpr,
     ONE_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # the grid before this one done and visible (see kernels.triton.pdl_enabled)
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     if ONE_BLOCK:  # the whole row in one load, kept for the cast below
         offs = tl.arange(0, BLOCK_N)

@@ -14,9 +14,10 @@ import triton
 import triton.language as tl
 
 from kernels.triton import dual_jit
+from kernels.triton.pdl import gdc_launch_dependents, gdc_wait
 
 
-@dual_jit
+@dual_jit(pdl=True)
 def _kv_write_kernel(
     k_ptr,
     v_ptr,
@@ -37,7 +38,11 @@ def _kv_write_kernel(
     H_PAD: tl.constexpr,
     D_PAD: tl.constexpr,
     QUANT: tl.constexpr,  # the cache is fp8: scale, saturate and round to e4m3 by hand
+    PDL: tl.constexpr,
 ):
+    if PDL:  # the grid before this one done and visible (see kernels.triton.pdl_enabled)
+        gdc_wait()
+        gdc_launch_dependents()
     tok = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
     # A negative slot marks a padding token (e.g. a CUDA-graph batch padded to its captured

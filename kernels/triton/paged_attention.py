@@ -52,6 +52,7 @@ import triton.language as tl
 from kernels.attention_metadata import AttentionMetadata
 from kernels.triton import dual_jit, is_interpreted
 from kernels.triton.paged_decode import paged_decode, takes_decode_kernel
+from kernels.triton.pdl import gdc_launch_dependents, gdc_wait
 
 _LOG2E = 1.4426950408889634
 
@@ -77,7 +78,7 @@ _SPLIT_MAX = 32
 _VARYING = ["num_seqs", "num_splits", "stride_pt", "stride_ph", "stride_ps", "stride_lt", "stride_lh"]
 
 
-@dual_jit(do_not_specialize=_VARYING)
+@dual_jit(pdl=True, do_not_specialize=_VARYING)
 def _paged_attn_kernel(
     q_ptr,  # [T, H, D]
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
@@ -120,7 +121,11 @@ def _paged_attn_kernel(
     DOT_UPCAST: tl.constexpr,  # feed tl.dot fp32 (interpreter: its bf16 dot is broken)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no silent tf32), else "tf32" (unused)
     KV_FP8: tl.constexpr,  # the cache holds e4m3 codes times the scales at kv_scale_ptr
+    PDL: tl.constexpr,
 ):
+    if PDL:  # the grid before this one done and visible (see kernels.triton.pdl_enabled)
+        gdc_wait()
+        gdc_launch_dependents()
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
@@ -262,7 +267,7 @@ def _paged_attn_kernel(
         )
 
 
-@dual_jit(do_not_specialize=["num_splits", "stride_pt", "stride_ph", "stride_lt", "stride_lh"])
+@dual_jit(pdl=True, do_not_specialize=["num_splits", "stride_pt", "stride_ph", "stride_lt", "stride_lh"])
 def _merge_kernel(
     part_out_ptr,  # [T, H, S, D] fp32, normalised per segment
     part_lse_ptr,  # [T, H, S] fp32
@@ -278,7 +283,11 @@ def _merge_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     SPLIT_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # the grid before this one done and visible (see kernels.triton.pdl_enabled)
+        gdc_wait()
+        gdc_launch_dependents()
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLIT_PAD)

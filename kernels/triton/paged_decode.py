@@ -42,6 +42,7 @@ import triton.language as tl
 
 from kernels.attention_metadata import AttentionMetadata
 from kernels.triton import dual_jit, is_interpreted
+from kernels.triton.pdl import gdc_launch_dependents, gdc_wait
 
 _LOG2E = 1.4426950408889634
 
@@ -58,7 +59,10 @@ _MIN_SPLITS = 32
 _SPLIT_MAX = 64
 
 
-@dual_jit(do_not_specialize=["num_splits", "stride_pt", "stride_ph", "stride_ps", "stride_lt", "stride_lh"])
+@dual_jit(
+    pdl=True,
+    do_not_specialize=["num_splits", "stride_pt", "stride_ph", "stride_ps", "stride_lt", "stride_lh"],
+)
 def _paged_decode_kernel(
     q_ptr,  # [B, H, D]: one query token per sequence
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
@@ -102,7 +106,11 @@ def _paged_decode_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no silent tf32)
     FUSED_MERGE: tl.constexpr,  # the last segment of each (sequence, KV head) merges them all
     SPLIT_PAD: tl.constexpr,  # num_splits rounded up to a power of two (FUSED_MERGE)
+    PDL: tl.constexpr,
 ):
+    if PDL:  # the grid before this one done and visible (see kernels.triton.pdl_enabled)
+        gdc_wait()
+        gdc_launch_dependents()
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     segment = tl.program_id(2)

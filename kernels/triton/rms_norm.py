@@ -22,9 +22,10 @@ import triton
 import triton.language as tl
 
 from kernels.triton import dual_jit
+from kernels.triton.pdl import gdc_launch_dependents, gdc_wait
 
 
-@dual_jit
+@dual_jit(pdl=True)
 def _rms_norm_kernel(
     x_ptr,
     residual_ptr,
@@ -39,7 +40,11 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # the grid before this one done and visible (see kernels.triton.pdl_enabled)
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_N)
     mask = offs < n_cols
@@ -61,7 +66,7 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + offs, (h * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@dual_jit
+@dual_jit(pdl=True)
 def _rms_norm_fp8_kernel(
     x_ptr,
     residual_ptr,
@@ -81,7 +86,11 @@ def _rms_norm_fp8_kernel(
     HAS_RESIDUAL: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # the grid before this one done and visible (see kernels.triton.pdl_enabled)
+        gdc_wait()
+        gdc_launch_dependents()
     # The add and the norm: `_rms_norm_kernel`'s body (kept in step with it).
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_N)

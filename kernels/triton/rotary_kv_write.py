@@ -20,9 +20,10 @@ import triton
 import triton.language as tl
 
 from kernels.triton import dual_jit
+from kernels.triton.pdl import gdc_launch_dependents, gdc_wait
 
 
-@dual_jit
+@dual_jit(pdl=True)
 def _rotary_kv_write_kernel(
     positions_ptr,
     q_ptr,
@@ -51,7 +52,11 @@ def _rotary_kv_write_kernel(
     HKV_PAD: tl.constexpr,
     HALF_PAD: tl.constexpr,
     QUANT: tl.constexpr,  # the cache is fp8: scale, saturate and round to e4m3 by hand
+    PDL: tl.constexpr,
 ):
+    if PDL:  # the grid before this one done and visible (see kernels.triton.pdl_enabled)
+        gdc_wait()
+        gdc_launch_dependents()
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + tok).to(tl.int64)
     offs_d = tl.arange(0, HALF_PAD)

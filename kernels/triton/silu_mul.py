@@ -21,12 +21,18 @@ import triton
 import triton.language as tl
 
 from kernels.triton import dual_jit
+from kernels.triton.pdl import gdc_launch_dependents, gdc_wait
 
 BLOCK = 1024
 
 
-@dual_jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK_N: tl.constexpr):
+@dual_jit(pdl=True)
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK_N: tl.constexpr, PDL: tl.constexpr
+):
+    if PDL:  # the grid before this one done and visible (see kernels.triton.pdl_enabled)
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = cols < n_cols
@@ -55,7 +61,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 ROW_BLOCK = 16384  # one block holds a row of up to this many outputs (the 8B MLP's 14,336)
 
 
-@dual_jit
+@dual_jit(pdl=True)
 def _silu_and_mul_fp8_kernel(
     x_ptr,
     q_ptr,
@@ -69,7 +75,11 @@ def _silu_and_mul_fp8_kernel(
     OUT_DTYPE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ONE_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # the grid before this one done and visible (see kernels.triton.pdl_enabled)
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     offs = tl.arange(0, BLOCK_N)

@@ -24,6 +24,8 @@ programs (or twice the tiles in flight) of bf16 for the same bytes in flight.
 
 from __future__ import annotations
 
+import functools
+import os
 import threading
 from dataclasses import dataclass
 
@@ -32,6 +34,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton import dual_jit, is_interpreted
+from kernels.triton.pdl import L2_PREFETCH_ASM, gdc_launch_dependents, gdc_wait
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,7 @@ class SkinnyConfig:
 
 # N and K are fixed per layer (Triton specialising on them lets it prove the K loop needs no
 # mask); M varies step to step and the body pads it anyway, so it is not specialised.
-@dual_jit(do_not_specialize=["M"])
+@dual_jit(pdl=True, do_not_specialize=["M"])
 def _skinny_gemm_kernel(
     x_ptr,
     w_ptr,
@@ -75,6 +78,9 @@ def _skinny_gemm_kernel(
     DOT: tl.constexpr,
     DOT_FP32: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr,  # with PDL: W's first lines a row to warm in L2 before the wait
+    LINE: tl.constexpr,  # W's elements in a 128-byte line
+    PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -91,6 +97,17 @@ def _skinny_gemm_kernel(
     else:  # the whole of K, whose bounds Triton knows (K is specialised)
         k_begin = 0
         k_end = K
+    if PDL:
+        if PREFETCH_LINES > 0:
+            # The weights are read-only while a step runs, so this program's first tiles of W
+            # can stream into L2 while the kernel before it (whose output is x) still runs:
+            # the pipeline's fill, ~5 us a GEMM at batch 1, moves under that kernel's tail.
+            pf_k = tl.minimum(k_begin + tl.arange(0, PREFETCH_LINES) * LINE, K - 1)
+            pf_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+            pf = w_ptr + pf_n[:, None] * stride_wn + pf_k[None, :]
+            tl.inline_asm_elementwise(L2_PREFETCH_ASM, "=r,l", [pf], dtype=tl.int32, is_pure=False, pack=1)
+        gdc_wait()  # x (and split-K's workspace) are the grid before's: see kernels.triton.pdl_enabled
+        gdc_launch_dependents()
     for k0 in range(k_begin, k_end, BLOCK_K):
         ks = k0 + offs_k
         k_mask = ks < K
@@ -191,10 +208,21 @@ def skinny_gemm(
         DOT_FP32=dot
         and (is_interpreted(x.device) or x.dtype == torch.float32 or weight.dtype == torch.float32),
         SPLIT_K=split,
+        PREFETCH_LINES=_prefetch_lines(cfg.block_k, weight.element_size()),
+        LINE=128 // weight.element_size(),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     return out.reshape(*x.shape[:-1], n)
+
+
+@functools.cache
+def _prefetch_lines(block_k: int, element_size: int) -> int:
+    """128-byte lines of each W row a program warms in L2 before its wait (PDL launches only):
+    LLMESH_PDL_PREFETCH_TILES K tiles (default 2), a power of two, 0 for none."""
+    tiles = int(os.environ.get("LLMESH_PDL_PREFETCH_TILES", "2"))
+    lines = tiles * block_k * element_size // 128
+    return triton.next_power_of_2(lines) if lines > 0 else 0
 
 
 class _Workspaces:

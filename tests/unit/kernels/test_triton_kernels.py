@@ -302,3 +302,15 @@ def test_skinny_gemm_keeps_leading_dims_and_reads_strided_rows() -> None:
     out = kt.skinny_gemm(x, weight)
     assert out.shape == (2, 3, 40)
     torch.testing.assert_close(out, reference.linear(x, weight), atol=1e-4, rtol=1e-4)
+
+
+def test_pdl_is_off_where_the_interpreter_runs(monkeypatch) -> None:
+    """A `dual_jit(pdl=True)` kernel runs under the interpreter with PDL off (its grid waits are
+    compiled-only); on the GPU LLMESH_PDL=0 turns it off (tests/gpu/test_pdl_gpu.py: same bits)."""
+    assert not kt.pdl_enabled(torch.device("cpu"))
+    monkeypatch.setenv("LLMESH_PDL", "0")
+    assert not kt.pdl_enabled(torch.device("cuda", 0))  # decided before any device is asked
+    from kernels.triton.skinny_gemm import _prefetch_lines, _skinny_gemm_kernel
+
+    assert _skinny_gemm_kernel.pdl
+    assert _prefetch_lines(256, 2) == 8 and _prefetch_lines(512, 1) == 8  # 2 K tiles of 128-byte lines

@@ -1,0 +1,84 @@
+"""Programmatic dependent launch (`kernels.triton.pdl_enabled`) changes when a kernel starts, never
+what it computes: a decode layer's chain of Triton kernels, captured in a CUDA graph with PDL and
+replayed, gives the bits the same chain gives launched plainly (LLMESH_PDL=0)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels.triton as kt
+from kernels.triton.skinny_gemm import SkinnyConfig
+
+pytestmark = pytest.mark.gpu
+
+HIDDEN, INTER = 1024, 2816
+
+
+def _layers(n: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def w(rows: int, cols: int) -> torch.Tensor:
+        return (torch.randn(rows, cols, device="cuda", generator=g) * cols**-0.5).to(torch.bfloat16)
+
+    return [
+        {
+            "norm1": torch.rand(HIDDEN, device="cuda", generator=g).to(torch.bfloat16) + 0.5,
+            "qkv": w(3 * HIDDEN, HIDDEN),
+            "o": w(HIDDEN, HIDDEN),
+            "norm2": torch.rand(HIDDEN, device="cuda", generator=g).to(torch.bfloat16) + 0.5,
+            "gate_up": w(2 * INTER, HIDDEN),
+            "down": w(HIDDEN, INTER),
+        }
+        for _ in range(n)
+    ]
+
+
+def _forward(x: torch.Tensor, layers: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    """A decode layer's kernels in their order (attention left out: the qkv GEMM's first third
+    stands for its output), every GEMM through the skinny kernel, o and down split over K."""
+    plain, split = SkinnyConfig(block_n=64, block_k=256), SkinnyConfig(block_n=32, block_k=256, split_k=2)
+    residual = x
+    h = x
+    for layer in layers:
+        h, residual = kt.rms_norm(h, layer["norm1"], 1e-6, residual)
+        qkv = kt.skinny_gemm(h, layer["qkv"], config=plain)
+        attn = qkv[:, :HIDDEN].contiguous()
+        h = kt.skinny_gemm(attn, layer["o"], torch.float32, split)
+        h, residual = kt.rms_norm(h, layer["norm2"], 1e-6, residual)
+        act = kt.silu_and_mul(kt.skinny_gemm(h, layer["gate_up"], config=plain))
+        h = kt.skinny_gemm(act, layer["down"], torch.float32, split)
+    return h + residual
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_graph_with_pdl_gives_the_plain_launches_bits(rows: int, monkeypatch) -> None:
+    if not kt.pdl_enabled(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch is off (LLMESH_PDL=0) or needs sm90+")
+    layers = _layers(4)
+    inputs = [torch.randn(rows, HIDDEN, device="cuda").to(torch.bfloat16) for _ in range(3)]
+
+    monkeypatch.setenv("LLMESH_PDL", "0")
+    assert not kt.pdl_enabled(torch.device("cuda"))
+    expected = [_forward(x, layers) for x in inputs]
+    monkeypatch.delenv("LLMESH_PDL")
+
+    static = inputs[0].clone()
+    _forward(static, layers)  # compile, and make split-K's workspace before the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _forward(static, layers)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _forward(static, layers)
+    for _ in range(3):  # replays back to back, each input twice
+        for x, want in zip(inputs, expected, strict=True):
+            static.copy_(x)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, want)
+    # Eager launches with PDL too.
+    for x, want in zip(inputs, expected, strict=True):
+        assert torch.equal(_forward(x, layers), want)
