@@ -192,3 +192,34 @@ def test_skinny_gemm_llama_8b_o_proj(m: int, out_dtype: torch.dtype) -> None:
     # fp32 sums in another order: within an fp32 rounding of the sum, then one bf16 rounding.
     tol = BF16_TOL if out_dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize(("num_seqs", "ctx", "num_splits"), [(1, 32768, 32), (4, 8192, 16), (1, 128, 32)])
+def test_decode_fused_merge_in_a_graph(fp8: bool, num_seqs: int, ctx: int, num_splits: int) -> None:
+    """The decode kernel's fused merge (the last segment merges, DecodeConfig.fused_merge) gives
+    the separate merge's output, launch after launch in a replayed graph (its counters go back to
+    zero), including a short context split more ways than it has tiles (a graph's fixed split)."""
+    pd = importlib.import_module("kernels.triton.paged_decode")
+    b = _batch([(1, ctx)] * num_seqs)
+    cache = b.kv_cache
+    scales = None
+    if fp8:
+        scales = torch.tensor([0.02, 0.02, 1.0, 1.0], device="cuda")
+        cache = (b.kv_cache.float() / 0.02).to(torch.float8_e4m3fn)
+    base = pd.pick_decode_config(128, fp8)
+    plain = torch.empty_like(b.q)
+    pd.paged_decode(b.q, cache, b.meta, 0.1, plain, num_splits=num_splits, kv_scale=scales, config=base)
+    fused = pd.DecodeConfig(base.tile, base.num_warps, base.num_stages, base.dot_f16, fused_merge=True)
+    out = torch.full_like(b.q, float("nan"))
+    pd.paged_decode(b.q, cache, b.meta, 0.1, out, num_splits=num_splits, kv_scale=scales, config=fused)
+    torch.testing.assert_close(out, plain, atol=1e-2, rtol=1e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pd.paged_decode(b.q, cache, b.meta, 0.1, out, num_splits=num_splits, kv_scale=scales, config=fused)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, plain, atol=1e-2, rtol=1e-2)
+    assert int(pd._counters(b.q.device, 1).abs().sum()) == 0
