@@ -193,10 +193,11 @@ def main(argv: list[str] | None = None) -> int:
         "--pairs", action="store_true", help="also probe which CPUs slow each other (hidden SMT siblings)"
     )
     ap.add_argument("--pair-seconds", type=float, default=0.4)
-    ap.add_argument("--smoke", action="store_true", help="1 and 2 processes, 0.3 s each, 8 MiB")
+    ap.add_argument("--smoke", action="store_true", help="1 and 2 processes, 0.2 s each, two jobs")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.procs, args.seconds, args.memory_mib, args.pairs, args.pair_seconds = "1,2", 0.3, 8, True, 0.1
+        args.procs, args.seconds, args.memory_mib, args.pairs, args.pair_seconds = "1,2", 0.2, 8, True, 0.1
+        args.jobs = "python,proto"
     jobs = [j for j in args.jobs.split(",") if j]
     unknown = set(jobs) - set(JOBS)
     if unknown:
