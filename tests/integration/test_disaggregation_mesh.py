@@ -64,6 +64,11 @@ def mesh(tmp_path):
             kvstore=True,
             log_dir=str(tmp_path),
         )
+        # The scheduler serves once one worker has joined: a request placed before the prefill
+        # worker joins stays whole on a decode worker (no prefill pool yet), which the counts
+        # below would miss (it happened once in a full run on the 2-core machine).
+        address = mesh.scheduler.address
+        wait_for(lambda: sum(w.connected for w in stats(address).workers) == 3, "3 workers connected", 60)
     except Exception as e:
         raise RuntimeError(f"the mesh did not start: {e}\n{service_logs(tmp_path)}") from e
     mesh.log_dir = tmp_path  # type: ignore[attr-defined]
