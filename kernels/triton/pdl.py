@@ -2,9 +2,9 @@
 
 `gdc_wait` blocks a program until the grid before it in the stream has finished and its writes
 are visible; `gdc_launch_dependents` lets the grid after it be scheduled. Both are no-ops in a
-kernel launched without PDL. `l2_prefetch` asks for a line to be brought into L2 and returns at
-once: a kernel may issue it before `gdc_wait` only for memory no kernel writes while it runs
-(weights), since it reads nothing into registers there is no stale value to use.
+kernel launched without PDL. `L2_PREFETCH_ASM` (inline asm) asks for a line to be brought into L2
+and returns at once: a kernel may issue it before `gdc_wait` only for memory no kernel writes
+while it runs (weights); it reads nothing into registers, so there is no stale value to use.
 """
 
 from __future__ import annotations
