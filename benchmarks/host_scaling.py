@@ -81,12 +81,15 @@ def _proto_job(deadline: float) -> int:
     return ops
 
 
-def _memory_job(deadline: float, mib: int) -> int:
-    """Random reads over `mib` MiB of list slots (8 bytes a pointer, each to its own int)."""
+def _memory_setup(mib: int) -> tuple[list[int], list[int]]:
+    """`mib` MiB of list slots (8 bytes a pointer, each to its own int) and 4,096 random indices."""
     n = mib * (1 << 20) // 8
-    big = list(range(n))
     rng = random.Random(os.getpid())
-    idx = [rng.randrange(n) for _ in range(4096)]
+    return list(range(n)), [rng.randrange(n) for _ in range(4096)]
+
+
+def _memory_job(deadline: float, big: list[int], idx: list[int]) -> int:
+    """Random reads over `big` (built before the clock starts, by `_memory_setup`)."""
     ops = 0
     acc = 0
     while time.perf_counter() < deadline:
@@ -99,8 +102,7 @@ def _memory_job(deadline: float, mib: int) -> int:
 
 def _worker(job: str, cpu: int, seconds: float, mib: int, barrier, results) -> None:
     os.sched_setaffinity(0, {cpu})
-    if job == "memory":  # build the list before the clock starts
-        _memory_job(0.0, mib)
+    memory = _memory_setup(mib) if job == "memory" else None  # built before the clock starts
     barrier.wait()
     deadline = time.perf_counter() + seconds
     if job == "python":
@@ -108,7 +110,7 @@ def _worker(job: str, cpu: int, seconds: float, mib: int, barrier, results) -> N
     elif job == "proto":
         ops = _proto_job(deadline)
     else:
-        ops = _memory_job(deadline, mib)
+        ops = _memory_job(deadline, *memory)
     results.put(ops / seconds)
 
 
@@ -135,10 +137,9 @@ def probe_pairs(cpus: list[int], seconds: float) -> list[tuple[int, int | None, 
     ctx = mp.get_context("spawn")
     pipes, procs = {}, []
     for c in cpus:
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_pinned_loop, args=(c, child), daemon=True)
-        proc.start()
-        pipes[c], procs = parent, [*procs, proc]
+        pipes[c], child = ctx.Pipe()
+        procs.append(ctx.Process(target=_pinned_loop, args=(c, child), daemon=True))
+        procs[-1].start()
 
     def together(group: list[int]) -> list[float]:
         start_at = time.time() + 0.05
