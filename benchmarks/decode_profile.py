@@ -1,6 +1,7 @@
 """Where a batch-1 decode step's GPU time goes: the kernels of one CUDA-graph replay, by name.
 
     python3 benchmarks/decode_profile.py            # dummy Llama-3.1-8B on CUDA, ~1 min
+    python3 benchmarks/decode_profile.py --context 32768 --kv-cache-dtype fp8 [--quantization fp8]
 
 Replays the engine's batch-1 decode graph under the torch profiler (CUPTI records the graph's
 kernels) and prints each kernel's time per replay, count and time per launch, then the eager
@@ -23,6 +24,17 @@ import torch  # noqa: E402
 
 from benchmarks.gpu import SHAPES, add_workload_args, make_llm, write_config  # noqa: E402
 from llmesh import SamplingParams  # noqa: E402
+
+
+def set_context(llm, context: int) -> None:
+    """Point the batch-1 graph's one row at `context` tokens of cache (blocks 0, 1, ...), writing
+    nothing (slot -1): a decode step at that context, whatever the cache holds."""
+    graphs = llm.engine.runner._graphs
+    blocks = -(-context // llm.engine.runner.config.block_size)
+    graphs.seq_lens[0] = context
+    table = graphs.block_tables
+    table[0, :blocks] = torch.arange(blocks, dtype=torch.int32, device=table.device)
+    graphs.i64[2, 0] = -1
 
 
 def graph_kernels(llm, replays: int = 10) -> None:
@@ -90,15 +102,21 @@ def main(argv: list[str] | None = None) -> None:
     add_workload_args(ap)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--model", default="llama-3.1-8b", choices=sorted(SHAPES))
+    ap.add_argument(
+        "--context", type=int, default=0, help="context tokens of the step profiled (0: as generated)"
+    )
     ap.add_argument("--smoke", action="store_true", help="make test: parse, then skip without CUDA")
     args = ap.parse_args(argv)
     if args.smoke:  # make test (tests/benchmarks): the engines are GPU work of minutes, even on a GPU
         print("smoke: arguments parsed; the profile (a CUDA graph under CUPTI) skipped")
         return
     args.max_num_seqs = min(args.max_num_seqs, 8)
+    args.max_model_len = max(args.max_model_len, args.context + 256)
     llm = make_llm(write_config(tempfile.mkdtemp(), args.model, SHAPES[args.model]), args)
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     llm.generate([{"prompt_token_ids": list(range(1000, 1128))}], sp, use_tqdm=False)
+    if args.context:
+        set_context(llm, args.context)
     graph_kernels(llm)
     eager_forward_host_time(llm)
 

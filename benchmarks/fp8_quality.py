@@ -47,10 +47,10 @@ RECIPES: dict[str, Callable[[int], list[str]]] = {
 }
 
 
-def _llm(path: str) -> Any:
+def _llm(path: str, dtype: str) -> Any:
     from llmesh import LLM
 
-    return LLM(path, dtype="float32", device="cpu", max_model_len=2048, num_kv_blocks=256, enforce_eager=True)
+    return LLM(path, dtype=dtype, device="cpu", max_model_len=2048, num_kv_blocks=256, enforce_eager=True)
 
 
 def _token_nlls(llm: Any, ids: list[int]) -> list[float]:
@@ -134,6 +134,12 @@ def main() -> None:
     )
     ap.add_argument("--new-tokens", type=int, default=16, help="greedy tokens per prompt")
     ap.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated, of {', '.join(RECIPES)}")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="the dtype every engine runs in, the reference's too (bfloat16: FP8 against bf16, as served)",
+    )
     ap.add_argument("--smoke", action="store_true", help="a tiny random model, 32 tokens, one recipe")
     args = ap.parse_args()
     recipes = args.recipes.split(",")
@@ -154,7 +160,7 @@ def main() -> None:
             layers = json.load(f)["num_hidden_layers"]
         shapes = header_shapes(safetensors_files(src))
         texts, prompts = _texts(args, src)
-        ref = _llm(src)
+        ref = _llm(src, args.dtype)
         base = {name: _token_nlls(ref, ids) for name, ids in texts.items()}
         ref_greedy = _greedy(ref, prompts, args.new_tokens)
         ref.close()
@@ -163,7 +169,7 @@ def main() -> None:
             kept = RECIPES[recipe](layers)
             out = os.path.join(tmp, recipe)
             quantize_checkpoint(src, out, ignore=kept, progress=False)
-            llm = _llm(out)
+            llm = _llm(out, args.dtype)
             nlls = {name: _token_nlls(llm, ids) for name, ids in texts.items()}
             ppl = {name: math.exp(_mean(nlls[name]) - _mean(base[name])) - 1 for name in texts}
             moved = _mean([abs(a - b) for name in texts for a, b in zip(nlls[name], base[name], strict=True)])
@@ -173,7 +179,7 @@ def main() -> None:
                 shapes, parse_scheme(quantization_config("compressed-tensors", kept)).ignores
             )
             rows.append((recipe, ppl, moved, agree, served / bf16))
-    _print_table(texts, base, rows, len(prompts) * args.new_tokens)
+    _print_table(texts, base, rows, len(prompts) * args.new_tokens, args.dtype)
 
 
 def _mean(xs: list[float]) -> float:
@@ -185,6 +191,7 @@ def _print_table(
     base: dict[str, list[float]],
     rows: list[tuple[str, dict[str, float], float, int, float]],
     n: int,
+    dtype: str,
 ) -> None:
     """Perplexity change per text; |dNLL|: each scored token's NLL change, its absolute value
     averaged over every text (less noisy than perplexity, whose changes partly cancel)."""
@@ -193,7 +200,8 @@ def _print_table(
     print(f"\n| recipe | {head} | mean abs dNLL | greedy | linear bytes |")
     print("| --- |" + " ---: |" * (len(names) + 3))
     cells = " | ".join(f"ppl {math.exp(_mean(base[k])):.3f}" for k in names)
-    print(f"| unquantized (fp32) | {cells} | | | 1.00 |")
+    ref = "fp32" if dtype == "float32" else "bf16"
+    print(f"| unquantized ({ref}) | {cells} | | | 1.00 |")
     for recipe, ppl, moved, agree, ratio in rows:
         cells = " | ".join(f"{100 * ppl[k]:+.2f} %" for k in names)
         print(f"| {recipe} | {cells} | {moved:.4f} | {agree}/{n} | {ratio:.3f} |")

@@ -585,6 +585,9 @@ def main(argv: list[str] | None = None) -> None:
         "--more-chunk-paths", type=int, default=1, help="paths (the first n) run at the later chunks"
     )
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument(
+        "--quantization", default=None, choices=["fp8"], help="the e2e engines' weights (fp8: W8A8)"
+    )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for table.txt")
