@@ -61,7 +61,9 @@ def candidates(fp8: bool | None = None) -> dict[str, object]:
     """The configs timed for a weight dtype: for bf16/fp16 (fp8=False) those that won a cell of
     benchmarks/skinny_gemm.py's 24-config sweep on an H100; for FP8 weights (fp8=True) tiles
     of the same bytes (twice as deep: a byte an element) and split-K ones, whose extra programs
-    keep more loads in flight on the shapes of few output columns (o_proj, down: 4,096).
+    keep more loads in flight on the shapes of few output columns (o_proj, down: 4,096). The
+    six-stage one won those two shapes at batch 1 on an H100 (8.5 against 9.3 us, 22.9 against
+    24.2: docs/benchmarks.md, "FP8 batch 1 by kernel").
     None: both lists (every name a cached choice may hold)."""
     from kernels.triton.skinny_gemm import SkinnyConfig
 
@@ -72,6 +74,7 @@ def candidates(fp8: bool | None = None) -> dict[str, object]:
     ]
     byte = [
         SkinnyConfig(block_n=32, block_k=512, num_warps=4, num_stages=4),
+        SkinnyConfig(block_n=32, block_k=512, num_warps=4, num_stages=6),
         SkinnyConfig(block_n=32, block_k=1024, num_warps=4, num_stages=3),
         SkinnyConfig(block_n=64, block_k=512, num_warps=4, num_stages=4),
         SkinnyConfig(block_n=16, block_k=1024, num_warps=4, num_stages=4),

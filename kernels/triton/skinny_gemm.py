@@ -211,9 +211,25 @@ def skinny_gemm(
         PREFETCH_LINES=_prefetch_lines(cfg.block_k, weight.element_size()),
         LINE=128 // weight.element_size(),
         num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=_fitting_stages(cfg, block_m, rows.element_size(), weight.element_size(), x.device),
     )
     return out.reshape(*x.shape[:-1], n)
+
+
+def _fitting_stages(cfg: SkinnyConfig, block_m: int, x_bytes: int, w_bytes: int, device: torch.device) -> int:
+    """cfg's pipeline depth, less where its buffers would not fit in a program's shared memory:
+    a deep config chosen at batch 1 also serves the decode graphs of up to 64 rows, whose x tiles
+    are 4x those of 16. Triton's pipeliner keeps num_stages - 1 buffers of (BLOCK_M + BLOCK_N) x
+    BLOCK_K. The depth changes no result, only how many tiles are in flight."""
+    if device.type != "cuda":
+        return cfg.num_stages
+    per_stage = (block_m * x_bytes + cfg.block_n * w_bytes) * cfg.block_k
+    return max(2, min(cfg.num_stages, _shared_memory(device) // per_stage + 1))
+
+
+@functools.cache
+def _shared_memory(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
 
 
 @functools.cache
