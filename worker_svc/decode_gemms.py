@@ -7,7 +7,8 @@ config wins depends on the shape and the GPU, so each distinct (weight shape, dt
 dtype) is timed before the decode graphs are captured: cuBLAS against a few configs, in a CUDA
 graph that runs the op over the model's own layers of that shape in turn (so the weights come
 from memory, not from L2, as in a real step). The fastest is used by every layer of that
-shape; cuBLAS stays unless a config beats it by MIN_GAIN.
+shape; cuBLAS stays unless a config beats it by MIN_GAIN. FP8 layers are timed a second time at
+WIDE_ROWS rows for a second choice, which the decode graphs of 17 to WIDE_ROWS rows run.
 
 The choices are kept in a JSON file in the model cache (`decode_gemms.json`), keyed by GPU,
 torch and Triton versions and shape, and reused: a timing is noisy where two candidates are
@@ -33,7 +34,7 @@ from torch import nn
 
 from kernels import reference
 from worker_svc.models.fp8 import Fp8Rows, fp8_linear, fp8_skinny_linear
-from worker_svc.models.parallel_layers import SKINNY_MAX_ROWS, ShardedLinear, linear_fp32_out
+from worker_svc.models.parallel_layers import SKINNY_WIDE_ROWS, ShardedLinear, linear_fp32_out
 
 if TYPE_CHECKING:
     from kernels.triton.skinny_gemm import SkinnyConfig
@@ -44,12 +45,13 @@ MIN_GAIN = 0.02  # a config must beat cuBLAS by this much: smaller wins are with
 CUBLAS = "cublas"
 CACHE_FILE = "decode_gemms.json"
 _ROWS = 1  # timed at batch 1 (the sweep's best config was the same from 1 to 16 rows)
-# FP8 layers whose skinny config beats `_scaled_mm` at WIDE_ROWS rows too run it in the decode
-# graphs of up to that many rows: CUTLASS's rowwise FP8 GEMM streams the weights at a fraction
-# of the bandwidth at few rows (H200, 8B shapes, 16 rows: the skinny GEMM took 0.48-0.79x its
-# time), and a ShareGPT-shaped run spends over a third of its decode steps at 17-64 sequences.
-# (Not yet measured end to end: docs/benchmarks.md, "FP8 activation quantization fused".)
-WIDE_ROWS = 64
+# FP8 layers are timed a second time at WIDE_ROWS rows, every candidate against `_scaled_mm`, for
+# the decode graphs of 17 to WIDE_ROWS rows: CUTLASS's rowwise FP8 GEMM streams the weights at a
+# fraction of the bandwidth at few rows (H100, 8B shapes, 32-64 rows: the best skinny config took
+# 0.61-0.94x its time), the best config at 64 rows is not the best at one (a deep batch-1 one
+# does not fit 64 rows' tiles), and a ShareGPT-shaped run spends over a third of its decode steps
+# at 17-64 sequences. Timing at the range's top also proves that the config fits all of it.
+WIDE_ROWS = SKINNY_WIDE_ROWS
 _WIDE = f"@{WIDE_ROWS}"  # suffix of the times (and cache keys) of that second timing
 
 # (layers of one shape, output in fp32) -> {candidate name: microseconds per call}
@@ -78,6 +80,10 @@ def candidates(fp8: bool | None = None) -> dict[str, object]:
         SkinnyConfig(block_n=32, block_k=1024, num_warps=4, num_stages=3),
         SkinnyConfig(block_n=64, block_k=512, num_warps=4, num_stages=4),
         SkinnyConfig(block_n=16, block_k=1024, num_warps=4, num_stages=4),
+        # Won qkv and gate_up at 64 rows on an H100 (11.7 / 46.7 us against `_scaled_mm`'s 14.7
+        # / 50.7), where the configs above lost to it.
+        SkinnyConfig(block_n=64, block_k=256, num_warps=4, num_stages=4),
+        SkinnyConfig(block_n=128, block_k=256, num_warps=8, num_stages=3),
         SkinnyConfig(block_n=32, block_k=512, num_warps=4, num_stages=4, split_k=2),
         SkinnyConfig(block_n=32, block_k=1024, num_warps=4, num_stages=3, split_k=2),
         SkinnyConfig(block_n=32, block_k=512, num_warps=4, num_stages=4, split_k=4),
@@ -92,7 +98,8 @@ def choose_decode_gemms(
     cache_dir: str | None = None,
     timer: Timer | None = None,
 ) -> list[str]:
-    """Set `decode_gemm` on every bf16/fp16/fp8 linear layer of `models`; one line per shape.
+    """Set `decode_gemm` on every bf16/fp16/fp8 linear layer of `models` (and `decode_gemm_wide`
+    on the FP8 ones); one line per shape.
 
     Off CUDA nothing is chosen (unless a `timer` is given: the tests' way in). Choices found in
     `cache_dir`'s file are reused; new ones are timed and added to it."""
@@ -114,24 +121,23 @@ def choose_decode_gemms(
     lines, learned = [], False
     for (shape, dtype, fp32_out), layers in groups.items():
         key = _key(device, shape, dtype, fp32_out)
-        name = known.get(key)
-        rows = known.get(key + _WIDE)
+        wide_timed = layers[0].weight_scale is not None  # FP8 layers get a second choice
+        name, wide = known.get(key), known.get(key + _WIDE) if wide_timed else None
         how = "cached"
-        if name not in configs and name != CUBLAS:  # not chosen yet (or a config since retired)
+        # Not chosen yet, or a config since retired (or a cache from before the second timing,
+        # whose FP8 entries lack it): time the shape. A valid cached choice is kept as it is.
+        if not _valid(name, configs) or (wide_timed and not _valid(wide, configs)):
             times = timer(layers, fp32_out)
-            name = _fastest(times)
-            known[key], learned, how = name, True, _times_text(times)
-            rows = str(_wide_rows(times, name))
-            if rows == str(WIDE_ROWS):  # recorded only where raised: no entry means SKINNY_MAX_ROWS
-                known[key + _WIDE] = rows
-            else:
-                known.pop(key + _WIDE, None)
-        max_rows = WIDE_ROWS if rows == str(WIDE_ROWS) else SKINNY_MAX_ROWS
+            if not _valid(name, configs):
+                name = known[key] = _fastest(times)
+            if wide_timed:
+                wide = known[key + _WIDE] = _fastest(times, _WIDE)
+            learned, how = True, _times_text(times)
         for layer in layers:
             layer.decode_gemm = None if name == CUBLAS else configs[name]  # type: ignore[assignment]
-            layer.decode_gemm_rows = max_rows
+            layer.decode_gemm_wide = None if wide in (None, CUBLAS) else configs[wide]  # type: ignore[assignment]
         out = "fp32" if fp32_out else str(dtype).removeprefix("torch.")
-        upto = f" up to {max_rows} rows" if name != CUBLAS else ""
+        upto = f"; 17-{WIDE_ROWS} rows: {wide}" if wide_timed else ""
         lines.append(f"{shape[1]}->{shape[0]} {out} x{len(layers)}: {name}{upto} ({how})")
     if learned and path:
         _write(path, known)
@@ -139,22 +145,24 @@ def choose_decode_gemms(
     return lines
 
 
-def _fastest(times: dict[str, float]) -> str:
-    cublas_us = times[CUBLAS]
-    best, best_us = CUBLAS, cublas_us
-    for name, us in times.items():
-        if name != CUBLAS and not name.endswith(_WIDE) and us < cublas_us * (1 - MIN_GAIN) and us < best_us:
+def _valid(name: str | None, configs: dict[str, object]) -> bool:
+    return name == CUBLAS or name in configs
+
+
+def _fastest(times: dict[str, float], suffix: str = "") -> str:
+    """The fastest of the times taken at that suffix's rows (none: batch 1), or CUBLAS where
+    none beats the library by MIN_GAIN (or the library was not timed there)."""
+    library_us = times.get(CUBLAS + suffix)
+    if library_us is None:
+        return CUBLAS
+    best, best_us = CUBLAS, library_us
+    for timed, us in times.items():
+        name, at, rows = timed.partition("@")
+        if name == CUBLAS or at + rows != suffix:
+            continue
+        if us < library_us * (1 - MIN_GAIN) and us < best_us:
             best, best_us = name, us
     return best
-
-
-def _wide_rows(times: dict[str, float], name: str) -> int:
-    """The most rows the chosen config runs in the decode graphs: WIDE_ROWS where it was timed
-    there (FP8 layers) and beat the library by MIN_GAIN, else SKINNY_MAX_ROWS."""
-    wide, library = times.get(name + _WIDE), times.get(CUBLAS + _WIDE)
-    if name == CUBLAS or wide is None or library is None:
-        return SKINNY_MAX_ROWS
-    return WIDE_ROWS if wide < library * (1 - MIN_GAIN) else SKINNY_MAX_ROWS
 
 
 def _times_text(times: dict[str, float]) -> str:
@@ -234,15 +242,15 @@ def _time_candidates(layers: list[ShardedLinear], fp32_out: bool) -> dict[str, f
             times[name] = _time_us(lambda layer, c=cfg: skinny(layer, c), layers)
         except Exception as e:  # noqa: BLE001 - a config this GPU cannot run (shared memory...)
             log.debug("skinny GEMM %s refused for %s: %s", name, (n, k), e)
-    best = _fastest(times)
-    if fp8 and best != CUBLAS:  # the chosen config and the library again at WIDE_ROWS rows
+    if fp8:  # every candidate and the library again at WIDE_ROWS rows (see WIDE_ROWS)
         x = torch.randn(WIDE_ROWS, k, dtype=x.dtype, device=x.device)
         rows = Fp8Rows(*reference.quantize_fp8_rows(x), x.dtype)
         times[CUBLAS + _WIDE] = _time_us(cublas, layers)
-        try:
-            times[best + _WIDE] = _time_us(lambda layer, c=candidates(fp8)[best]: skinny(layer, c), layers)
-        except Exception as e:  # noqa: BLE001 - its tiles of WIDE_ROWS rows do not fit: stay at 16
-            log.debug("skinny GEMM %s refused at %d rows for %s: %s", best, WIDE_ROWS, (n, k), e)
+        for name, cfg in candidates(fp8).items():
+            try:
+                times[name + _WIDE] = _time_us(lambda layer, c=cfg: skinny(layer, c), layers)
+            except Exception as e:  # noqa: BLE001 - its tiles of WIDE_ROWS rows do not fit
+                log.debug("skinny GEMM %s refused at %d rows for %s: %s", name, WIDE_ROWS, (n, k), e)
     return times
 
 

@@ -50,8 +50,10 @@ def _rows(src: Any, dim: int, start: int, length: int) -> torch.Tensor:
     return src[:, start : start + length]
 
 
-SKINNY_MAX_ROWS = 16  # the skinny GEMM pads rows to 16 for the tensor cores: above, cuBLAS
-# (an FP8 layer's start-time timing may raise its own limit: `ShardedLinear.decode_gemm_rows`)
+SKINNY_MAX_ROWS = 16  # the skinny GEMM pads rows to 16 for the tensor cores: above, cuBLAS...
+# ...except where an FP8 layer's start-time timing chose a second config for the decode graphs of
+# SKINNY_MAX_ROWS + 1 to SKINNY_WIDE_ROWS rows (`ShardedLinear.decode_gemm_wide`)
+SKINNY_WIDE_ROWS = 64
 
 
 class _DecodeGraphScope(threading.local):
@@ -107,10 +109,11 @@ class ShardedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_local, in_local))
         # A row-parallel bias is not split: it is added once, after the all-reduce.
         self.bias = nn.Parameter(torch.empty(out_local)) if bias else None
-        # The Triton skinny GEMM config chosen for this shape at start (worker_svc.decode_gemms),
-        # used inside decode graphs; None: cuBLAS everywhere.
+        # The Triton skinny GEMM configs chosen for this shape at start (worker_svc.decode_gemms),
+        # used inside decode graphs: up to SKINNY_MAX_ROWS rows, and (FP8 layers) up to
+        # SKINNY_WIDE_ROWS; None: the library (cuBLAS, `_scaled_mm`) for those rows.
         self.decode_gemm: SkinnyConfig | None = None
-        self.decode_gemm_rows = SKINNY_MAX_ROWS  # the most rows it runs (decode_gemms may raise it)
+        self.decode_gemm_wide: SkinnyConfig | None = None
         # LoRA adapters (worker_svc.lora.layer.LoRALayer, set when the worker serves them): adds
         # each adapter row's low-rank product to this rank's GEMM output. None: nothing to add.
         self.lora: LoRAHook | None = None
@@ -144,13 +147,13 @@ class ShardedLinear(nn.Module):
     ) -> torch.Tensor:
         """x @ W.T + bias, in fp32 with `fp32_out`, else in x's dtype.
 
-        Inside a decode graph's warm-up and capture (`decode_graph_gemms`) a batch of at most
-        `decode_gemm_rows` rows goes through the skinny GEMM chosen for this shape; everywhere
-        else, cuBLAS. Launched eagerly, a Triton kernel costs more host time than cuBLAS, and
+        Inside a decode graph's warm-up and capture (`decode_graph_gemms`) a batch of a few rows
+        goes through the skinny GEMM chosen for this shape and that many rows; everywhere else,
+        the library. Launched eagerly, a Triton kernel costs more host time than cuBLAS, and
         eager small batches are bound by the host."""
-        cfg = self.decode_gemm
         rows = x.shape[0] if isinstance(x, Fp8Rows) else x.numel() // max(x.shape[-1], 1)
-        if cfg is not None and _DECODE_GRAPH.active and rows <= self.decode_gemm_rows:
+        cfg = self._decode_config(rows) if _DECODE_GRAPH.active else None
+        if cfg is not None:
             from kernels.triton.skinny_gemm import skinny_gemm
 
             if self.weight_scale is not None:
@@ -168,6 +171,11 @@ class ShardedLinear(nn.Module):
             out = linear_fp32_out(x, self.weight)
             return out if bias is None else out + bias
         return F.linear(x, self.weight, bias)
+
+    def _decode_config(self, rows: int) -> SkinnyConfig | None:
+        if rows <= SKINNY_MAX_ROWS:
+            return self.decode_gemm
+        return self.decode_gemm_wide if rows <= SKINNY_WIDE_ROWS else None
 
     def full_shape(self, param_name: str) -> tuple[int, ...]:
         if param_name == "weight":

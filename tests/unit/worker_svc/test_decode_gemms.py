@@ -185,32 +185,71 @@ def test_an_unwritable_cache_still_chooses(tmp_path) -> None:
     assert str(model.other.decode_gemm) == names[0]
 
 
-def test_an_fp8_choice_that_wins_at_64_rows_runs_up_to_64_and_is_remembered(tmp_path) -> None:
-    """FP8 layers are timed again at WIDE_ROWS rows (their chosen config against `_scaled_mm`);
-    a win there raises the layer's limit, recorded beside the choice for the next start."""
+def _fp8_layers(n: int = 2) -> torch.nn.ModuleList:
+    from worker_svc.models.fp8 import quantize_weight_fp8
+
+    tp = TensorParallel()
+    layers = torch.nn.ModuleList([QKVParallelLinear(64, 32, 16, False, tp) for _ in range(n)]).to(
+        torch.bfloat16
+    )
+    for layer in layers:
+        layer.set_fp8_weight(*quantize_weight_fp8(layer.weight.data))
+    return layers
+
+
+def test_fp8_layers_get_a_second_config_for_17_to_64_rows_and_it_is_remembered(tmp_path) -> None:
+    """FP8 layers are timed again at WIDE_ROWS rows, every candidate against `_scaled_mm`; the
+    fastest there serves the decode graphs of 17 to WIDE_ROWS rows, whatever won at one row."""
     from worker_svc.decode_gemms import WIDE_ROWS
 
     names = list(candidates())
-    wins = {CUBLAS: 10.0, names[1]: 5.0, f"{CUBLAS}@{WIDE_ROWS}": 30.0, f"{names[1]}@{WIDE_ROWS}": 20.0}
-    model = _Model()
-    lines = choose_decode_gemms([model], torch.device("cpu"), str(tmp_path), _timer(wins, []))
-    assert all(layer.decode_gemm_rows == WIDE_ROWS for layer in model.same) and "up to 64 rows" in lines[0]
-    again, calls = _Model(), []
+    at64 = {f"{CUBLAS}@{WIDE_ROWS}": 30.0, f"{names[1]}@{WIDE_ROWS}": 29.9, f"{names[2]}@{WIDE_ROWS}": 20.0}
+    layers = _fp8_layers()
+    lines = choose_decode_gemms(
+        [layers], torch.device("cpu"), str(tmp_path), _timer({CUBLAS: 10.0, names[1]: 5.0, **at64}, [])
+    )
+    assert all(str(x.decode_gemm) == names[1] and str(x.decode_gemm_wide) == names[2] for x in layers)
+    assert f"17-{WIDE_ROWS} rows: {names[2]}" in lines[0]
+    again, calls = _fp8_layers(), []
     choose_decode_gemms([again], torch.device("cpu"), str(tmp_path), _timer({CUBLAS: 1.0}, calls))
-    assert calls == [] and again.other.decode_gemm_rows == WIDE_ROWS
-    # A loss at 64 rows (or no timing there: bf16 layers) keeps the limit at 16 rows.
-    loses = {**wins, f"{names[1]}@{WIDE_ROWS}": 29.9}
-    third = _Model()
-    choose_decode_gemms([third], torch.device("cpu"), str(tmp_path / "new"), _timer(loses, []))
-    assert third.other.decode_gemm_rows == SKINNY_MAX_ROWS and str(third.other.decode_gemm) == names[1]
+    assert calls == [] and str(again[0].decode_gemm_wide) == names[2]
+    # The library winning at 64 rows leaves those rows to it; bf16 layers get no second config.
+    loses = {CUBLAS: 10.0, names[1]: 5.0, f"{CUBLAS}@{WIDE_ROWS}": 20.0, f"{names[2]}@{WIDE_ROWS}": 19.9}
+    third, bf16 = _fp8_layers(), _Model()
+    choose_decode_gemms([third, bf16], torch.device("cpu"), str(tmp_path / "new"), _timer(loses, []))
+    assert third[0].decode_gemm_wide is None and str(third[0].decode_gemm) == names[1]
+    assert all(x.decode_gemm_wide is None for x in bf16.modules() if hasattr(x, "decode_gemm_wide"))
 
 
-def test_a_layer_runs_the_skinny_gemm_up_to_its_own_row_limit() -> None:
+def test_an_fp8_entry_from_before_the_second_timing_is_timed_again_keeping_its_choice(tmp_path) -> None:
+    """Caches written before the wide choice existed hold "64" (or nothing) beside an FP8 choice:
+    the shape is timed again for its wide config, and its batch-1 choice stays as recorded."""
+    from worker_svc.decode_gemms import WIDE_ROWS
+
+    names = list(candidates())
+    choose_decode_gemms(
+        [_fp8_layers()], torch.device("cpu"), str(tmp_path), _timer({CUBLAS: 10.0, names[0]: 5.0}, [])
+    )
+    saved = json.loads((tmp_path / CACHE_FILE).read_text())
+    (tmp_path / CACHE_FILE).write_text(
+        json.dumps({k: WIDE_ROWS if k.endswith(f"@{WIDE_ROWS}") else v for k, v in saved.items()})
+    )
+    layers, calls = _fp8_layers(), []
+    wins = {CUBLAS: 10.0, names[1]: 1.0, f"{CUBLAS}@{WIDE_ROWS}": 30.0, f"{names[3]}@{WIDE_ROWS}": 20.0}
+    choose_decode_gemms([layers], torch.device("cpu"), str(tmp_path), _timer(wins, calls))
+    assert len(calls) == 1
+    assert str(layers[0].decode_gemm) == names[0] and str(layers[0].decode_gemm_wide) == names[3]
+
+
+def test_a_layer_runs_its_wide_config_from_17_to_64_rows_and_the_library_beyond() -> None:
     layer = _qkv(bias=False)
-    layer.decode_gemm = CFG
-    layer.decode_gemm_rows = 64
-    x = torch.randn(SKINNY_MAX_ROWS + 1, 64)
-    with decode_graph_gemms():
-        out = layer(x)
-    torch.testing.assert_close(out, reference.linear(x, layer.weight), atol=1e-5, rtol=1e-5)
-    assert not torch.equal(out, torch.nn.functional.linear(x, layer.weight))  # not cuBLAS's sums
+    layer.decode_gemm_wide = CFG  # and no batch-1 config: up to 16 rows stay on the library
+    for rows, skinny in ((SKINNY_MAX_ROWS, False), (SKINNY_MAX_ROWS + 1, True), (64, True), (65, False)):
+        x = torch.randn(rows, 64)
+        with decode_graph_gemms():
+            out = layer(x)
+        if skinny:
+            torch.testing.assert_close(out, reference.linear(x, layer.weight), atol=1e-5, rtol=1e-5)
+            assert not torch.equal(out, torch.nn.functional.linear(x, layer.weight))  # not cuBLAS's sums
+        else:
+            assert torch.equal(out, torch.nn.functional.linear(x, layer.weight))
