@@ -6,6 +6,10 @@
 Replays the engine's batch-1 decode graph under the torch profiler (CUPTI records the graph's
 kernels) and prints each kernel's time per replay, count and time per launch, then the eager
 forward's host time for one 256-token prompt (the launch of a chunked prefill).
+
+With programmatic dependent launch (on by default on sm90+) each kernel is launched while the
+one before it runs and waits inside, so its recorded time counts that wait: the sum exceeds the
+replay. `LLMESH_PDL=0` gives each kernel's own time (the replay line is then PDL-off's too).
 """
 
 from __future__ import annotations
