@@ -224,7 +224,7 @@ def _fitting_stages(cfg: SkinnyConfig, block_m: int, x_bytes: int, w_bytes: int,
     if device.type != "cuda":
         return cfg.num_stages
     per_stage = (block_m * x_bytes + cfg.block_n * w_bytes) * cfg.block_k
-    return max(2, min(cfg.num_stages, _shared_memory(device) // per_stage + 1))
+    return min(cfg.num_stages, max(2, _shared_memory(device) // per_stage + 1))
 
 
 @functools.cache
