@@ -13,12 +13,14 @@ from llmesh.frozen_heap import frozen_heap
 def test_frozen_for_the_span_then_back() -> None:
     gc.unfreeze()
     keep = [[] for _ in range(100)]  # noqa: F841 - tracked objects alive at entry
+    # The count is only compared with `keep`'s size: a frozen object that dies (another
+    # thread's, the interpreter's) leaves the permanent generation, so the count may fall by a
+    # few while a span is open; an unfreeze would drop it to zero.
     with frozen_heap():
-        frozen = gc.get_freeze_count()
-        assert frozen > 100
+        assert gc.get_freeze_count() > 100
         with frozen_heap():  # nested: still frozen, nothing moved back
-            assert gc.get_freeze_count() >= frozen
-        assert gc.get_freeze_count() >= frozen
+            assert gc.get_freeze_count() > 100
+        assert gc.get_freeze_count() > 100
     assert gc.get_freeze_count() == 0
 
 
