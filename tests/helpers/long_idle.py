@@ -4,8 +4,10 @@ tests/integration/test_long_idle.py leaves `llmesh up` idle for 75 s before usin
 those 75 s in the test cost make test 75 s; started as the session starts (tests/conftest.py,
 when that test is selected), the mesh idles while the rest of the suite runs, and the test, run
 last, waits only for what is left of the 75 s. Its idle is never shorter, only longer: a link
-that dies past 75 s fails it as well. Under xdist the test starts its own (the worker that runs
-it is not known at collection), as it does when run alone.
+that dies past 75 s fails it as well. Under pytest-xdist (`make test` runs two workers) the worker
+that will run the test is not known at collection, so every worker starts one such mesh with its
+session; the others' idle unused and stop with their sessions, a few seconds of start-up each
+against 75 s of idle waited in the test.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ READY_TIMEOUT_S = 180
 
 def start_with_the_session(config: pytest.Config, items: list[pytest.Item]) -> None:
     """If the long-idle test is selected: start its mesh now (stashed on `config`, stopped when the
-    session ends) and run the test last. Not under xdist, nor when only collecting."""
+    session ends) and run the test last (every xdist worker reorders alike, as xdist requires).
+    Not when only collecting, nor in an xdist controller (it runs no test)."""
     import os
 
-    if config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER"):
+    controller = getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER")
+    if config.option.collectonly or controller:
         return
     selected = [item for item in items if item.nodeid == TEST_NODEID]
     if not selected or len(items) == 1:
