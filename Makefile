@@ -58,9 +58,6 @@ clean:
 # The container images (deploy/build-images.sh: podman, or docker where a daemon runs; a Debian base
 # made with mmdebstrap where no registry is reachable). IMAGES_ARGS: --cuda, --no-cache, --prune.
 IMAGES_ARGS ?=
-# make test runs the suite on this many pytest-xdist workers (0: in one process). Most tests wait on
-# services they started, so two workers on the 2-core CI machine take ~12.5 minutes against ~19.
-TEST_JOBS ?= 2
 images:
 	deploy/build-images.sh $(IMAGES_ARGS)
 
