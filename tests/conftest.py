@@ -22,9 +22,11 @@ def _port_slice_of_this_xdist_worker() -> None:
     that has not bound it yet (services.ports)."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", ...
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or count < 2 or ENV_RANGE in os.environ:
+        return  # one process, or a range the caller chose
     span = pick_range()
-    if not worker.startswith("gw") or count < 2 or span is None or ENV_RANGE in os.environ:
-        return
+    if span is None:
+        return  # too few ports below the ephemeral range to share: the kernel's picks
     index, (lo, hi) = int(worker[2:]), span
     width = (hi - lo + 1) // count
     os.environ[ENV_RANGE] = f"{lo + index * width}-{lo + (index + 1) * width - 1}"

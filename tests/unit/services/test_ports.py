@@ -3,6 +3,7 @@ them between the pick and the bind), are free, and are not handed out twice."""
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -49,8 +50,6 @@ def test_an_unreadable_range_falls_back_to_linux_defaults(tmp_path) -> None:
 
 
 def test_each_xdist_worker_picks_from_a_slice_of_its_own() -> None:
-    import os
-
     worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if not worker or count == "1":
         pytest.skip("not under pytest-xdist with several workers (tests/conftest.py sets the slice)")
