@@ -182,14 +182,15 @@ def _row(case: Case, variant: str, t: float, err: float, w: Workload, bw: float,
 
 def _sweep_configs(args: argparse.Namespace, kv: str) -> list[tuple[pd.DecodeConfig, int]]:
     """(tile, stages, warps) triples of --sweep-bf16 / --sweep-fp8 x --sweep-splits x fused merge."""
-    triples = [
-        tuple(int(v) for v in x.split("/"))
+    triples = [  # a trailing "w": the fp8 codes read as int32 words (DecodeConfig.kv_words)
+        (*(int(v) for v in x.rstrip("w").split("/")), x.endswith("w"))
         for x in (args.sweep_fp8 if kv == "fp8" else args.sweep_bf16).split(",")
     ]
     splits = [int(x) for x in args.sweep_splits.split(",")]
+    fused = [bool(int(x)) for x in args.sweep_fused.split(",")]
     return [
-        (pd.DecodeConfig(tile=t, num_warps=nw, num_stages=st, dot_f16=kv == "fp8", fused_merge=m), n)
-        for (t, st, nw), n, m in itertools.product(triples, splits, [False, True])
+        (pd.DecodeConfig(t, nw, st, dot_f16=kv == "fp8", fused_merge=m, kv_words=words), n)
+        for (t, st, nw, words), n, m in itertools.product(triples, splits, fused)
     ]
 
 
@@ -223,12 +224,16 @@ def _variants(case: Case, w: Workload, args: argparse.Namespace) -> list[tuple[s
     n_def = pd.choose_decode_splits(meta, args.kv_heads, dev)
     n_old = pa_mod._choose_num_splits(meta, args.kv_heads, dev)
     fp8 = case.kv == "fp8"
-    base = pd.pick_decode_config(args.head_dim, fp8)
+    base = pd.pick_decode_config(args.head_dim, fp8, case.batch * args.kv_heads, pd._num_sms(dev))
     takes = pd.takes_decode_kernel(meta, args.kv_heads, fp8, dev, None)
     now = f"default (now: {'decode kernel' if takes else 'unified'})"
     out = [("unified (before)", _unified(w), n_old, True), (now, _decode(w), n_def if takes else n_old, True)]
     if not takes:  # the decode kernel's own choice, for comparison
         out.append(("decode kernel (its config)", _decode(w, base, n_def), n_def, True))
+    if fp8:  # the other way of reading the codes
+        other = dataclasses.replace(base, kv_words=not base.kv_words)
+        label = f"decode kernel ({'byte codes' if base.kv_words else 'int32 words'})"
+        out.append((label, _decode(w, other, n_def), n_def, True))
     if n_def > 1:
         other = dataclasses.replace(base, fused_merge=not base.fused_merge)
         label = "decode kernel (merge launched apart)" if base.fused_merge else "decode kernel (fused merge)"
@@ -243,12 +248,14 @@ def _variants(case: Case, w: Workload, args: argparse.Namespace) -> list[tuple[s
         for n in (int(x) for x in args.diag_splits.split(",") if x):
             if n != n_def:
                 out.append((f"decode kernel ({n} splits)", _decode(w, base, n), n, True))
-    if args.sweep and case.batch == 1 and case.ctx in args.sweep_contexts:
+    swept = case.batch == 1 and case.ctx in args.sweep_contexts
+    if args.sweep and (swept or (case.batch, case.ctx) in args.sweep_batched):
         if fp8:  # what the fp16 conversion buys: the default with bf16 dots
             bf16_dots = dataclasses.replace(base, dot_f16=False)
             out.append(("default, bf16 dots", _decode(w, bf16_dots, n_def), n_def, True))
         for cfg, n in _sweep_configs(args, case.kv):
             label = f"t{cfg.tile} s{cfg.num_stages} w{cfg.num_warps}{' f16' if cfg.dot_f16 else ''} sp{n}"
+            label += " words" if cfg.kv_words else ""
             label += " fused" if cfg.fused_merge else ""
             out.append((label, _decode(w, cfg, n), n, True))
     return out
@@ -293,8 +300,8 @@ def _table(gpu: str, bw: float) -> None:
         keyed.setdefault((r["batch"], r["ctx"], r["kv"]), []).append(r)
     for rows in keyed.values():
         fixed = [r for r in rows if "(" in r["variant"]]
-        swept = sorted((r for r in rows if "(" not in r["variant"]), key=lambda r: r["us"])[:8]
-        for r in fixed + swept:
+        best = sorted((r for r in rows if "(" not in r["variant"]), key=lambda r: r["us"])[:8]
+        for r in fixed + best:
             print(
                 f"| {r['batch']} x {r['ctx']} | {r['kv']} | {r['variant']} | {r['splits']} | "
                 f"{r['us']:.1f} us | {r['tbps']:.2f} TB/s | {r['of_copy']:.0%} | {r['err']:.1e} |"
@@ -315,6 +322,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="time the decode kernel's config grid too")
     ap.add_argument("--sweep-contexts", default="32768,122880")
+    ap.add_argument("--sweep-batched", default="", help="BxC cases swept too")
+    ap.add_argument("--sweep-fused", default="0,1", help="the sweep's fused-merge settings")
     ap.add_argument("--sweep-bf16", default="128/4/4,64/6/4,64/2/4,32/6/4,64/4/2,64/6/2,32/4/2,128/6/8")
     ap.add_argument("--sweep-fp8", default="128/6/4,128/4/4,64/6/4,64/4/2,64/6/2,32/6/4,128/6/8")
     ap.add_argument("--sweep-splits", default="16,32,64,128", help="tile/stages/warps triples and splits")
@@ -328,12 +337,13 @@ def main(argv: list[str] | None = None) -> None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
         args.contexts, args.batched, args.heads, args.kv_heads, args.head_dim = "100", "2x40", 2, 1, 16
         args.sweep, args.sweep_contexts, args.reps, args.copy_mib, args.rotate_mib = True, "100", 1, 8, 1
-        args.sweep_bf16 = args.sweep_fp8 = "32/2/4"
+        args.sweep_batched, args.sweep_bf16, args.sweep_fp8 = "2x40", "32/2/4", "32/2/4,32/2/4w"
         args.sweep_splits, args.diag_splits = "2", ""
         args.out = None
     args.contexts = [int(x) for x in args.contexts.split(",") if x]
     args.sweep_contexts = [int(x) for x in args.sweep_contexts.split(",") if x]
     args.batched = [tuple(int(v) for v in x.split("x")) for x in args.batched.split(",") if x]
+    args.sweep_batched = [tuple(int(v) for v in x.split("x")) for x in args.sweep_batched.split(",") if x]
     args.kv_dtypes = args.kv_dtypes.split(",")
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device (use --smoke for a CPU dry run)")

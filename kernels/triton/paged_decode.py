@@ -57,6 +57,15 @@ _SPLIT_MIN_TOKENS = 256
 _LONG_CONTEXT = 16384
 _MIN_SPLITS = 32
 _SPLIT_MAX = 64
+# Past this many unsplit programs an SM, an fp8 cache takes the small-program config.
+_MANY_PROGRAMS_PER_SM = 4
+
+
+# Four e4m3 codes (one int32 word, code i in byte i) -> four fp16: two packed conversions.
+_E4M3_WORD_TO_F16_ASM = tl.constexpr(
+    "{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; "
+    "cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }"
+)
 
 
 @dual_jit(
@@ -102,6 +111,8 @@ def _paged_decode_kernel(
     SPLIT: tl.constexpr,  # write partials per segment (grid axis 2) instead of the output
     KV_FP8: tl.constexpr,  # the cache holds e4m3 codes times the scales at kv_scale_ptr
     DOT_F16: tl.constexpr,  # run both dots in fp16 (the fp8 cache's cheap conversion)
+    KV_WORDS: tl.constexpr,  # fp8 cache read as int32 words of four codes (k/v_cache_ptr: int32)
+    CVT_ASM: tl.constexpr,  # KV_WORDS: convert with PTX (GPU), else with integer ops (interpreter)
     DOT_UPCAST: tl.constexpr,  # feed tl.dot fp32 (interpreter: its bf16/fp16 dot is broken)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no silent tf32)
     FUSED_MERGE: tl.constexpr,  # the last segment of each (sequence, KV head) merges them all
@@ -169,17 +180,60 @@ def _paged_decode_kernel(
             else:
                 phys = tl.load(block_table + kv_pos // BLOCK_SIZE, mask=kv_valid, other=0).to(tl.int64)
             in_block = kv_pos % BLOCK_SIZE
-            k_ptrs = k_head + phys[None, :] * stride_kb + in_block[None, :] * stride_ks + offs_d[:, None]
-            v_ptrs = v_head + phys[:, None] * stride_vb + in_block[:, None] * stride_vs + offs_d[None, :]
-            if phase == 0 and HEAD_PAD == HEAD_DIM:
-                k = tl.load(k_ptrs)  # [HEAD_PAD, TILE]
-                v = tl.load(v_ptrs)  # [TILE, HEAD_PAD]
-            elif phase == 0:
-                k = tl.load(k_ptrs, mask=d_valid[:, None], other=0.0)
-                v = tl.load(v_ptrs, mask=d_valid[None, :], other=0.0)
+            if KV_WORDS:
+                # Both tiles token-major, [TILE, HEAD_DIM // 4] words, converted in the load's
+                # own (blocked) layout; tl.dot then reads fp16 through shared memory.
+                offs_w = tl.arange(0, HEAD_PAD // 4)
+                kw_ptrs = k_head + (phys * stride_kb + in_block * stride_ks)[:, None] + offs_w[None, :]
+                vw_ptrs = v_head + (phys * stride_vb + in_block * stride_vs)[:, None] + offs_w[None, :]
+                if phase == 0:
+                    kw = tl.load(kw_ptrs)
+                    vw = tl.load(vw_ptrs)
+                else:
+                    kw = tl.load(kw_ptrs, mask=kv_valid[:, None], other=0)
+                    vw = tl.load(vw_ptrs, mask=kv_valid[:, None], other=0)
+                # Each word -> four fp16 (c0..c3): PTX on the GPU; integer ops in the
+                # interpreter (e4m3 is fp16 with the exponent rebiased by 8, subnormals too:
+                # shift the 7 magnitude bits into place, keep the sign, times 2^8).
+                for which in tl.static_range(2):
+                    words = kw if which == 0 else vw
+                    if CVT_ASM:
+                        c0, c1, c2, c3 = tl.inline_asm_elementwise(
+                            asm=_E4M3_WORD_TO_F16_ASM,
+                            constraints="=h,=h,=h,=h,r",
+                            args=[words],
+                            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                            is_pure=True,
+                            pack=1,
+                        )
+                    else:
+                        b0, b1, b2, b3 = words, words >> 8, words >> 16, words >> 24
+                        c0 = ((b0 << 8) & 0x8000) | ((b0 & 0x7F) << 7)
+                        c1 = ((b1 << 8) & 0x8000) | ((b1 & 0x7F) << 7)
+                        c2 = ((b2 << 8) & 0x8000) | ((b2 & 0x7F) << 7)
+                        c3 = ((b3 << 8) & 0x8000) | ((b3 & 0x7F) << 7)
+                        c0 = c0.to(tl.uint16).to(tl.float16, bitcast=True) * 256.0
+                        c1 = c1.to(tl.uint16).to(tl.float16, bitcast=True) * 256.0
+                        c2 = c2.to(tl.uint16).to(tl.float16, bitcast=True) * 256.0
+                        c3 = c3.to(tl.uint16).to(tl.float16, bitcast=True) * 256.0
+                    # join appends a minor axis: [token, word, j, k] holds code 2j + k.
+                    codes = tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (TILE, HEAD_PAD))
+                    if which == 0:
+                        k = tl.trans(codes)  # [HEAD_PAD, TILE]
+                    else:
+                        v = codes
             else:
-                k = tl.load(k_ptrs, mask=kv_valid[None, :] & d_valid[:, None], other=0.0)
-                v = tl.load(v_ptrs, mask=kv_valid[:, None] & d_valid[None, :], other=0.0)
+                k_ptrs = k_head + phys[None, :] * stride_kb + in_block[None, :] * stride_ks + offs_d[:, None]
+                v_ptrs = v_head + phys[:, None] * stride_vb + in_block[:, None] * stride_vs + offs_d[None, :]
+                if phase == 0 and HEAD_PAD == HEAD_DIM:
+                    k = tl.load(k_ptrs)  # [HEAD_PAD, TILE]
+                    v = tl.load(v_ptrs)  # [TILE, HEAD_PAD]
+                elif phase == 0:
+                    k = tl.load(k_ptrs, mask=d_valid[:, None], other=0.0)
+                    v = tl.load(v_ptrs, mask=d_valid[None, :], other=0.0)
+                else:
+                    k = tl.load(k_ptrs, mask=kv_valid[None, :] & d_valid[:, None], other=0.0)
+                    v = tl.load(v_ptrs, mask=kv_valid[:, None] & d_valid[None, :], other=0.0)
             k = k.to(q.dtype)
             v = v.to(q.dtype)
 
@@ -261,26 +315,37 @@ class DecodeConfig:
     num_stages: int
     dot_f16: bool  # fp8 cache only: convert to fp16 and run the dots in fp16
     fused_merge: bool = False  # the last segment merges (no merge launch); see the kernel
+    kv_words: bool = False  # fp8 cache only: load int32 words of four codes, convert in place
 
 
-def pick_decode_config(head_pad: int, kv_fp8: bool) -> DecodeConfig:
-    """Tile, warps and pipelining depth of the decode kernel.
+def pick_decode_config(head_pad: int, kv_fp8: bool, programs: int = 0, num_sms: int = 132) -> DecodeConfig:
+    """Tile, warps, pipelining depth and code reading of the decode kernel.
 
-    Swept on an H200 (1 x 32k, 32/8 heads, D=128, 256 programs; docs/benchmarks.md, "Decode
-    attention at long contexts"): every program of a batch-1 grid must be resident at once
-    (a second wave costs each program's whole start-up chain again), and then the more bytes
-    each has in flight the better. bf16: 128-token tiles, one buffer (depth 4: 64 KiB of K/V
-    per iteration, ~2 programs an SM at 223 registers) 43.6 us against 45.7 for 64-token tiles
-    two deep and 49.9 for 128-token tiles two deep (one program an SM). fp8: 128-token tiles
-    two deep with fp16 dots 34.4 us, one deep 35.6, 256-token tiles 41.7, bf16 dots 48.5 (at
-    64 splits). The fused merge is off: correct on the GPU (tests/gpu/test_kernels_gpu.py) but
-    slower on an H100 at batch 1, 32 splits: 25.6 against 8.1 us a layer at 128 tokens, 59.5
-    against 35.6 at 32k (fp8 cache), its serial reduction behind every segment's atomic.
+    `programs`: (sequence, KV head) pairs of the launch, before any split. Swept on H100s
+    (docs/benchmarks.md, "Decode attention at long contexts" and "The fp8 codes as words"):
+
+    * Few programs (batch 1 to a few dozen sequences, split to about two programs an SM): every
+      program must be resident at once (a second wave costs each program's whole start-up chain
+      again), and then the more bytes each has in flight the better. bf16: 128-token tiles, one
+      buffer (depth 4: 64 KiB of K/V per iteration, ~2 programs an SM at 223 registers) 43.6 us
+      at 1 x 32k against 45.7 for 64-token tiles two deep. fp8: 128-token tiles two deep, fp16
+      dots, the codes read as int32 words: 35.1-35.8 us at 1 x 32k against 36.8-37.7 read as
+      bytes, 102.1 against 106.6 at 1 x 120k.
+    * Many programs (more than `_MANY_PROGRAMS_PER_SM` an SM, unsplit: ShareGPT's large decode
+      batches), fp8: smaller programs, more of them resident: 64-token tiles, two warps, depth
+      4. 128 x 800 95.1 us against 108.9; 512 x 500 231.9 against 258.4; 1,000 x 400 381
+      against 474; 64 x 2k (3.9 an SM, below the line) 117.1 against 114.4.
+
+    The fused merge is off: correct on the GPU (tests/gpu/test_kernels_gpu.py) but slower on an
+    H100 at batch 1, 32 splits: 25.6 against 8.1 us a layer at 128 tokens, 59.5 against 35.6 at
+    32k (fp8 cache), its serial reduction behind every segment's atomic.
     """
     if head_pad > 128:  # keep the fp32 accumulator and the K/V tiles within registers/smem
         return DecodeConfig(tile=32, num_warps=4, num_stages=2, dot_f16=kv_fp8)
+    if kv_fp8 and programs > _MANY_PROGRAMS_PER_SM * num_sms:
+        return DecodeConfig(tile=64, num_warps=2, num_stages=4, dot_f16=True, kv_words=True)
     if kv_fp8:
-        return DecodeConfig(tile=128, num_warps=4, num_stages=6, dot_f16=True)
+        return DecodeConfig(tile=128, num_warps=4, num_stages=6, dot_f16=True, kv_words=True)
     return DecodeConfig(tile=128, num_warps=4, num_stages=4, dot_f16=False)
 
 
@@ -321,8 +386,10 @@ def choose_decode_splits(meta: AttentionMetadata, num_kv_heads: int, device: tor
     if meta.num_seqs == 0:
         return 1
     programs = meta.num_seqs * num_kv_heads
-    want = triton.cdiv(_SPLIT_PROGRAMS_PER_SM * _num_sms(device), programs)
-    want = 1 << round(math.log2(want))
+    # The nearest power of two to the ratio, not to its ceiling: 32 sequences x 8 KV heads on
+    # 132 SMs ran unsplit at 33.7 us, split in two (two waves) at 43.5 (fp8, 1k tokens each).
+    want = _SPLIT_PROGRAMS_PER_SM * _num_sms(device) / programs
+    want = 1 << max(0, round(math.log2(want)))
     useful = meta.max_seq_len // _SPLIT_MIN_TOKENS
     if useful < 2 or want < 2:
         return 1
@@ -371,7 +438,7 @@ def paged_decode(
     kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
     if num_splits is None:
         num_splits = choose_decode_splits(meta, num_kv_heads, q.device)
-    cfg = config or pick_decode_config(head_pad, kv_fp8)
+    cfg = config or pick_decode_config(head_pad, kv_fp8, meta.num_seqs * num_kv_heads, _num_sms(q.device))
     dot_f16 = cfg.dot_f16 and kv_fp8 and q.dtype != torch.float32  # fp32 q: fp32 dots, exact
     split = num_splits > 1
     if kv_fp8 and kv_scale is None:
@@ -383,6 +450,10 @@ def paged_decode(
     else:
         part_out, part_lse = out, out  # unused by the unsplit launch; any pointer does
     key_cache, value_cache = kv_cache[0], kv_cache[1]
+    # Words need whole, aligned rows of codes: a head dim that is its own power of two.
+    kv_words = cfg.kv_words and kv_fp8 and head_dim == head_pad and key_cache.stride(-1) == 1
+    if kv_words:
+        key_cache, value_cache = key_cache.view(torch.int32), value_cache.view(torch.int32)
     interpreted = is_interpreted(q.device)
     counters = _counters(q.device, meta.num_seqs * num_kv_heads) if split and cfg.fused_merge else None
     _paged_decode_kernel[(num_kv_heads, meta.num_seqs, num_splits)](
@@ -424,6 +495,8 @@ def paged_decode(
         SPLIT=split,
         KV_FP8=kv_fp8,
         DOT_F16=dot_f16,
+        KV_WORDS=kv_words,
+        CVT_ASM=not interpreted,
         DOT_UPCAST=interpreted and (q.dtype == torch.bfloat16 or dot_f16),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 and not dot_f16 else "tf32",
         FUSED_MERGE=counters is not None,

@@ -89,6 +89,16 @@ def test_split_heuristic_fills_the_sms_once() -> None:
     assert pd.choose_decode_splits(_decodes(1, 4096), 1, cpu) == 16  # capped by 4096 / 256 tokens
     assert pd.choose_decode_splits(_decodes(1, 300), 1, cpu) == 1  # too short to split
     assert pd.choose_decode_splits(_decodes(8, 4096), 4, cpu) == 1  # the batch fills the SMs
+    assert pd.choose_decode_splits(_decodes(6, 4096), 4, cpu) == 1  # 24 programs: 2 would be 2 waves
+
+
+def test_many_programs_take_the_small_fp8_config() -> None:
+    """Large fp8 decode batches: small programs, many resident; below the line, the batch-1 one."""
+    many = pd.pick_decode_config(128, True, programs=4 * 132 + 1, num_sms=132)
+    few = pd.pick_decode_config(128, True, programs=4 * 132, num_sms=132)
+    assert (many.tile, many.num_warps, many.kv_words) == (64, 2, True)
+    assert (few.tile, few.num_warps, few.kv_words) == (128, 4, True)
+    assert pd.pick_decode_config(128, False, programs=10_000) == pd.pick_decode_config(128, False)
 
 
 def test_which_decodes_take_the_decode_kernel() -> None:
@@ -109,3 +119,26 @@ def test_unified_switch_keeps_the_old_kernel(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(pa_mod, "paged_decode", None)  # would raise if called
     out = kt.paged_attention(b.q, cache, b.meta, 0.25, num_splits=4, kv_scale=SCALES)
     _close(out, expected, 1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 8])
+def test_decode_fp8_cache_as_words_matches_twin(num_splits: int) -> None:
+    b = _batch(torch.bfloat16, 4)
+    cache = (b.kv_cache.float() * 4).to(torch.float8_e4m3fn)
+    cfg = pd.DecodeConfig(tile=32, num_warps=4, num_stages=2, dot_f16=True, kv_words=True)
+    out = torch.full_like(b.q, float("nan"))
+    pd.paged_decode(b.q, cache, b.meta, 0.2, out, num_splits=num_splits, kv_scale=SCALES, config=cfg)
+    expected = reference.paged_attention(b.q.float(), cache, b.meta, 0.2, SCALES)
+    _close(out, expected, 2e-2)
+
+
+def test_decode_fp8_words_read_every_code() -> None:
+    """A cache of random codes (every one but NaN; subnormals, both signs) through the word path."""
+    b = _batch(torch.bfloat16, 4)
+    codes = torch.randint(0, 256, b.kv_cache.shape, dtype=torch.uint8)
+    codes[codes & 0x7F == 0x7F] = 0
+    cache = codes.view(torch.float8_e4m3fn)
+    cfg = pd.DecodeConfig(tile=32, num_warps=4, num_stages=2, dot_f16=True, kv_words=True)
+    q = (b.q.float() * 0.01).to(torch.bfloat16)
+    out = pd.paged_decode(q, cache, b.meta, 0.2, torch.full_like(q, float("nan")), num_splits=2, config=cfg)
+    _close(out, reference.paged_attention(q.float(), cache, b.meta, 0.2), 2e-2)
