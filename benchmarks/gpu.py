@@ -232,6 +232,22 @@ def matmul_ceiling(args: argparse.Namespace) -> float:
     return tflops
 
 
+def fp8_matmul_ceiling(args: argparse.Namespace) -> float:
+    """TFLOP/s of an e4m3 `torch._scaled_mm` at --matmul-n cubed, bf16 out (the FP8 GEMMs' peak)."""
+    dev, m = args.device, args.matmul_n
+    a = torch.randn(m, m, device=dev).to(torch.float8_e4m3fn)
+    b = torch.randn(m, m, device=dev).to(torch.float8_e4m3fn).t()  # column-major, as cuBLASLt wants
+    one = torch.ones((), device=dev)
+    t = gpu_time(
+        lambda a=a, b=b: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), reps=20
+    )
+    tflops = 2 * m**3 / t / 1e12
+    row("ceilings", f"fp8 matmul {m}^3 (random data)", f"{tflops:.0f} TFLOP/s")
+    del a, b
+    free_cuda()
+    return tflops
+
+
 # ------------------------------------------------------------------------------------------
 # 2. decode attention
 

@@ -44,6 +44,7 @@ from benchmarks.gpu import (  # noqa: E402
     add_workload_args,
     copy_ceiling,
     engine_settings,
+    fp8_matmul_ceiling,
     free_cuda,
     matmul_ceiling,
     write_config,
@@ -71,7 +72,13 @@ def weight_bytes(model) -> int:
 
 
 def workload_floor(
-    cfg: dict[str, Any], reqs, max_num_seqs: int, copy_bw: float, matmul_flops: float
+    cfg: dict[str, Any],
+    reqs,
+    max_num_seqs: int,
+    copy_bw: float,
+    matmul_flops: float,
+    linear_bytes: int = 2,
+    kv_bytes: int = 2,
 ) -> tuple[float, dict[str, float]]:
     """Seconds the workload needs at the device's measured ceilings (greedy, every request
     running to its output length, up to `max_num_seqs` at once, a finished one replaced at once).
@@ -80,14 +87,16 @@ def workload_floor(
     the lm_head, whichever is longer of their FLOPs at the peak and their weight bytes at the copy
     bandwidth, plus the step's KV bytes read at the copy bandwidth. Nothing else (norms,
     activations, sampling, prefill attention, idle time) is counted: a floor, not an estimate.
+    `linear_bytes` / `kv_bytes`: bytes a linear layer's weight / a cached K or V value takes
+    (1 with FP8 weights / an fp8 cache; the lm_head stays bf16); `matmul_flops` then the FP8 peak.
     """
     h, layers, inter = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim") or h // heads
     linear = layers * (h * (heads + 2 * kv_heads) * d + heads * d * h + 3 * h * inter)
     lm_head = h * cfg["vocab_size"]
-    weight_bytes = 2 * (linear + lm_head)  # bf16
-    kv_bytes_per_token = layers * 2 * kv_heads * d * 2
+    weight_bytes = linear_bytes * linear + 2 * lm_head
+    kv_bytes_per_token = layers * 2 * kv_heads * d * kv_bytes
     waiting = list(reqs)
     live: list[list[int]] = []  # [context, tokens left]
     prefill = decode = attention = 0.0
@@ -268,12 +277,18 @@ def model_section(
         row["floor_ms"] = floor_ms
         ROWS.append(row)
     if copy_bw and matmul_flops:
-        seconds, parts = workload_floor(cfg, reqs, args.max_num_seqs, copy_bw, matmul_flops)
+        fp8, fp8_kv = args.quantization == "fp8", args.kv_cache_dtype == "fp8"
+        seconds, parts = workload_floor(
+            cfg, reqs, args.max_num_seqs, copy_bw, matmul_flops, 1 if fp8 else 2, 1 if fp8_kv else 2
+        )
         out_tokens = sum(o for _, o in reqs)
         FLOORS.append(
             f"{name}: workload floor {seconds:.2f} s = {out_tokens / seconds:,.0f} out tok/s ("
             + ", ".join(f"{k} {v:.2f} s" for k, v in parts.items())
-            + f"; max_num_seqs {args.max_num_seqs})"
+            + f"; max_num_seqs {args.max_num_seqs}"
+            + (", FP8 weights at the FP8 matmul peak" if fp8 else "")
+            + (", fp8 KV cache" if fp8_kv else "")
+            + ")"
         )
 
 
@@ -338,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     copy_bw = matmul_flops = 0.0
     if args.device == "cuda":
         copy_bw = copy_ceiling(args)
-        matmul_flops = matmul_ceiling(args) * 1e12
+        ceiling = fp8_matmul_ceiling if args.quantization == "fp8" else matmul_ceiling
+        matmul_flops = ceiling(args) * 1e12
     t0 = time.time()
     with tempfile.TemporaryDirectory() as root:
         for name in names:
