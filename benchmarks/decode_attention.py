@@ -221,10 +221,9 @@ def _variants(case: Case, w: Workload, args: argparse.Namespace) -> list[tuple[s
     """(label, call, splits, checked against the twin) for one case."""
     dev = torch.device(args.device)
     meta = w.sets[0][1]
-    n_def = pd.choose_decode_splits(meta, args.kv_heads, dev)
-    n_old = pa_mod._choose_num_splits(meta, args.kv_heads, dev)
     fp8 = case.kv == "fp8"
-    base = pd.pick_decode_config(args.head_dim, fp8, case.batch * args.kv_heads, pd._num_sms(dev))
+    base, n_def = pd.plan_decode(meta, args.kv_heads, args.head_dim, fp8, dev)
+    n_old = pa_mod._choose_num_splits(meta, args.kv_heads, dev)
     takes = pd.takes_decode_kernel(meta, args.kv_heads, fp8, dev, None)
     now = f"default (now: {'decode kernel' if takes else 'unified'})"
     out = [("unified (before)", _unified(w), n_old, True), (now, _decode(w), n_def if takes else n_old, True)]

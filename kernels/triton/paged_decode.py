@@ -57,7 +57,7 @@ _SPLIT_MIN_TOKENS = 256
 _LONG_CONTEXT = 16384
 _MIN_SPLITS = 32
 _SPLIT_MAX = 64
-# Past this many unsplit programs an SM, an fp8 cache takes the small-program config.
+# Past this many unsplit programs an SM, an fp8 cache takes smaller programs (`plan_decode`).
 _MANY_PROGRAMS_PER_SM = 4
 
 
@@ -318,35 +318,50 @@ class DecodeConfig:
     kv_words: bool = False  # fp8 cache only: load int32 words of four codes, convert in place
 
 
-def pick_decode_config(head_pad: int, kv_fp8: bool, programs: int = 0, num_sms: int = 132) -> DecodeConfig:
-    """Tile, warps, pipelining depth and code reading of the decode kernel.
+def pick_decode_config(head_pad: int, kv_fp8: bool) -> DecodeConfig:
+    """Tile, warps, pipelining depth and code reading of the decode kernel for few programs
+    (batch 1 to a few dozen sequences, split to about two programs an SM).
 
-    `programs`: (sequence, KV head) pairs of the launch, before any split. Swept on H100s
-    (docs/benchmarks.md, "Decode attention at long contexts" and "The fp8 codes as words"):
-
-    * Few programs (batch 1 to a few dozen sequences, split to about two programs an SM): every
-      program must be resident at once (a second wave costs each program's whole start-up chain
-      again), and then the more bytes each has in flight the better. bf16: 128-token tiles, one
-      buffer (depth 4: 64 KiB of K/V per iteration, ~2 programs an SM at 223 registers) 43.6 us
-      at 1 x 32k against 45.7 for 64-token tiles two deep. fp8: 128-token tiles two deep, fp16
-      dots, the codes read as int32 words: 35.1-35.8 us at 1 x 32k against 36.8-37.7 read as
-      bytes, 102.1 against 106.6 at 1 x 120k.
-    * Many programs (more than `_MANY_PROGRAMS_PER_SM` an SM, unsplit: ShareGPT's large decode
-      batches), fp8: smaller programs, more of them resident: 64-token tiles, two warps, depth
-      4. 128 x 800 95.1 us against 108.9; 512 x 500 231.9 against 258.4; 1,000 x 400 381
-      against 474; 64 x 2k (3.9 an SM, below the line) 117.1 against 114.4.
-
-    The fused merge is off: correct on the GPU (tests/gpu/test_kernels_gpu.py) but slower on an
-    H100 at batch 1, 32 splits: 25.6 against 8.1 us a layer at 128 tokens, 59.5 against 35.6 at
-    32k (fp8 cache), its serial reduction behind every segment's atomic.
+    Swept on H100s (docs/benchmarks.md, "Decode attention at long contexts" and "The fp8 codes
+    as words"): every program must be resident at once (a second wave costs each program's whole
+    start-up chain again), and then the more bytes each has in flight the better. bf16:
+    128-token tiles, one buffer (depth 4: 64 KiB of K/V per iteration, ~2 programs an SM at 223
+    registers) 43.6 us at 1 x 32k against 45.7 for 64-token tiles two deep. fp8: 128-token
+    tiles two deep, fp16 dots, the codes read as int32 words: 35.1-35.8 us at 1 x 32k against
+    36.8-37.7 read as bytes, 102.1 against 106.6 at 1 x 120k. The fused merge is off: correct on
+    the GPU (tests/gpu/test_kernels_gpu.py) but slower on an H100 at batch 1, 32 splits: 25.6
+    against 8.1 us a layer at 128 tokens, 59.5 against 35.6 at 32k (fp8 cache), its serial
+    reduction behind every segment's atomic.
     """
     if head_pad > 128:  # keep the fp32 accumulator and the K/V tiles within registers/smem
         return DecodeConfig(tile=32, num_warps=4, num_stages=2, dot_f16=kv_fp8)
-    if kv_fp8 and programs > _MANY_PROGRAMS_PER_SM * num_sms:
-        return DecodeConfig(tile=64, num_warps=2, num_stages=4, dot_f16=True, kv_words=True)
     if kv_fp8:
         return DecodeConfig(tile=128, num_warps=4, num_stages=6, dot_f16=True, kv_words=True)
     return DecodeConfig(tile=128, num_warps=4, num_stages=4, dot_f16=False)
+
+
+def plan_decode(
+    meta: AttentionMetadata, num_kv_heads: int, head_pad: int, kv_fp8: bool, device: torch.device
+) -> tuple[DecodeConfig, int]:
+    """Config and segments per sequence of a launch, from host-side lengths only.
+
+    `pick_decode_config` with `choose_decode_splits`, except for an fp8 cache with more than
+    `_MANY_PROGRAMS_PER_SM` (sequence, KV head) programs an SM (ShareGPT's large decode batches):
+    smaller programs, more of them resident, unsplit: 64-token tiles, two warps, depth 4.
+    Kernel alone on an H100: 128 x 800 95.1 us against 108.9; 512 x 500 231.9 against 258.4;
+    1,000 x 400 381 against 474. ShareGPT FP8 with an fp8 cache, one H100, trees alternating:
+    14,806 / 14,825 out tok/s against 14,440 / 14,607 before.
+
+    Tried and left out (docs/benchmarks.md, "The fp8 codes as words"): one-warp programs of
+    32-token tiles read uniform batches faster still (750 x 272 181 us against 216), and two-warp
+    ones split to four programs an SM did 35 x 916 in 38.1 us against 52.0, but the engine ran
+    ShareGPT slower with both (14,664 / 14,742): its contexts are uneven, and a kernel lasts as
+    long as its longest program, which small programs walk slowly.
+    """
+    programs = meta.num_seqs * num_kv_heads
+    if kv_fp8 and head_pad <= 128 and programs > _MANY_PROGRAMS_PER_SM * _num_sms(device):
+        return DecodeConfig(tile=64, num_warps=2, num_stages=4, dot_f16=True, kv_words=True), 1
+    return pick_decode_config(head_pad, kv_fp8), choose_decode_splits(meta, num_kv_heads, device)
 
 
 def takes_decode_kernel(
@@ -377,19 +392,18 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_decode_splits(meta: AttentionMetadata, num_kv_heads: int, device: torch.device) -> int:
-    """Segments per sequence (1 = no split), from host-side lengths only.
+    """Segments per sequence (1 = no split) for `pick_decode_config`'s programs.
 
-    About `_SPLIT_PROGRAMS_PER_SM` (sequence, KV head, segment) programs per SM, each segment
-    at least `_SPLIT_MIN_TOKENS` of the longest context, a power of two (segments split a
-    context's tiles evenly: 33 segments of 256 tiles leave one empty).
+    About `_SPLIT_PROGRAMS_PER_SM` (sequence, KV head, segment) programs per SM: the power of
+    two nearest that ratio, not its ceiling's (32 sequences x 8 KV heads on 132 SMs ran unsplit
+    at 33.7 us, in two segments, two waves, at 43.5: fp8, 1k tokens each); each segment at least
+    `_SPLIT_MIN_TOKENS` of the longest context (segments split a context's tiles evenly: 33
+    segments of 256 tiles leave one empty); at most `_SPLIT_MAX`.
     """
-    if meta.num_seqs == 0:
-        return 1
     programs = meta.num_seqs * num_kv_heads
-    # The nearest power of two to the ratio, not to its ceiling: 32 sequences x 8 KV heads on
-    # 132 SMs ran unsplit at 33.7 us, split in two (two waves) at 43.5 (fp8, 1k tokens each).
-    want = _SPLIT_PROGRAMS_PER_SM * _num_sms(device) / programs
-    want = 1 << max(0, round(math.log2(want)))
+    if programs == 0:
+        return 1
+    want = 1 << max(0, round(math.log2(_SPLIT_PROGRAMS_PER_SM * _num_sms(device) / programs)))
     useful = meta.max_seq_len // _SPLIT_MIN_TOKENS
     if useful < 2 or want < 2:
         return 1
@@ -427,7 +441,7 @@ def paged_decode(
     """Decode attention into `out` ([B, H, D]) for a pure-decode batch (one query a sequence).
 
     Arguments as `kernels.triton.paged_attention.paged_attention` (checked there); `config`
-    overrides `pick_decode_config` (benchmarks, tests). Reads host-side metadata only.
+    and `num_splits` override `plan_decode`'s choice (benchmarks, tests). Reads host-side metadata only.
     """
     from kernels.triton.paged_attention import merge_attn_partials
 
@@ -436,9 +450,10 @@ def paged_decode(
     group = num_heads // num_kv_heads
     head_pad = max(16, triton.next_power_of_2(head_dim))
     kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    planned, planned_splits = plan_decode(meta, num_kv_heads, head_pad, kv_fp8, q.device)
+    cfg = config or planned
     if num_splits is None:
-        num_splits = choose_decode_splits(meta, num_kv_heads, q.device)
-    cfg = config or pick_decode_config(head_pad, kv_fp8, meta.num_seqs * num_kv_heads, _num_sms(q.device))
+        num_splits = planned_splits
     dot_f16 = cfg.dot_f16 and kv_fp8 and q.dtype != torch.float32  # fp32 q: fp32 dots, exact
     split = num_splits > 1
     if kv_fp8 and kv_scale is None:

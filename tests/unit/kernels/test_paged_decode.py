@@ -92,13 +92,16 @@ def test_split_heuristic_fills_the_sms_once() -> None:
     assert pd.choose_decode_splits(_decodes(6, 4096), 4, cpu) == 1  # 24 programs: 2 would be 2 waves
 
 
-def test_many_programs_take_the_small_fp8_config() -> None:
-    """Large fp8 decode batches: small programs, many resident; below the line, the batch-1 one."""
-    many = pd.pick_decode_config(128, True, programs=4 * 132 + 1, num_sms=132)
-    few = pd.pick_decode_config(128, True, programs=4 * 132, num_sms=132)
-    assert (many.tile, many.num_warps, many.kv_words) == (64, 2, True)
-    assert (few.tile, few.num_warps, few.kv_words) == (128, 4, True)
-    assert pd.pick_decode_config(128, False, programs=10_000) == pd.pick_decode_config(128, False)
+def test_many_fp8_programs_take_smaller_ones() -> None:
+    """`plan_decode` on 16 "SMs": past 64 (sequence, KV head) programs an fp8 cache takes
+    two-warp programs of 64-token tiles, unsplit; below, the batch-1 config and its splits."""
+    cpu = torch.device("cpu")
+    few, n = pd.plan_decode(_decodes(8, 4096), 1, 128, True, cpu)
+    assert few == pd.pick_decode_config(128, True) and n == 4
+    assert pd.plan_decode(_decodes(64, 300), 1, 128, True, cpu)[0] == few
+    many, n = pd.plan_decode(_decodes(65, 300), 1, 128, True, cpu)
+    assert (many.tile, many.num_warps, many.kv_words, n) == (64, 2, True, 1)
+    assert pd.plan_decode(_decodes(65, 300), 1, 128, False, cpu) == (pd.pick_decode_config(128, False), 1)
 
 
 def test_which_decodes_take_the_decode_kernel() -> None:
