@@ -370,8 +370,13 @@ class Sampler:
         """(processed private copy of the logits, raw logprobs [L, V] of rows `lp_rows` or None).
 
         The logprobs are of the raw model distribution, taken before the bitmask and the
-        processors change the copy in place.
+        processors change the copy in place. A batch of greedy rows that nothing changes or
+        reads (no logprobs, bitmask, pending min_tokens or penalty) gets the logits as they are,
+        in the model's dtype: its argmax is the fp32 copy's (the conversion is exact and keeps
+        the order), without the copy's traffic (~2 GB a step at 750 rows of a 128k vocabulary).
         """
+        if not lp_rows and token_bitmask is None and self._untouched_greedy(rows):
+            return logits[:, : self.vocab_size], None
         logits = self._private_copy(logits)
         raw_logprobs = None
         if lp_rows:
@@ -393,6 +398,17 @@ class Sampler:
         return GreedyVerification(
             last, host, done, [None] * n, [], 0, [], _drafts=drafts, _starts=starts.tolist()
         )
+
+    @staticmethod
+    def _untouched_greedy(rows: list[SamplingRow]) -> bool:
+        """Every row greedy, and no stage 2-4 processor would change its logits."""
+        for r in rows:
+            p = r.params
+            if not p.greedy or p.repetition_penalty != 1.0 or len(r.output_token_ids) < p.min_tokens:
+                return False
+            if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and r.output_token_ids:
+                return False
+        return True
 
     # -- logit processors (all rows, greedy included) -------------------------
 

@@ -291,7 +291,7 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Logits [N, vocab] in fp32 for the rows of `hidden` the caller wants to sample
+        """Logits [N, vocab] (the model's dtype) for the rows of `hidden` the caller wants to sample
         (on tensor-parallel rank 0; the other ranks send their vocabulary's share and get None)."""
         return vocab_parallel_logits(hidden, self.embed_tokens if self.lm_head is None else self.lm_head)
 

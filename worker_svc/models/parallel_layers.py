@@ -365,8 +365,9 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 def vocab_parallel_logits(hidden: torch.Tensor, head: VocabParallelEmbedding) -> torch.Tensor | None:
-    """fp32 logits [N, vocab] on rank 0, None on the others: each rank's run of the
-    vocabulary, gathered (gathering to one rank moves 1/N of what an all-gather would)."""
+    """Logits [N, vocab] in the head's dtype on rank 0, None on the others: each rank's run of
+    the vocabulary, gathered (gathering to one rank moves 1/N of what an all-gather would). The
+    sampler takes its own fp32 copy where it processes or samples them (`Sampler._prepare`)."""
     n = hidden.shape[0]
     rows = logits_rows(n)
     if rows != n:
@@ -374,7 +375,7 @@ def vocab_parallel_logits(hidden: torch.Tensor, head: VocabParallelEmbedding) ->
     full = head.tp.gather_last_dim(F.linear(hidden, head.weight))
     if full is None:
         return None
-    return full[:n, : head.vocab_size].float()
+    return full[:n, : head.vocab_size]
 
 
 def logits_rows(n: int) -> int:

@@ -445,3 +445,23 @@ def test_cuda_single_sync_and_seed_reproducibility() -> None:
     alone, _ = Sampler(vocab, dev, seed=3).sample(logits[2:3], [rows[2]])
     moved, _ = Sampler(vocab, dev, seed=4).sample(logits[[5, 2]], [rows[5], rows[2]])
     assert alone[0] == ids[2] == moved[1]
+
+
+def test_untouched_greedy_rows_take_the_argmax_of_the_model_dtype() -> None:
+    """bf16 logits with a padded column: greedy rows with nothing to process skip the fp32 copy
+    and get the argmax of the vocabulary's columns (the copy's argmax); a penalty still applies."""
+    torch.manual_seed(0)
+    vocab = 50
+    logits = torch.randn(4, vocab + 6).to(torch.bfloat16)
+    logits[:, vocab:] = 100.0  # padding columns: never sampled
+    sampler = Sampler(vocab, CPU, seed=0)
+    plain = [row(output=[1], temperature=0.0) for _ in range(4)]
+    assert sampler._untouched_greedy(plain)
+    ids, _ = sampler.sample_async(logits, plain).wait()
+    assert ids == logits[:, :vocab].float().argmax(dim=-1).tolist()
+    logits[0, :vocab] = -10.0
+    logits[0, 3], logits[0, 7] = 1.0, 0.5
+    penalised = [row(output=[3], temperature=0.0, frequency_penalty=2.0)] + plain[1:]
+    assert not sampler._untouched_greedy(penalised)
+    assert sampler.sample_async(logits, penalised).wait()[0][0] == 7
+    assert not sampler._untouched_greedy([row(output=[], temperature=0.0, min_tokens=1)])
