@@ -84,10 +84,10 @@ def long_prefill_attention(
                 else:
                     out[seq_rows] = _flash_chunk_unbucketed(q[seq_rows], kv_cache, meta, i, scale, kv_scale)
         elif kinds[a] == _TRITON:
-            sub = sub_batch(meta, a, b, starts[a], starts[b])
+            sub = _sub_batch(meta, a, b, starts)
             prefill_mod.prefill_attention(q[rows], kv_cache, sub, scale, out=out[rows], kv_scale=kv_scale)
         else:
-            sub = sub_batch(meta, a, b, starts[a], starts[b])
+            sub = _sub_batch(meta, a, b, starts)
             triton_kernels.paged_attention(q[rows], kv_cache, sub, scale, out=out[rows], kv_scale=kv_scale)
         a = b
     return out
@@ -113,11 +113,11 @@ def _route(meta: AttentionMetadata, flash: bool) -> list[str]:
     return kinds
 
 
-def sub_batch(meta: AttentionMetadata, a: int, b: int, row_a: int, row_b: int) -> AttentionMetadata:
-    """The metadata of sequences [a, b) alone (their tokens: rows [row_a, row_b) of the batch)."""
+def _sub_batch(meta: AttentionMetadata, a: int, b: int, starts: list[int]) -> AttentionMetadata:
+    """The metadata of sequences [a, b) alone (their tokens start at row starts[a])."""
     return AttentionMetadata(
-        slot_mapping=meta.slot_mapping[row_a:row_b],
-        query_start_loc=meta.query_start_loc[a : b + 1] - row_a,
+        slot_mapping=meta.slot_mapping[starts[a] : starts[b]],
+        query_start_loc=meta.query_start_loc[a : b + 1] - starts[a],
         seq_lens=meta.seq_lens[a:b],
         block_tables=meta.block_tables[a:b],
         max_query_len=max(meta.query_lens_cpu[a:b]),

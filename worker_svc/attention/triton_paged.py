@@ -14,7 +14,6 @@ from kernels.attention_metadata import AttentionMetadata
 from kernels.triton.prefill_attention import use_prefill_kernel
 from worker_svc.attention.base import RotaryInputs
 from worker_svc.attention.long_prefill import long_prefill_attention
-from worker_svc.attention.mixed import MIN_DECODES, decodes_apart, leading_decodes
 
 
 class TritonPagedBackend:
@@ -42,7 +41,4 @@ class TritonPagedBackend:
             triton_kernels.write_kv_cache(k, v, kv_cache, meta.slot_mapping, kv_scale)
         if use_prefill_kernel(meta):  # long chunks, long contexts: SDPA / Triton prefill (issue 31)
             return long_prefill_attention(q, kv_cache, meta, scale, kv_scale=kv_scale)
-        num_decodes = leading_decodes(meta) if not meta.is_pure_decode else 0
-        if MIN_DECODES <= num_decodes < meta.num_seqs:  # a mixed batch: its decodes apart
-            return decodes_apart(q, kv_cache, meta, scale, num_decodes, kv_scale=kv_scale)
         return triton_kernels.paged_attention(q, kv_cache, meta, scale, kv_scale=kv_scale)
