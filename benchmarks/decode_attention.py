@@ -1,6 +1,7 @@
 """One layer's decode attention at long contexts against the copy bandwidth (issue 31).
 
     python3 benchmarks/decode_attention.py [--contexts 8192,32768,122880] [--sweep] [--out DIR]
+    python3 benchmarks/decode_attention.py --batched 256x600 --uneven 0.8  # a serving batch's spread
     python3 benchmarks/decode_attention.py --smoke          # CPU, Triton interpreted, tiny shapes
 
 Decode reads each sequence's K and V once: floor = K/V bytes / copy bandwidth (read + write of
@@ -60,17 +61,30 @@ def _copy_bw(dev: str, mib: int) -> float:
     return 2 * src.numel() * 2 / t
 
 
+def context_lens(case: Case, sigma: float) -> list[int]:
+    """Every sequence at `case.ctx`; with `sigma` > 0 (batches only), lognormal contexts of mean
+    `case.ctx` clipped to [1, 8 x ctx], seeded: a serving batch's spread, where a launch lasts as
+    long as its longest program (uniform batches favoured small programs the engine then ran
+    slower: docs/benchmarks.md, "The fp8 codes as words")."""
+    if sigma <= 0 or case.batch == 1:
+        return [case.ctx] * case.batch
+    x = torch.empty(case.batch).log_normal_(0.0, sigma, generator=torch.Generator().manual_seed(case.batch))
+    return [int(v) for v in (x / x.mean() * case.ctx).round().clamp(1, 8 * case.ctx)]
+
+
 class Workload:
     """`n_rot` independent (q, cache blocks, metadata) sets for one case, sharing one cache tensor."""
 
     def __init__(self, case: Case, args: argparse.Namespace) -> None:
         dev, bs, hkv, d = args.device, args.block_size, args.kv_heads, args.head_dim
         self.dtype = torch.float8_e4m3fn if case.kv == "fp8" else torch.bfloat16
-        self.bytes = case.batch * case.ctx * hkv * d * 2 * self.dtype.itemsize  # K + V read
+        lens = context_lens(case, args.uneven)
+        self.bytes = sum(lens) * hkv * d * 2 * self.dtype.itemsize  # K + V read
         rot_bytes = args.rotate_mib << 20
         self.n_rot = max(1, math.ceil(rot_bytes / self.bytes)) if dev == "cuda" else 1
-        nb = -(-case.ctx // bs)
-        total = self.n_rot * case.batch * nb
+        need = [-(-n // bs) for n in lens]
+        per_set, width = sum(need), max(need)
+        total = self.n_rot * per_set
         cache = torch.randn((2, total, bs, hkv, d), dtype=torch.bfloat16, device=dev)
         self.cache = cache.to(self.dtype)
         del cache
@@ -78,29 +92,31 @@ class Workload:
         self.kv_scale = reference.unit_kv_scale(dev) if case.kv == "fp8" else None
         if self.kv_scale is not None:
             self.kv_scale = torch.tensor([0.5, 2.0, 2.0, 0.5], dtype=torch.float32, device=dev)
-        perm = torch.randperm(total, device=dev).to(torch.int32)
+        perm = torch.randperm(total, dtype=torch.int32)
         self.sets = []
+        self.in_order = {}  # the same sets over blocks in allocation order (a fresh cache)
         for r in range(self.n_rot):
-            tables = perm[r * case.batch * nb : (r + 1) * case.batch * nb].view(case.batch, nb)
+            scattered = torch.zeros(case.batch, width, dtype=torch.int32)
+            in_order = torch.zeros(case.batch, width, dtype=torch.int32)
+            first = r * per_set
+            for i, n in enumerate(need):
+                scattered[i, :n] = perm[first : first + n]
+                in_order[i, :n] = torch.arange(first, first + n, dtype=torch.int32)
+                first += n
             meta = AttentionMetadata(
                 slot_mapping=torch.zeros(case.batch, dtype=torch.long, device=dev),
                 query_start_loc=torch.arange(case.batch + 1, dtype=torch.int32, device=dev),
-                seq_lens=torch.full((case.batch,), case.ctx, dtype=torch.int32, device=dev),
-                block_tables=tables,
+                seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+                block_tables=scattered.to(dev),
                 max_query_len=1,
-                max_seq_len=case.ctx,
+                max_seq_len=max(lens),
                 query_lens_cpu=[1] * case.batch,
-                seq_lens_cpu=[case.ctx] * case.batch,
+                seq_lens_cpu=list(lens),
             )
             # Scores with a standard deviation of ~3: a peaked softmax, not a plain mean of V.
             q = 3 * torch.randn(case.batch, args.heads, d, dtype=torch.bfloat16, device=dev)
             self.sets.append((q, meta, torch.empty_like(q)))
-        # The same sets over blocks in allocation order (a fresh cache) instead of scattered.
-        self.in_order = {}
-        for r, (_, meta, _) in enumerate(self.sets):
-            first = r * case.batch * nb
-            tables = torch.arange(first, first + case.batch * nb, dtype=torch.int32, device=dev)
-            self.in_order[id(meta)] = dataclasses.replace(meta, block_tables=tables.view(case.batch, nb))
+            self.in_order[id(meta)] = dataclasses.replace(meta, block_tables=in_order.to(dev))
         self.scale = d**-0.5
         self.ref: torch.Tensor | None = None
 
@@ -264,7 +280,8 @@ def run(args: argparse.Namespace) -> None:
     dev = args.device
     bw = _copy_bw(dev, args.copy_mib)
     gpu = torch.cuda.get_device_name() if dev == "cuda" else "cpu (Triton interpreted)"
-    print(f"device: {gpu}; copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    spread = f"lognormal contexts, sigma {args.uneven}, mean C" if args.uneven > 0 else "every context C"
+    print(f"device: {gpu}; copy bandwidth {bw / 1e12:.2f} TB/s; batches B x C: {spread}", flush=True)
     cases = [Case(1, c, kv) for c in args.contexts for kv in args.kv_dtypes]
     cases += [Case(b, c, kv) for b, c in args.batched for kv in args.kv_dtypes]
     for case in cases:
@@ -327,6 +344,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sweep-fp8", default="128/6/4,128/4/4,64/6/4,64/4/2,64/6/2,32/6/4,128/6/8")
     ap.add_argument("--sweep-splits", default="16,32,64,128", help="tile/stages/warps triples and splits")
     ap.add_argument("--diag-splits", default="16,32,64,128", help="batch 1: the default config at these too")
+    ap.add_argument(
+        "--uneven", type=float, default=0.0, help="batches: lognormal contexts of this sigma around BxC's C"
+    )
     ap.add_argument("--max-err", type=float, default=2e-2, help="largest ||out - ref|| / ||ref|| accepted")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (Triton interpreted)")
@@ -337,6 +357,7 @@ def main(argv: list[str] | None = None) -> None:
         args.contexts, args.batched, args.heads, args.kv_heads, args.head_dim = "100", "2x40", 2, 1, 16
         args.sweep, args.sweep_contexts, args.reps, args.copy_mib, args.rotate_mib = True, "100", 1, 8, 1
         args.sweep_batched, args.sweep_bf16, args.sweep_fp8 = "2x40", "32/2/4", "32/2/4,32/2/4w"
+        args.uneven = 0.5
         args.sweep_splits, args.diag_splits = "2", ""
         args.out = None
     args.contexts = [int(x) for x in args.contexts.split(",") if x]
