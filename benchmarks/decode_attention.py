@@ -198,15 +198,17 @@ def _row(case: Case, variant: str, t: float, err: float, w: Workload, bw: float,
 
 def _sweep_configs(args: argparse.Namespace, kv: str) -> list[tuple[pd.DecodeConfig, int]]:
     """(tile, stages, warps) triples of --sweep-bf16 / --sweep-fp8 x --sweep-splits x fused merge."""
-    triples = [  # a trailing "w": the fp8 codes read as int32 words (DecodeConfig.kv_words)
-        (*(int(v) for v in x.rstrip("w").split("/")), x.endswith("w"))
+    # Trailing letters: "w" the fp8 codes read as int32 words (DecodeConfig.kv_words), "l" the
+    # longest contexts launched first (DecodeConfig.longest_first).
+    triples = [
+        (*(int(v) for v in x.rstrip("wl").split("/")), "w" in x, "l" in x)
         for x in (args.sweep_fp8 if kv == "fp8" else args.sweep_bf16).split(",")
     ]
     splits = [int(x) for x in args.sweep_splits.split(",")]
     fused = [bool(int(x)) for x in args.sweep_fused.split(",")]
     return [
-        (pd.DecodeConfig(t, nw, st, dot_f16=kv == "fp8", fused_merge=m, kv_words=words), n)
-        for (t, st, nw, words), n, m in itertools.product(triples, splits, fused)
+        (pd.DecodeConfig(t, nw, st, dot_f16=kv == "fp8", fused_merge=m, kv_words=w, longest_first=lf), n)
+        for (t, st, nw, w, lf), n, m in itertools.product(triples, splits, fused)
     ]
 
 
@@ -271,6 +273,7 @@ def _variants(case: Case, w: Workload, args: argparse.Namespace) -> list[tuple[s
         for cfg, n in _sweep_configs(args, case.kv):
             label = f"t{cfg.tile} s{cfg.num_stages} w{cfg.num_warps}{' f16' if cfg.dot_f16 else ''} sp{n}"
             label += " words" if cfg.kv_words else ""
+            label += " longest first" if cfg.longest_first else ""
             label += " fused" if cfg.fused_merge else ""
             out.append((label, _decode(w, cfg, n), n, True))
     return out
@@ -356,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
         args.contexts, args.batched, args.heads, args.kv_heads, args.head_dim = "100", "2x40", 2, 1, 16
         args.sweep, args.sweep_contexts, args.reps, args.copy_mib, args.rotate_mib = True, "100", 1, 8, 1
-        args.sweep_batched, args.sweep_bf16, args.sweep_fp8 = "2x40", "32/2/4", "32/2/4,32/2/4w"
+        args.sweep_batched, args.sweep_bf16, args.sweep_fp8 = "2x40", "32/2/4", "32/2/4,32/2/4wl"
         args.uneven = 0.5
         args.sweep_splits, args.diag_splits = "2", ""
         args.out = None

@@ -30,6 +30,9 @@ class AttentionMetadata:
     # CUDA events, one per layer, of a KV load running beside the forward (worker_svc.kv_tiers):
     # layer i must not touch its cache before event i fires. None: nothing loading.
     layer_ready: list | None = None
+    # [B] int32, the sequences longest context first: built on first use by a decode kernel
+    # that launches long contexts first (kernels.triton.paged_decode), shared by every layer.
+    decode_order: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

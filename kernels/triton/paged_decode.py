@@ -84,6 +84,7 @@ def _paged_decode_kernel(
     query_start_loc_ptr,  # [B + 1] int32 (token of sequence i: query_start_loc[i])
     counter_ptr,  # [B * Hkv] int32, zero between launches (FUSED_MERGE): segments finished
     kv_scale_ptr,  # fp32 [4]: k_scale, v_scale, 1 / k_scale, 1 / v_scale (read when KV_FP8)
+    order_ptr,  # [B] int32: the sequence of grid row i (LONGEST_FIRST)
     scale_log2,  # softmax scale * log2(e)
     num_splits,
     stride_qt,
@@ -113,6 +114,7 @@ def _paged_decode_kernel(
     DOT_F16: tl.constexpr,  # run both dots in fp16 (the fp8 cache's cheap conversion)
     KV_WORDS: tl.constexpr,  # fp8 cache read as int32 words of four codes (k/v_cache_ptr: int32)
     CVT_ASM: tl.constexpr,  # KV_WORDS: convert with PTX (GPU), else with integer ops (interpreter)
+    LONGEST_FIRST: tl.constexpr,  # grid rows take sequences in order_ptr's order
     DOT_UPCAST: tl.constexpr,  # feed tl.dot fp32 (interpreter: its bf16/fp16 dot is broken)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no silent tf32)
     FUSED_MERGE: tl.constexpr,  # the last segment of each (sequence, KV head) merges them all
@@ -123,7 +125,10 @@ def _paged_decode_kernel(
         gdc_wait()
         gdc_launch_dependents()
     kv_head = tl.program_id(0)
-    seq = tl.program_id(1)
+    if LONGEST_FIRST:  # the block scheduler starts low rows first: long contexts lead, no tail
+        seq = tl.load(order_ptr + tl.program_id(1))
+    else:
+        seq = tl.program_id(1)
     segment = tl.program_id(2)
     num_kv_heads = tl.num_programs(0)
 
@@ -316,6 +321,9 @@ class DecodeConfig:
     dot_f16: bool  # fp8 cache only: convert to fp16 and run the dots in fp16
     fused_merge: bool = False  # the last segment merges (no merge launch); see the kernel
     kv_words: bool = False  # fp8 cache only: load int32 words of four codes, convert in place
+    # Launch the longest contexts first (`longest_first_order`). Off: an experiment for uneven
+    # batches (a launch lasts as long as its last program), not yet timed on a GPU.
+    longest_first: bool = False
 
 
 def pick_decode_config(head_pad: int, kv_fp8: bool) -> DecodeConfig:
@@ -410,6 +418,15 @@ def choose_decode_splits(meta: AttentionMetadata, num_kv_heads: int, device: tor
     return min(want, 1 << (useful.bit_length() - 1), _SPLIT_MAX)
 
 
+def longest_first_order(meta: AttentionMetadata) -> torch.Tensor:
+    """[B] int32: the batch's sequences by context length, longest first, sorted on the device
+    once a step (the first layer to ask; every layer shares `meta`), so a CUDA graph replays the
+    sort with the step's lengths."""
+    if meta.decode_order is None:
+        meta.decode_order = torch.argsort(meta.seq_lens, descending=True, stable=True).to(torch.int32)
+    return meta.decode_order
+
+
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _COUNTERS_MIN = 1 << 14
 
@@ -471,6 +488,7 @@ def paged_decode(
         key_cache, value_cache = key_cache.view(torch.int32), value_cache.view(torch.int32)
     interpreted = is_interpreted(q.device)
     counters = _counters(q.device, meta.num_seqs * num_kv_heads) if split and cfg.fused_merge else None
+    order = longest_first_order(meta) if cfg.longest_first else None
     _paged_decode_kernel[(num_kv_heads, meta.num_seqs, num_splits)](
         q,
         key_cache,
@@ -483,6 +501,7 @@ def paged_decode(
         meta.query_start_loc,
         counters if counters is not None else meta.seq_lens,  # any pointer when unused
         kv_scale if kv_fp8 else meta.seq_lens,  # any pointer when unused
+        order if order is not None else meta.seq_lens,  # any pointer when unused
         scale * _LOG2E,
         num_splits,
         q.stride(0),
@@ -512,6 +531,7 @@ def paged_decode(
         DOT_F16=dot_f16,
         KV_WORDS=kv_words,
         CVT_ASM=not interpreted,
+        LONGEST_FIRST=order is not None,
         DOT_UPCAST=interpreted and (q.dtype == torch.bfloat16 or dot_f16),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 and not dot_f16 else "tf32",
         FUSED_MERGE=counters is not None,

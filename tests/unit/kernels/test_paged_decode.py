@@ -145,3 +145,19 @@ def test_decode_fp8_words_read_every_code() -> None:
     q = (b.q.float() * 0.01).to(torch.bfloat16)
     out = pd.paged_decode(q, cache, b.meta, 0.2, torch.full_like(q, float("nan")), num_splits=2, config=cfg)
     _close(out, reference.paged_attention(q.float(), cache, b.meta, 0.2), 2e-2)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_longest_first_matches_twin_and_shares_its_order(num_splits: int) -> None:
+    """Grid rows in order of context length (DECODES' lengths 1, 37, 130, 64): the same output;
+    the order is built once on the metadata and reused by the next layer's launch."""
+    b = _batch(torch.float32, 4)
+    cfg = pd.DecodeConfig(tile=32, num_warps=4, num_stages=2, dot_f16=False, longest_first=True)
+    out = pd.paged_decode(
+        b.q, b.kv_cache, b.meta, 0.3, torch.full_like(b.q, float("nan")), num_splits=num_splits, config=cfg
+    )
+    _close(out, reference.paged_attention(b.q, b.kv_cache, b.meta, 0.3), 1e-5)
+    order = b.meta.decode_order
+    assert order is not None and order.tolist() == [2, 3, 1, 0]
+    pd.paged_decode(b.q, b.kv_cache, b.meta, 0.3, out, num_splits=num_splits, config=cfg)
+    assert b.meta.decode_order is order
