@@ -107,7 +107,10 @@ def test_step_stream_cut_from_the_worker_side_is_won_back(mesh, reference):
         intruder = worker_pb2_grpc.WorkerStub(open_sync_channel(w.address)).Step(
             iter([worker_pb2.StepPlan(step_id=0)]), metadata=((STEP_TOKEN_METADATA, STEP_TOKEN),)
         )
-        assert [r.step_id for r in intruder] == [0]
+        try:
+            assert [r.step_id for r in intruder] == [0]
+        except grpc.RpcError as e:  # the scheduler's reconnect replaced the intruder first
+            assert e.code() == grpc.StatusCode.ABORTED, e
     join(threads)
     assert not errors, errors
     assert results == reference  # nothing lost, nothing duplicated
