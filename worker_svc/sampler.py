@@ -165,6 +165,21 @@ class GreedyVerification(SampledIds):
         return ids, [None] * len(ids)
 
 
+# Which rows each logit processor (stages 2-4) touches.
+def _min_tokens_pending(r: SamplingRow) -> bool:
+    return len(r.output_token_ids) < r.params.min_tokens
+
+
+def _repetition_penalised(r: SamplingRow) -> bool:
+    return r.params.repetition_penalty != 1.0
+
+
+def _count_penalised(r: SamplingRow) -> bool:
+    """Presence / frequency penalties: counts of output tokens, none before the first."""
+    p = r.params
+    return (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and bool(r.output_token_ids)
+
+
 class Sampler:
     # Above this k, sorting the vocabulary once beats torch.topk.
     TOPK_PATH_MAX_K = 1024
@@ -402,13 +417,8 @@ class Sampler:
     @staticmethod
     def _untouched_greedy(rows: list[SamplingRow]) -> bool:
         """Every row greedy, and no stage 2-4 processor would change its logits."""
-        for r in rows:
-            p = r.params
-            if not p.greedy or p.repetition_penalty != 1.0 or len(r.output_token_ids) < p.min_tokens:
-                return False
-            if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and r.output_token_ids:
-                return False
-        return True
+        processed = (_min_tokens_pending, _repetition_penalised, _count_penalised)
+        return all(r.params.greedy and not any(touches(r) for touches in processed) for r in rows)
 
     # -- logit processors (all rows, greedy included) -------------------------
 
@@ -428,9 +438,9 @@ class Sampler:
     def _apply_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         flat_idx: list[int] = []  # row * vocab + token, into the flattened logits
         for i, r in enumerate(rows):
-            p = r.params
-            if len(r.output_token_ids) >= p.min_tokens:
+            if not _min_tokens_pending(r):
                 continue
+            p = r.params
             banned = set(p.stop_token_ids)
             if not p.ignore_eos:
                 banned.update(r.eos_token_ids)
@@ -445,7 +455,7 @@ class Sampler:
         return logits
 
     def _apply_repetition_penalty(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        sel = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+        sel = [i for i, r in enumerate(rows) if _repetition_penalised(r)]
         if not sel:
             return logits
         seen = torch.zeros(len(sel) * self.vocab_size, dtype=torch.bool, device=self.device)
@@ -465,11 +475,7 @@ class Sampler:
         return logits
 
     def _apply_presence_frequency(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        sel = [
-            i
-            for i, r in enumerate(rows)
-            if (r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0) and r.output_token_ids
-        ]
+        sel = [i for i, r in enumerate(rows) if _count_penalised(r)]
         if not sel:
             return logits
         flat = self._flat_token_index([rows[i].output_token_ids for i in sel])
