@@ -56,11 +56,12 @@ from kernels.triton.pdl import gdc_launch_dependents, gdc_wait
 
 _LOG2E = 1.4426950408889634
 
-# Pure-decode batches with an fp8 cache, and long-context ones that leave the SMs mostly idle,
-# go to `kernels.triton.paged_decode` (`takes_decode_kernel`: configs and splits for one wave
-# of resident programs, an fp16 path for the fp8 cache). LLMESH_PAGED_DECODE=unified keeps all
-# of them on this module's unified/split-K kernel, the path before issue 31's decode work, so
-# that a benchmark can run both side by side.
+# Pure-decode batches with an fp8 cache, large bf16 ones, and long-context ones that leave
+# the SMs mostly idle go to `kernels.triton.paged_decode` (`takes_decode_kernel`: configs and
+# splits for one wave of resident programs, large batches longest context first, an fp16 path
+# for the fp8 cache). LLMESH_PAGED_DECODE=unified keeps all of them on this module's
+# unified/split-K kernel, the path before issue 31's decode work, so that a benchmark can run
+# both side by side.
 _UNIFIED_DECODE = os.environ.get("LLMESH_PAGED_DECODE", "") == "unified"
 
 # Split-K heuristics (pure decode): aim for about this many waves of programs over the SMs,

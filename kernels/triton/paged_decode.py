@@ -2,8 +2,9 @@
 
 Twin: `kernels.reference.paged_attention` (the decode rows). `kernels.triton.paged_attention`
 sends the pure-decode batches that `takes_decode_kernel` accepts here (every one with an fp8
-cache; bf16 ones only at long contexts on nearly idle grids, where this was measured faster);
-mixed, prefill and the other decode batches stay on its unified kernel.
+cache; bf16 ones at long contexts on nearly idle grids and large batches, where this was
+measured faster); mixed, prefill and the other decode batches stay on its unified kernel.
+A large batch's grid rows take its sequences longest context first (`longest_first_order`).
 
 Decode at a long context is a stream over the KV cache: each (sequence, KV head) reads its
 whole context once and does a few FLOPs per byte. The kernel's only job is to keep enough
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -57,8 +58,12 @@ _SPLIT_MIN_TOKENS = 256
 _LONG_CONTEXT = 16384
 _MIN_SPLITS = 32
 _SPLIT_MAX = 64
-# Past this many unsplit programs an SM, an fp8 cache takes smaller programs (`plan_decode`).
-_MANY_PROGRAMS_PER_SM = 4
+# Batches (`plan_decode`), by (sequence, KV head) programs an SM: past the first, smaller
+# programs, unsplit; past the second, launched longest context first (a bf16 batch takes this
+# kernel from there on: `takes_decode_kernel`); past the third, smaller still (fp8).
+_FEW_PROGRAMS_PER_SM = 4
+_MID_PROGRAMS_PER_SM = 12
+_MANY_PROGRAMS_PER_SM = 40
 
 
 # Four e4m3 codes (one int32 word, code i in byte i) -> four fp16: two packed conversions.
@@ -321,8 +326,9 @@ class DecodeConfig:
     dot_f16: bool  # fp8 cache only: convert to fp16 and run the dots in fp16
     fused_merge: bool = False  # the last segment merges (no merge launch); see the kernel
     kv_words: bool = False  # fp8 cache only: load int32 words of four codes, convert in place
-    # Launch the longest contexts first (`longest_first_order`). Off: an experiment for uneven
-    # batches (a launch lasts as long as its last program), not yet timed on a GPU.
+    # Grid rows take the sequences longest context first (`longest_first_order`): a launch lasts
+    # as long as its last program, and the block scheduler starts low rows first, so the long
+    # contexts start first instead of finishing last. On for large batches (`plan_decode`).
     longest_first: bool = False
 
 
@@ -351,25 +357,41 @@ def pick_decode_config(head_pad: int, kv_fp8: bool) -> DecodeConfig:
 def plan_decode(
     meta: AttentionMetadata, num_kv_heads: int, head_pad: int, kv_fp8: bool, device: torch.device
 ) -> tuple[DecodeConfig, int]:
-    """Config and segments per sequence of a launch, from host-side lengths only.
+    """Config and segments per sequence of a launch, from host-side lengths only (in a CUDA
+    graph, its size: the real rows' count is not known at capture).
 
-    `pick_decode_config` with `choose_decode_splits`, except for an fp8 cache with more than
-    `_MANY_PROGRAMS_PER_SM` (sequence, KV head) programs an SM (ShareGPT's large decode batches):
-    smaller programs, more of them resident, unsplit: 64-token tiles, two warps, depth 4.
-    Kernel alone on an H100: 128 x 800 95.1 us against 108.9; 512 x 500 231.9 against 258.4;
-    1,000 x 400 381 against 474. ShareGPT FP8 with an fp8 cache, one H100, trees alternating:
-    14,806 / 14,825 out tok/s against 14,440 / 14,607 before.
+    By (sequence, KV head) programs an SM:
+    * up to `_FEW_PROGRAMS_PER_SM`: `pick_decode_config` with `choose_decode_splits`;
+    * up to `_MID_PROGRAMS_PER_SM` (fp8): 64-token tiles, two warps, depth 4, unsplit;
+    * beyond, the engine's largest batches, whose contexts are uneven (ShareGPT's early steps:
+      lognormal prompts, few tokens generated yet), and a launch lasts as long as its longest
+      program: the longest contexts first (`longest_first`), 64-token tiles two buffers deep
+      (four warps for an fp8 cache, two for bf16), unsplit; past `_MANY_PROGRAMS_PER_SM`, an fp8
+      cache takes one-warp programs of 32-token tiles.
 
-    Tried and left out (docs/benchmarks.md, "The fp8 codes as words"): one-warp programs of
-    32-token tiles read uniform batches faster still (750 x 272 181 us against 216), and two-warp
-    ones split to four programs an SM did 35 x 916 in 38.1 us against 52.0, but the engine ran
-    ShareGPT slower with both (14,664 / 14,742): its contexts are uneven, and a kernel lasts as
-    long as its longest program, which small programs walk slowly.
+    Kernel alone on an H100, one layer, contexts lognormal (sigma 0.8) around the mean
+    (`decode_attention.py --uneven 0.8`; docs/benchmarks.md, "Longest contexts first"), fp8
+    cache, the tier's config before -> now: 256 x 600 198.6 -> 140.9 us; 512 x 500 329.7 ->
+    231.8; 750 x 272 268.8 -> 186.6; 1,000 x 400 439.0 -> 334.4. bf16 cache, the unified kernel
+    -> this: 256 x 600 253.4 -> 219.8; 512 x 500 432.4 -> 362.2; 1,000 x 400 605.7 -> 562.6.
+    In the engine (ShareGPT FP8, fp8 cache, GPU ms a decode step): 257-512 sequences 12.09 ->
+    11.39, 513+ 19.80 -> 18.33.
+
+    Below `_MID_PROGRAMS_PER_SM` the same changes won the uneven benchmark (32 x 900 93.2 ->
+    54.6 us, 128 x 800 229.0 -> 135.3: the batch-1 config launched longest first, split two
+    ways) and lost in the engine (17-64 sequences 5.28 -> 5.51 ms a step, 65-128 7.13 -> 7.51):
+    by the time a batch is that small, its sequences have generated hundreds of tokens each
+    and their contexts are even.
     """
-    programs = meta.num_seqs * num_kv_heads
-    if kv_fp8 and head_pad <= 128 and programs > _MANY_PROGRAMS_PER_SM * _num_sms(device):
-        return DecodeConfig(tile=64, num_warps=2, num_stages=4, dot_f16=True, kv_words=True), 1
-    return pick_decode_config(head_pad, kv_fp8), choose_decode_splits(meta, num_kv_heads, device)
+    programs_per_sm = meta.num_seqs * num_kv_heads / _num_sms(device)
+    if head_pad > 128 or programs_per_sm <= _FEW_PROGRAMS_PER_SM:
+        return pick_decode_config(head_pad, kv_fp8), choose_decode_splits(meta, num_kv_heads, device)
+    if kv_fp8 and programs_per_sm <= _MID_PROGRAMS_PER_SM:
+        return DecodeConfig(64, 2, 4, dot_f16=True, kv_words=True), 1
+    if kv_fp8 and programs_per_sm > _MANY_PROGRAMS_PER_SM:
+        return DecodeConfig(32, 1, 2, dot_f16=True, kv_words=True, longest_first=True), 1
+    warps = 4 if kv_fp8 else 2
+    return DecodeConfig(64, warps, 2, dot_f16=kv_fp8, kv_words=kv_fp8, longest_first=True), 1
 
 
 def takes_decode_kernel(
@@ -378,18 +400,23 @@ def takes_decode_kernel(
     """Whether a pure-decode batch goes to this kernel rather than the unified one.
 
     An fp8 cache always (faster at every shape measured: 1 x 8k-120k, 4 x 32k, 16 x 8k,
-    64 x 2k). A cache in the model's dtype only in the regime where this kernel was measured
-    faster: long contexts split at least `_MIN_SPLITS` ways into at most
-    `_SPLIT_PROGRAMS_PER_SM` programs an SM (batch 1 at 32k: 43.6 against 49.8 us). Batches
-    keep the unified kernel, which read 83-96 % of copy bandwidth at 4 x 32k, 16 x 8k and
-    64 x 2k (this kernel's configs of the time: 71-79 %; its present one was not measured there).
+    64 x 2k). A cache in the model's dtype where this kernel was measured faster:
+    * a batch of more than `_MID_PROGRAMS_PER_SM` programs an SM, launched longest context
+      first (`plan_decode`): with uneven contexts the unified kernel's last programs walk the
+      longest contexts alone (256 x 600 lognormal: 219.8 against 253.4 us; 1,000 x 400: 562.6
+      against 605.7);
+    * long contexts split at least `_MIN_SPLITS` ways into at most `_SPLIT_PROGRAMS_PER_SM`
+      programs an SM (batch 1 at 32k: 43.6 against 49.8 us).
     """
     if kv_fp8:
+        return True
+    programs = meta.num_seqs * num_kv_heads
+    if num_splits is None and programs > _MID_PROGRAMS_PER_SM * _num_sms(device):
         return True
     if meta.max_seq_len < _LONG_CONTEXT:
         return False
     n = num_splits or choose_decode_splits(meta, num_kv_heads, device)
-    return n >= _MIN_SPLITS and meta.num_seqs * num_kv_heads * n <= _SPLIT_PROGRAMS_PER_SM * _num_sms(device)
+    return n >= _MIN_SPLITS and programs * n <= _SPLIT_PROGRAMS_PER_SM * _num_sms(device)
 
 
 @functools.lru_cache(maxsize=8)

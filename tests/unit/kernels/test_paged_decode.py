@@ -92,26 +92,59 @@ def test_split_heuristic_fills_the_sms_once() -> None:
     assert pd.choose_decode_splits(_decodes(6, 4096), 4, cpu) == 1  # 24 programs: 2 would be 2 waves
 
 
-def test_many_fp8_programs_take_smaller_ones() -> None:
-    """`plan_decode` on 16 "SMs": past 64 (sequence, KV head) programs an fp8 cache takes
-    two-warp programs of 64-token tiles, unsplit; below, the batch-1 config and its splits."""
+def test_batch_programs_follow_the_grid() -> None:
+    """`plan_decode` on 16 "SMs", by (sequence, KV head) programs an SM: up to 4 the batch-1
+    config and its splits; up to 12 (fp8) two-warp programs of 64-token tiles, unsplit; beyond,
+    longest context first, 64-token tiles two deep, and past 40 (fp8) one-warp 32-token ones."""
     cpu = torch.device("cpu")
     few, n = pd.plan_decode(_decodes(8, 4096), 1, 128, True, cpu)
     assert few == pd.pick_decode_config(128, True) and n == 4
-    assert pd.plan_decode(_decodes(64, 300), 1, 128, True, cpu)[0] == few
-    many, n = pd.plan_decode(_decodes(65, 300), 1, 128, True, cpu)
-    assert (many.tile, many.num_warps, many.kv_words, n) == (64, 2, True, 1)
-    assert pd.plan_decode(_decodes(65, 300), 1, 128, False, cpu) == (pd.pick_decode_config(128, False), 1)
+    assert pd.plan_decode(_decodes(64, 300), 1, 128, True, cpu) == (few, 1)
+    small, n = pd.plan_decode(_decodes(65, 300), 1, 128, True, cpu)
+    assert (small.tile, small.num_warps, small.num_stages, small.kv_words, small.longest_first, n) == (
+        64,
+        2,
+        4,
+        True,
+        False,
+        1,
+    )
+    assert pd.plan_decode(_decodes(192, 300), 1, 128, True, cpu)[0] == small
+    mid, n = pd.plan_decode(_decodes(193, 300), 1, 128, True, cpu)
+    assert (mid.tile, mid.num_warps, mid.num_stages, mid.kv_words, mid.longest_first, n) == (
+        64,
+        4,
+        2,
+        True,
+        True,
+        1,
+    )
+    assert pd.plan_decode(_decodes(640, 300), 1, 128, True, cpu)[0] == mid
+    many, n = pd.plan_decode(_decodes(641, 300), 1, 128, True, cpu)
+    assert (many.tile, many.num_warps, many.kv_words, many.longest_first, n) == (32, 1, True, True, 1)
+    bf16, n = pd.plan_decode(_decodes(641, 300), 1, 128, False, cpu)
+    assert (bf16.tile, bf16.num_warps, bf16.dot_f16, bf16.kv_words, bf16.longest_first, n) == (
+        64,
+        2,
+        False,
+        False,
+        True,
+        1,
+    )
 
 
 def test_which_decodes_take_the_decode_kernel() -> None:
-    """An fp8 cache always; otherwise long contexts on grids that leave the SMs idle."""
+    """An fp8 cache always; otherwise batches of more than 12 programs an SM and long contexts
+    on grids that leave the SMs idle."""
     cpu = torch.device("cpu")  # 16 "SMs": 32 programs
     assert pd.takes_decode_kernel(_decodes(1, 300), 8, True, cpu, None)  # fp8: always
     assert not pd.takes_decode_kernel(_decodes(1, 300), 1, False, cpu, None)  # short
     assert pd.takes_decode_kernel(_decodes(1, 16384), 1, False, cpu, None)  # 32 splits, 32 programs
     assert not pd.takes_decode_kernel(_decodes(2, 16384), 1, False, cpu, None)  # 16 splits a sequence
     assert not pd.takes_decode_kernel(_decodes(1, 16384), 2, False, cpu, 32)  # forced: 64 programs
+    assert not pd.takes_decode_kernel(_decodes(192, 300), 1, False, cpu, None)  # 12 an SM
+    assert pd.takes_decode_kernel(_decodes(193, 300), 1, False, cpu, None)  # a large batch
+    assert not pd.takes_decode_kernel(_decodes(193, 300), 1, False, cpu, 1)  # splits forced: unified
 
 
 def test_unified_switch_keeps_the_old_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
