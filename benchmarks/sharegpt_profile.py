@@ -15,7 +15,11 @@ and the runner's `finish` (the wait for the sampled ids) are timed on the host.
 
 Passes (`--passes`, in order):
 * `events`: the decode graphs as captured by the engine padded up to the old power-of-two sizes;
-* `fine`: the same with every captured size (`cuda_graphs.capture_sizes`);
+* `fine`: the same with every captured size (`cuda_graphs.capture_sizes`); `fine-nogc` with
+  the cycle collector off for the run (what its pauses cost: each pass reports the collections
+  it met and the GPU's waits beside them); `-stacks` after a name samples every thread's stack
+  each millisecond (`stack_sampler.py`) and prints where they stood during the launches the GPU
+  waited for;
 * any of them with `@` and settings of the decode graphs' paged attention, which are frozen
   into each graph at capture, so the graphs are captured again: `wN` split-K aiming at N waves
   of programs (`paged_attention._SPLIT_TARGET_WAVES`), `sN` N pipeline stages and `tN` context
@@ -35,6 +39,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
+import itertools
 import json
 import os
 import sys
@@ -48,6 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.gpu import SHAPES, SMOKE_SHAPES, engine_settings, free_cuda, write_config  # noqa: E402
 from benchmarks.offline_throughput import make_sharegpt_workload  # noqa: E402
+from benchmarks.stack_sampler import StackSampler  # noqa: E402
 from worker_svc.rank_channel import DECODE_GRAPH, EAGER  # noqa: E402
 
 
@@ -84,6 +91,11 @@ class StepRecorder:
         self.rows: list[dict[str, Any]] = []
         self.host: dict[str, list[float]] = collections.defaultdict(list)
         self._cur: dict[str, Any] | None = None
+        # Cycle collections, (perf_counter at start, ms, generation): they hold the GIL, so the
+        # step thread cannot launch while one runs.
+        self.collections: list[tuple[float, float, int]] = []
+        self._gc_start = 0.0
+        gc.callbacks.append(self._on_gc)
         engine = llm.engine
         runner, ex, planner = engine.runner, engine.runner.executor, engine.planner
         self.ex = ex
@@ -110,7 +122,7 @@ class StepRecorder:
             if self.marker:
                 torch.cuda._sleep(100)  # "spin_kernel": where this step's kernels start
             rec["e0"] = event()
-            t0 = time.perf_counter()
+            t0 = rec["t_forward"] = time.perf_counter()
             out = forward(inp, patch, layer_ready)
             rec["host_forward_ms"] = 1e3 * (time.perf_counter() - t0)
             rec["e1"] = event()
@@ -145,9 +157,17 @@ class StepRecorder:
         planner.schedule = timed("planner.schedule", schedule)
         planner.update = timed("planner.update", update)
 
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            ms = 1e3 * (time.perf_counter() - self._gc_start)
+            self.collections.append((self._gc_start, ms, info["generation"]))
+
     def reset(self) -> None:
         self.rows = []
         self.host = collections.defaultdict(list)
+        self.collections = []
 
     def resolve(self) -> list[dict[str, Any]]:
         """Each step's GPU times from its events (after the run: every event has completed)."""
@@ -167,7 +187,12 @@ class StepRecorder:
         return out
 
 
-def summarize(steps: list[dict[str, Any]], host: dict[str, list[float]], seconds: float) -> dict[str, Any]:
+def summarize(
+    steps: list[dict[str, Any]],
+    host: dict[str, list[float]],
+    seconds: float,
+    collections_seen: list[tuple[float, float, int]],
+) -> dict[str, Any]:
     kinds: dict[str, dict[str, float]] = {}
     for rec in steps:
         k = kinds.setdefault(rec["kind"], collections.defaultdict(float))
@@ -184,8 +209,32 @@ def summarize(steps: list[dict[str, Any]], host: dict[str, list[float]], seconds
         "gpu_busy_s": busy,
         "gpu_idle_between_steps_s": sum(r.get("idle_before_ms", 0.0) for r in steps) / 1e3,
         "kinds": {k: dict(v) for k, v in kinds.items()},
-        "host": {k: {"calls": len(v), "total_s": sum(v) / 1e3} for k, v in host.items()},
+        "host": {k: {"calls": len(v), "total_s": sum(v) / 1e3, "max_ms": max(v)} for k, v in host.items()},
+        "gc": gc_summary(collections_seen),
+        "idle_spikes": idle_spikes(steps, collections_seen),
     }
+
+
+def gc_summary(seen: list[tuple[float, float, int]]) -> dict[int, dict[str, float]]:
+    out: dict[int, dict[str, float]] = {}
+    for _, ms, gen in seen:
+        g = out.setdefault(gen, {"count": 0, "total_ms": 0.0, "max_ms": 0.0})
+        g["count"] += 1
+        g["total_ms"] += ms
+        g["max_ms"] = max(g["max_ms"], ms)
+    return dict(sorted(out.items()))
+
+
+def idle_spikes(steps: list[dict[str, Any]], seen: list[tuple[float, float, int]], ms: float = 10.0) -> str:
+    """How many steps the GPU waited more than `ms` for, and how many of those launches a cycle
+    collection overlapped or ended within 50 ms before."""
+    spikes = [r for r in steps if r.get("idle_before_ms", 0.0) > ms]
+    near = 0
+    for r in spikes:
+        t0, t1 = r["t_launch"] - 0.05, r["t_launch"] + r["host_launch_ms"] / 1e3
+        near += any(start < t1 and start + d / 1e3 > t0 for start, d, _ in seen)
+    idle = sum(r["idle_before_ms"] for r in spikes)
+    return f"{len(spikes)} waits over {ms:.0f} ms ({idle:.0f} ms), {near} of them beside a collection"
 
 
 def kinds_table(s: dict[str, Any]) -> str:
@@ -202,8 +251,36 @@ def kinds_table(s: dict[str, Any]) -> str:
             f"{gpu_s:>8.2f}{k['idle_before_ms'] / 1e3:>8.2f}{k['host_launch_ms'] / n:>16.2f}"
             f"{k['host_forward_ms'] / n:>12.2f}"
         )
-    host = ", ".join(f"{k} {v['total_s']:.2f} s / {v['calls']}" for k, v in s["host"].items())
+    host = ", ".join(
+        f"{k} {v['total_s']:.2f} s / {v['calls']} (longest {v['max_ms']:.1f} ms)"
+        for k, v in s["host"].items()
+    )
     lines.append(f"host (all threads): {host}")
+    gc_line = ", ".join(
+        f"gen{g} {v['count']} = {v['total_ms']:.0f} ms (longest {v['max_ms']:.1f})"
+        for g, v in s["gc"].items()
+    )
+    lines.append(f"cycle collections: {gc_line or 'none'}; {s['idle_spikes']}")
+    return "\n".join(lines)
+
+
+def stacks_table(sampler: StackSampler, steps: list[dict[str, Any]], ms: float = 8.0) -> str:
+    """What the threads were doing before the forwards the GPU waited more than `ms` for: from
+    the end of the launch before to this forward's call."""
+    windows = [
+        (prev["t_launch"] + prev["host_launch_ms"] / 1e3, r["t_forward"])
+        for prev, r in itertools.pairwise(steps)
+        if r.get("idle_before_ms", 0.0) > ms
+    ]
+    n, longest = sampler.gaps()
+    lines = [
+        f"stacks before {len(windows)} forwards the GPU waited over {ms:.0f} ms for"
+        f" ({sum(b - a for a, b in windows) * 1e3:.0f} ms of host time; {len(sampler.samples)} samples;"
+        f" the sampler kept from the GIL over 5 ms {n} times, longest {longest * 1e3:.1f} ms):"
+    ]
+    lines += [
+        f"  {count:>5} {thread[:18]:<18} {sig}" for thread, sig, count in sampler.during(windows, top=25)
+    ]
     return "\n".join(lines)
 
 
@@ -348,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = {**SHAPES, **SMOKE_SHAPES}
     if args.smoke:
         args.model, args.num_requests, args.max_num_seqs, args.max_num_batched_tokens = "llama-tiny", 4, 4, 64
-        args.max_model_len, args.passes = 256, "events,fine@w8"
+        args.max_model_len, args.passes = 256, "events-nogc,fine-stacks@w8"
         if not torch.cuda.is_available():
             args.device = "cpu"
     cuda = args.device == "cuda"
@@ -385,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
                     last_settings = settings
                 if graphs is not None:  # `fine`: every captured size; else the old powers of two
                     old = pow2_sizes(graphs.max_size)
-                    graphs.sizes = all_sizes if name == "fine" else [s for s in all_sizes if s in old]
+                    fine = name.startswith("fine")
+                    graphs.sizes = all_sizes if fine else [s for s in all_sizes if s in old]
                 work = shifted(reqs, i + 1, cfg["vocab_size"])
                 rec.reset()
                 rec.marker = name == "profile" and cuda
@@ -393,8 +471,18 @@ def main(argv: list[str] | None = None) -> int:
                 if rec.marker:
                     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
                     prof.__enter__()
+                if "-nogc" in name:  # no cycle collection at all during the run
+                    gc.disable()
+                sampler = StackSampler() if "-stacks" in name else None
+                if sampler is not None:
+                    sampler.start()
                 t0 = time.perf_counter()
-                outs = llm.generate([{"prompt_token_ids": p} for p, _ in work], params, use_tqdm=False)
+                try:
+                    outs = llm.generate([{"prompt_token_ids": p} for p, _ in work], params, use_tqdm=False)
+                finally:
+                    gc.enable()
+                    if sampler is not None:
+                        sampler.stop()
                 if cuda:
                     torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
@@ -403,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
                 tokens = sum(len(o.outputs[0].token_ids) for o in outs)
                 assert tokens == out_tokens, (tokens, out_tokens)
                 steps = rec.resolve()
-                s = summarize(steps, rec.host, dt)
+                s = summarize(steps, rec.host, dt, rec.collections)
                 s["out_tok_s"] = tokens / dt
                 s["graph_sizes"] = list(graphs.sizes) if graphs is not None else []
                 head = (
@@ -412,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
                     f" = {s['gpu_busy_s'] / dt:.0%}, idle between steps {s['gpu_idle_between_steps_s']:.2f} s"
                 )
                 text = [head, kinds_table(s)]
+                if sampler is not None:
+                    text.append(stacks_table(sampler, steps))
                 if prof is not None:
                     t_k = time.time()
                     b = kernel_breakdown(prof, steps)
