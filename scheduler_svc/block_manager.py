@@ -141,7 +141,7 @@ class BlockManager:
         have = len(table.block_ids) if table else len(hits)
         need = self.blocks_needed(num_computed + num_new) - have
         # Cached hits sitting in the free list are taken out of it, so they cannot also be fresh blocks.
-        reusable = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        reusable = sum(1 for b in hits if self.blocks[b].ref_count == 0) if hits else 0
         if need > len(self.free) - reusable:
             return None
         if table is None:
@@ -150,8 +150,11 @@ class BlockManager:
                 self._take(block_id)
                 table.block_ids.append(block_id)
             table.num_cached_blocks = len(hits)
-        new_ids = [self._take_fresh() for _ in range(max(need, 0))]
-        table.block_ids.extend(new_ids)
+        # A decode needs a block once in block_size steps: the other steps of a large batch's
+        # sequences (every step, every sequence) make nothing here.
+        new_ids = [self._take_fresh() for _ in range(need)] if need > 0 else []
+        if new_ids:
+            table.block_ids.extend(new_ids)
         if self.enable_prefix_caching:
             known = len(token_ids) if not callable(token_ids) else num_known
             assert known is not None, "num_known is needed with a token_ids function"

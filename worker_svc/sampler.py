@@ -32,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -52,6 +52,12 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # tokens generated so far for this sequence
     eos_token_ids: list[int]  # model's EOS ids (masked until min_tokens reached unless ignore_eos)
+    # Greedy, and no logit processor can ever touch it (`_never_processed_greedy`): read once a
+    # row per step by the greedy fast path, which a 1,000-row batch otherwise spends ~1 ms on.
+    plain_greedy: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.plain_greedy = _never_processed_greedy(self.params)
 
 
 def seeded_draw_seed(seed: int, num_output_tokens: int) -> int:
@@ -166,6 +172,18 @@ class GreedyVerification(SampledIds):
 
 
 # Which rows each logit processor (stages 2-4) touches.
+def _never_processed_greedy(p: SamplingParams) -> bool:
+    """Greedy, and each predicate below False at every output length: no min_tokens, no
+    repetition, presence or frequency penalty."""
+    return (
+        p.greedy
+        and p.min_tokens == 0
+        and p.repetition_penalty == 1.0
+        and p.presence_penalty == 0.0
+        and p.frequency_penalty == 0.0
+    )
+
+
 def _min_tokens_pending(r: SamplingRow) -> bool:
     return len(r.output_token_ids) < r.params.min_tokens
 
@@ -417,6 +435,8 @@ class Sampler:
     @staticmethod
     def _untouched_greedy(rows: list[SamplingRow]) -> bool:
         """Every row greedy, and no stage 2-4 processor would change its logits."""
+        if all(r.plain_greedy for r in rows):  # the common case: one attribute a row
+            return True
         processed = (_min_tokens_pending, _repetition_penalised, _count_penalised)
         return all(r.params.greedy and not any(touches(r) for touches in processed) for r in rows)
 
