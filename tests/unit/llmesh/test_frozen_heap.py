@@ -1,5 +1,6 @@
-"""`frozen_heap`: objects alive at entry are out of the cycle collector's walks until the
-outermost span ends, also when spans nest or overlap across threads."""
+"""`frozen_heap`: objects alive at entry are out of the cycle collector's walks, and its full
+collections are held off, until the outermost span ends, also when spans nest or overlap
+across threads."""
 
 from __future__ import annotations
 
@@ -56,3 +57,14 @@ def test_overlapping_threads_unfreeze_once_the_last_leaves() -> None:
     release.set()
     t.join()
     assert gc.get_freeze_count() == 0
+
+
+def test_full_collections_held_off_for_the_span_then_back() -> None:
+    before = gc.get_threshold()
+    with frozen_heap():
+        t0, t1, t2 = gc.get_threshold()
+        assert (t0, t1) == before[:2] and t2 > 1000 * max(before[2], 1)
+        with frozen_heap():  # nested: unchanged
+            assert gc.get_threshold()[2] == t2
+        assert gc.get_threshold()[2] == t2
+    assert gc.get_threshold() == before
