@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-# Modules of benchmarks/ that are not scripts (imported by the others, no main): none today.
-HELPERS: set[str] = set()
+# Modules of benchmarks/ that are not scripts (imported by the others, no main); each runs in
+# the smoke runs of the scripts that import it (stack_sampler: sharegpt_profile's -stacks pass).
+HELPERS: set[str] = {"stack_sampler"}
 # Scripts whose smoke run here takes more than --smoke (to keep make test's time): kv_store's chat
 # rows (12 engines) are left out; its document rows cover every store path.
 SMOKE_ARGV: dict[str, list[str]] = {"kv_store": ["--smoke", "--skip-chat"]}
