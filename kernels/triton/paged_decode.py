@@ -2,9 +2,10 @@
 
 Twin: `kernels.reference.paged_attention` (the decode rows). `kernels.triton.paged_attention`
 sends the pure-decode batches that `takes_decode_kernel` accepts here (every one with an fp8
-cache; bf16 ones at long contexts on nearly idle grids and large batches, where this was
-measured faster); mixed, prefill and the other decode batches stay on its unified kernel.
-A large batch's grid rows take its sequences longest context first (`longest_first_order`).
+cache; bf16 ones at long contexts on nearly idle grids and batches past a few programs an SM,
+where this was measured faster); mixed, prefill and the other decode batches stay on its
+unified kernel. A batch's grid rows take its sequences longest context first
+(`longest_first_order`).
 
 Decode at a long context is a stream over the KV cache: each (sequence, KV head) reads its
 whole context once and does a few FLOPs per byte. The kernel's only job is to keep enough
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -58,9 +59,9 @@ _SPLIT_MIN_TOKENS = 256
 _LONG_CONTEXT = 16384
 _MIN_SPLITS = 32
 _SPLIT_MAX = 64
-# Batches (`plan_decode`), by (sequence, KV head) programs an SM: past the first, smaller
-# programs, unsplit; past the second, launched longest context first (a bf16 batch takes this
-# kernel from there on: `takes_decode_kernel`); past the third, smaller still (fp8).
+# Batches (`plan_decode`), by (sequence, KV head) programs an SM: past the first, a bf16 batch
+# takes this kernel (`takes_decode_kernel`); past the second, smaller programs; past the third,
+# smaller still (fp8).
 _FEW_PROGRAMS_PER_SM = 4
 _MID_PROGRAMS_PER_SM = 12
 _MANY_PROGRAMS_PER_SM = 40
@@ -328,7 +329,7 @@ class DecodeConfig:
     kv_words: bool = False  # fp8 cache only: load int32 words of four codes, convert in place
     # Grid rows take the sequences longest context first (`longest_first_order`): a launch lasts
     # as long as its last program, and the block scheduler starts low rows first, so the long
-    # contexts start first instead of finishing last. On for large batches (`plan_decode`).
+    # contexts start first instead of finishing last. On for every batch (`plan_decode`).
     longest_first: bool = False
 
 
@@ -360,34 +361,32 @@ def plan_decode(
     """Config and segments per sequence of a launch, from host-side lengths only (in a CUDA
     graph, its size: the real rows' count is not known at capture).
 
-    By (sequence, KV head) programs an SM:
-    * up to `_FEW_PROGRAMS_PER_SM`: `pick_decode_config` with `choose_decode_splits`;
-    * up to `_MID_PROGRAMS_PER_SM` (fp8): 64-token tiles, two warps, depth 4, unsplit;
-    * beyond, the engine's largest batches, whose contexts are uneven (ShareGPT's early steps:
-      lognormal prompts, few tokens generated yet), and a launch lasts as long as its longest
-      program: the longest contexts first (`longest_first`), 64-token tiles two buffers deep
-      (four warps for an fp8 cache, two for bf16), unsplit; past `_MANY_PROGRAMS_PER_SM`, an fp8
-      cache takes one-warp programs of 32-token tiles.
+    Batch 1: `pick_decode_config` with `choose_decode_splits`. A batch's contexts are uneven, and
+    a launch lasts as long as its longest program, so a batch launches its longest contexts
+    first (`longest_first`), with programs sized by (sequence, KV head) programs an SM:
+    * up to `_MID_PROGRAMS_PER_SM`: the batch-1 config and its splits (none from ~3 an SM on);
+    * beyond: 64-token tiles two buffers deep, four warps for an fp8 cache, two for bf16,
+      unsplit; past `_MANY_PROGRAMS_PER_SM`, an fp8 cache takes one-warp 32-token programs.
 
-    Kernel alone on an H100, one layer, contexts lognormal (sigma 0.8) around the mean
-    (`decode_attention.py --uneven 0.8`; docs/benchmarks.md, "Longest contexts first"), fp8
-    cache, the tier's config before -> now: 256 x 600 198.6 -> 140.9 us; 512 x 500 329.7 ->
-    231.8; 750 x 272 268.8 -> 186.6; 1,000 x 400 439.0 -> 334.4. bf16 cache, the unified kernel
-    -> this: 256 x 600 253.4 -> 219.8; 512 x 500 432.4 -> 362.2; 1,000 x 400 605.7 -> 562.6.
-    In the engine (ShareGPT FP8, fp8 cache, GPU ms a decode step): 257-512 sequences 12.09 ->
-    11.39, 513+ 19.80 -> 18.33.
+    Kernel alone on an H100, one layer, fp8 cache, contexts lognormal around the mean at the
+    spread of the engine's steps of that size (ShareGPT: the large batches come first, their
+    contexts mostly prompt; by 64 sequences each has generated hundreds of tokens), the plan
+    before -> this (`decode_attention.py --uneven S`; docs/benchmarks.md, "Longest contexts
+    first"): sigma 0.35, 64 x 850 70.7 -> 58.4 us; 0.45, 128 x 600 106.4 -> 84.5; 0.6, 192 x 450
+    153.1 -> 101.3; 0.8, 512 x 500 329.7 -> 231.8, 1,000 x 400 439.0 -> 334.4. bf16 cache, the
+    unified kernel -> this: 0.8, 64 x 1,000 159.1 -> 119.2; 512 x 500 432.4 -> 362.2.
 
-    Below `_MID_PROGRAMS_PER_SM` the same changes won the uneven benchmark (32 x 900 93.2 ->
-    54.6 us, 128 x 800 229.0 -> 135.3: the batch-1 config launched longest first, split two
-    ways) and lost in the engine (17-64 sequences 5.28 -> 5.51 ms a step, 65-128 7.13 -> 7.51):
-    by the time a batch is that small, its sequences have generated hundreds of tokens each
-    and their contexts are even.
+    Splitting a batch's contexts did not pay in the engine: with the longest first, the batch-1
+    config split at least two ways won the widest spread (0.8: 32 x 900 93.2 -> 54.6 us) and lost
+    at the engine's (0.35: 64 x 850 58.4 unsplit against 69.2; ShareGPT's 17-64 sequence steps
+    5.28 -> 5.51 ms).
     """
     programs_per_sm = meta.num_seqs * num_kv_heads / _num_sms(device)
-    if head_pad > 128 or programs_per_sm <= _FEW_PROGRAMS_PER_SM:
-        return pick_decode_config(head_pad, kv_fp8), choose_decode_splits(meta, num_kv_heads, device)
-    if kv_fp8 and programs_per_sm <= _MID_PROGRAMS_PER_SM:
-        return DecodeConfig(64, 2, 4, dot_f16=True, kv_words=True), 1
+    base = pick_decode_config(head_pad, kv_fp8)
+    if meta.num_seqs == 1:
+        return base, choose_decode_splits(meta, num_kv_heads, device)
+    if head_pad > 128 or programs_per_sm <= _MID_PROGRAMS_PER_SM:
+        return replace(base, longest_first=True), choose_decode_splits(meta, num_kv_heads, device)
     if kv_fp8 and programs_per_sm > _MANY_PROGRAMS_PER_SM:
         return DecodeConfig(32, 1, 2, dot_f16=True, kv_words=True, longest_first=True), 1
     warps = 4 if kv_fp8 else 2
@@ -401,17 +400,17 @@ def takes_decode_kernel(
 
     An fp8 cache always (faster at every shape measured: 1 x 8k-120k, 4 x 32k, 16 x 8k,
     64 x 2k). A cache in the model's dtype where this kernel was measured faster:
-    * a batch of more than `_MID_PROGRAMS_PER_SM` programs an SM, launched longest context
+    * a batch of more than `_FEW_PROGRAMS_PER_SM` programs an SM, launched longest context
       first (`plan_decode`): with uneven contexts the unified kernel's last programs walk the
-      longest contexts alone (256 x 600 lognormal: 219.8 against 253.4 us; 1,000 x 400: 562.6
-      against 605.7);
+      longest contexts alone (lognormal, sigma 0.8: 64 x 1,000 119.2 against 159.1 us;
+      1,000 x 400 562.6 against 605.7);
     * long contexts split at least `_MIN_SPLITS` ways into at most `_SPLIT_PROGRAMS_PER_SM`
       programs an SM (batch 1 at 32k: 43.6 against 49.8 us).
     """
     if kv_fp8:
         return True
     programs = meta.num_seqs * num_kv_heads
-    if num_splits is None and programs > _MID_PROGRAMS_PER_SM * _num_sms(device):
+    if num_splits is None and programs > _FEW_PROGRAMS_PER_SM * _num_sms(device):
         return True
     if meta.max_seq_len < _LONG_CONTEXT:
         return False

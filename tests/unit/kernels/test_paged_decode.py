@@ -9,6 +9,7 @@ heuristic; and the switch back to the unified kernel.
 from __future__ import annotations
 
 import importlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -93,23 +94,16 @@ def test_split_heuristic_fills_the_sms_once() -> None:
 
 
 def test_batch_programs_follow_the_grid() -> None:
-    """`plan_decode` on 16 "SMs", by (sequence, KV head) programs an SM: up to 4 the batch-1
-    config and its splits; up to 12 (fp8) two-warp programs of 64-token tiles, unsplit; beyond,
-    longest context first, 64-token tiles two deep, and past 40 (fp8) one-warp 32-token ones."""
+    """`plan_decode` on 16 "SMs", by (sequence, KV head) programs an SM: batch 1 the batch-1
+    config and its splits; a batch longest context first, with the batch-1 config and its splits
+    up to 12, 64-token tiles two deep unsplit beyond, and past 40 (fp8) one-warp 32-token ones."""
     cpu = torch.device("cpu")
+    one, n = pd.plan_decode(_decodes(1, 4096), 8, 128, True, cpu)
+    assert one == pd.pick_decode_config(128, True) and n == 4
     few, n = pd.plan_decode(_decodes(8, 4096), 1, 128, True, cpu)
-    assert few == pd.pick_decode_config(128, True) and n == 4
-    assert pd.plan_decode(_decodes(64, 300), 1, 128, True, cpu) == (few, 1)
-    small, n = pd.plan_decode(_decodes(65, 300), 1, 128, True, cpu)
-    assert (small.tile, small.num_warps, small.num_stages, small.kv_words, small.longest_first, n) == (
-        64,
-        2,
-        4,
-        True,
-        False,
-        1,
-    )
-    assert pd.plan_decode(_decodes(192, 300), 1, 128, True, cpu)[0] == small
+    assert few == replace(one, longest_first=True) and n == 4
+    assert pd.plan_decode(_decodes(64, 4096), 1, 128, True, cpu) == (few, 1)  # ~3 an SM on: unsplit
+    assert pd.plan_decode(_decodes(192, 300), 1, 128, True, cpu) == (few, 1)  # 12 an SM
     mid, n = pd.plan_decode(_decodes(193, 300), 1, 128, True, cpu)
     assert (mid.tile, mid.num_warps, mid.num_stages, mid.kv_words, mid.longest_first, n) == (
         64,
@@ -131,10 +125,14 @@ def test_batch_programs_follow_the_grid() -> None:
         True,
         1,
     )
+    assert pd.plan_decode(_decodes(65, 300), 1, 128, False, cpu) == (
+        replace(pd.pick_decode_config(128, False), longest_first=True),
+        1,
+    )
 
 
 def test_which_decodes_take_the_decode_kernel() -> None:
-    """An fp8 cache always; otherwise batches of more than 12 programs an SM and long contexts
+    """An fp8 cache always; otherwise batches of more than 4 programs an SM and long contexts
     on grids that leave the SMs idle."""
     cpu = torch.device("cpu")  # 16 "SMs": 32 programs
     assert pd.takes_decode_kernel(_decodes(1, 300), 8, True, cpu, None)  # fp8: always
@@ -142,9 +140,9 @@ def test_which_decodes_take_the_decode_kernel() -> None:
     assert pd.takes_decode_kernel(_decodes(1, 16384), 1, False, cpu, None)  # 32 splits, 32 programs
     assert not pd.takes_decode_kernel(_decodes(2, 16384), 1, False, cpu, None)  # 16 splits a sequence
     assert not pd.takes_decode_kernel(_decodes(1, 16384), 2, False, cpu, 32)  # forced: 64 programs
-    assert not pd.takes_decode_kernel(_decodes(192, 300), 1, False, cpu, None)  # 12 an SM
-    assert pd.takes_decode_kernel(_decodes(193, 300), 1, False, cpu, None)  # a large batch
-    assert not pd.takes_decode_kernel(_decodes(193, 300), 1, False, cpu, 1)  # splits forced: unified
+    assert not pd.takes_decode_kernel(_decodes(64, 300), 1, False, cpu, None)  # 4 an SM
+    assert pd.takes_decode_kernel(_decodes(65, 300), 1, False, cpu, None)  # a batch past 4 an SM
+    assert not pd.takes_decode_kernel(_decodes(65, 300), 1, False, cpu, 1)  # splits forced: unified
 
 
 def test_unified_switch_keeps_the_old_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
