@@ -281,6 +281,17 @@ def stacks_table(sampler: StackSampler, steps: list[dict[str, Any]], ms: float =
     lines += [
         f"  {count:>5} {thread[:18]:<18} {sig}" for thread, sig, count in sampler.during(windows, top=25)
     ]
+    # Where a large step's launch spends its host time (it is on the critical path there).
+    large = [(r["t_launch"], r["t_launch"] + r["host_launch_ms"] / 1e3) for r in steps if r["n"] > 512]
+    lines.append(
+        f"the step thread during the {len(large)} launches of more than 512 sequences"
+        f" ({sum(b - a for a, b in large) * 1e3:.0f} ms):"
+    )
+    lines += [
+        f"  {count:>5} {sig}"
+        for thread, sig, count in sampler.during(large, top=40)
+        if thread == "llmesh-step"
+    ]
     return "\n".join(lines)
 
 
