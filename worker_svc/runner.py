@@ -43,7 +43,7 @@ from worker_svc.pooling import Pooler, default_pooling, drop_pooling_samples, po
 from worker_svc.prompt_logprobs import PromptLogprobsPending, PromptRows, prompt_rows
 from worker_svc.rank_channel import EAGER, LORA_LOAD, ForwardInputs
 from worker_svc.rank_group import RankGroup, start_rank_group
-from worker_svc.sampler import SampledIds, Sampler, SamplingRow
+from worker_svc.sampler import SampledIds, Sampler, SamplingRow, uses_penalties
 from worker_svc.spec_decode.config import SpeculativeConfig
 from worker_svc.spec_decode.ngram import NgramProposer
 from worker_svc.step_inputs import BlockTableRows, prepare_step
@@ -126,10 +126,6 @@ class _TokenSpan(Sequence[int]):
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._tokens[self._start :])
-
-
-def _uses_penalties(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 class ModelRunner:
@@ -476,7 +472,7 @@ class ModelRunner:
                 if s.num_new_tokens > 1 and self.draft is not None:
                     return False  # a draft model drafts from the last token, on the host
                 p = st.params
-                if _uses_penalties(p) or p.seed is not None or p.min_tokens > 0:
+                if uses_penalties(p) or p.seed is not None or p.min_tokens > 0:
                     return False
                 if st.grammar is not None and s.num_new_tokens > 1:
                     return False  # a grammar's masks at several positions need the token on the host
@@ -749,7 +745,7 @@ class ModelRunner:
         """
         if not drafts:
             return [self._sampling_row(st)]
-        if _uses_penalties(st.params):
+        if uses_penalties(st.params):
             prompt, out = st.token_ids[: st.num_prompt_tokens], st.token_ids[st.num_prompt_tokens :]
             outputs: list = [out + drafts[:j] for j in range(len(drafts) + 1)]
         else:  # only the count of output tokens matters (min_tokens, a seed's per-position draw)
@@ -759,7 +755,7 @@ class ModelRunner:
     def _sampling_row(self, st: SequenceState) -> SamplingRow:
         if st.sampling_row is not None:
             return st.sampling_row
-        if _uses_penalties(st.params):
+        if uses_penalties(st.params):
             # Penalties read every token: plain list copies, made only for these rows.
             return SamplingRow(
                 params=st.params,

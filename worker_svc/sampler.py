@@ -171,17 +171,16 @@ class GreedyVerification(SampledIds):
         return ids, [None] * len(ids)
 
 
+def uses_penalties(p: SamplingParams) -> bool:
+    """A repetition, presence or frequency penalty: processors that read the tokens so far."""
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
 # Which rows each logit processor (stages 2-4) touches.
 def _never_processed_greedy(p: SamplingParams) -> bool:
     """Greedy, and each predicate below False at every output length: no min_tokens, no
-    repetition, presence or frequency penalty."""
-    return (
-        p.greedy
-        and p.min_tokens == 0
-        and p.repetition_penalty == 1.0
-        and p.presence_penalty == 0.0
-        and p.frequency_penalty == 0.0
-    )
+    penalty."""
+    return p.greedy and p.min_tokens == 0 and not uses_penalties(p)
 
 
 def _min_tokens_pending(r: SamplingRow) -> bool:
