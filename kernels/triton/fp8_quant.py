@@ -114,6 +114,8 @@ def quantize_fp8_rows(x: torch.Tensor, row_block: int = ROW_BLOCK) -> tuple[torc
         BLOCK_N=block_n,
         ONE_BLOCK=one_block,
         HW_ROUND=not is_interpreted(x.device),
-        num_warps=min(max(block_n // 256, 1), 16),
+        # o_proj's 4,096-wide rows on an H100: 16k rows 66.9 us with 8 warps against 80.9 with
+        # 16; 752 rows 4.6 us with 16 against 4.8 with 8.
+        num_warps=min(max(block_n // 256, 1), 8 if m >= 2048 else 16),
     )
     return q, scale

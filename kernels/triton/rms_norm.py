@@ -176,7 +176,9 @@ def rms_norm(
         eps,
         HAS_RESIDUAL=residual is not None,
         BLOCK_N=block_n,
-        num_warps=min(max(block_n // 256, 1), 8),
+        # As `rms_norm_fp8` (the same sum in the same order): 752 rows of 4,096 5.1 us with 16
+        # warps against 6.9 with 8 (H100); 1 and 16k rows equal.
+        num_warps=min(max(block_n // 256, 1), 16),
     )
     return out, new_residual
 
@@ -235,7 +237,7 @@ def rms_norm_fp8(
         BLOCK_N=block_n,
         HW_ROUND=not is_interpreted(x.device),
         # 16 warps for a 4,096-wide row: 1 row 2.4 us against 2.8 with 8, 752 rows 6.5 against
-        # 6.8 (H100); 16k rows equal (at the copy bandwidth either way).
+        # 6.8 (H100); 16k rows equal (at the copy bandwidth either way). As `rms_norm`'s.
         num_warps=min(max(block_n // 256, 1), 16),
     )
     return q, scale, new_residual
