@@ -103,6 +103,10 @@ def _interpretable_lang() -> Iterator[None]:
     * Triton < 3.7 turns a scalar (a 1-element, 1-D array) into an int with int(array), which
       NumPy >= 2.5 rejects, so `range(lo, hi)` over run-time bounds fails: re-patch
       `__index__` right after the interpreter's own patching.
+    * The interpreter's cast to e4m3 (float8e4nv) rounds half up and drops a carry out of the
+      mantissa (127.4 became 64); the GPU's (`cvt.rn.satfinite`) rounds to nearest even, as
+      torch does. Casts to e4m3 go through torch for the launch, so a kernel writes the codes
+      under the interpreter that it writes on the GPU, with no rounding by hand in its body.
 
     Not thread-safe against a concurrent compiled launch in the same process.
     """
@@ -125,9 +129,13 @@ def _interpretable_lang() -> Iterator[None]:
 
     if patch_tensor is not None:
         interpreter._patch_lang_tensor = patch_tensor_with_index
+    builder = interpreter.InterpreterBuilder
+    fp_to_fp = builder.create_fp_to_fp
+    builder.create_fp_to_fp = _torch_e4m3_cast(fp_to_fp)
     try:
         yield
     finally:
+        builder.create_fp_to_fp = fp_to_fp
         if patch_tensor is not None:
             interpreter._patch_lang_tensor = patch_tensor
         for ns, before in snapshot:
@@ -144,6 +152,22 @@ def _interpretable_lang() -> Iterator[None]:
 
 
 _MISSING = object()
+
+
+def _torch_e4m3_cast(fp_to_fp: Callable[..., Any]) -> Callable[..., Any]:
+    """The interpreter's `create_fp_to_fp`, with fp32 / fp16 -> float8e4nv cast by torch."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime.interpreter import TensorHandle
+
+    def create_fp_to_fp(self: Any, src: Any, dst_type: Any, rounding_mode: Any) -> Any:
+        if dst_type.scalar != tl.float8e4nv or src.dtype.scalar not in (tl.float32, tl.float16):
+            return fp_to_fp(self, src, dst_type, rounding_mode)
+        values = torch.from_numpy(np.array(src.data, dtype=np.float32))
+        codes = values.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        return TensorHandle(codes.reshape(np.shape(src.data)), dst_type.scalar)
+
+    return create_fp_to_fp
 
 
 def dual_jit(

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton import dual_jit, is_interpreted
+from kernels.triton import dual_jit
 from kernels.triton.pdl import gdc_launch_dependents, gdc_wait
 
 
@@ -39,7 +39,6 @@ def _kv_write_kernel(
     D_PAD: tl.constexpr,
     QUANT: tl.constexpr,  # the cache is fp8: scale, saturate and round to e4m3
     PDL: tl.constexpr,
-    HW_ROUND: tl.constexpr = False,  # the GPU's cast rounds (else by hand: the interpreter)
 ):
     if PDL:  # the grid before this one done and visible (see kernels.triton.pdl_enabled)
         gdc_wait()
@@ -63,20 +62,11 @@ def _kv_write_kernel(
     v = tl.load(v_ptr + tok64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     if QUANT:
         # K and V as one [2, ...] pass: row 0 keys, row 1 values, each times its reciprocal
-        # scale. Under the interpreter rounded to e4m3's grid by hand, to nearest even, as
-        # kernels/triton/fp8_quant.py does (and says why); the cast is then exact.
+        # scale, saturated; the cast rounds to nearest even.
         x = tl.join(
             k.to(tl.float32) * tl.load(kv_scale_ptr + 2), v.to(tl.float32) * tl.load(kv_scale_ptr + 3)
         )
-        x = tl.clamp(x, -448.0, 448.0)
-        if not HW_ROUND:
-            a = tl.abs(x)
-            small = a < 0.015625
-            bits = tl.where(small, a + 0.015625, a).to(tl.uint32, bitcast=True)
-            a = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
-            a = tl.where(small, a - 0.015625, a)
-            x = tl.where(x < 0, -a, a)
-        kq, vq = tl.split(x)
+        kq, vq = tl.split(tl.clamp(x, -448.0, 448.0))
         tl.store(k_cache_ptr + dst, kq.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + dst, vq.to(v_cache_ptr.dtype.element_ty), mask=mask)
     else:
@@ -135,6 +125,5 @@ def write_kv_cache(
         H_PAD=triton.next_power_of_2(num_kv_heads),
         D_PAD=triton.next_power_of_2(head_dim),
         QUANT=quant,
-        HW_ROUND=not is_interpreted(k.device),
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )

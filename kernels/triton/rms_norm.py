@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton import dual_jit, is_interpreted
+from kernels.triton import dual_jit
 from kernels.triton.pdl import gdc_launch_dependents, gdc_wait
 
 
@@ -87,7 +87,6 @@ def _rms_norm_fp8_kernel(
     OUT_DTYPE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PDL: tl.constexpr,
-    HW_ROUND: tl.constexpr = False,
 ):
     if PDL:  # the grid before this one done and visible (see kernels.triton.pdl_enabled)
         gdc_wait()
@@ -108,20 +107,11 @@ def _rms_norm_fp8_kernel(
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     # The value `rms_norm` would store (rounded to its output dtype), quantized from registers:
     # `kernels.triton.fp8_quant`'s scale and rounding (kept in step with it; see there why the
-    # division is div_rn and the rounding to e4m3's grid is done by hand).
+    # division is div_rn).
     y = (h * w).to(OUT_DTYPE).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(y), axis=0) * inv_fp8_max, min_scale)
     tl.store(scale_ptr + row, scale)
     q = tl.clamp(tl.div_rn(y, scale), -fp8_max, fp8_max)
-    if not HW_ROUND:  # the interpreter: e4m3's rounding by hand (fp8_quant.py says why)
-        a = tl.abs(q)
-        small = a < 0.015625
-        a = tl.where(small, a + 0.015625, a)
-        bits = a.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
-        a = bits.to(tl.float32, bitcast=True)
-        a = tl.where(small, a - 0.015625, a)
-        q = tl.where(q < 0, -a, a)
     tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -235,7 +225,6 @@ def rms_norm_fp8(
         HAS_RESIDUAL=residual is not None,
         OUT_DTYPE=_TL_DTYPES[out_dtype],
         BLOCK_N=block_n,
-        HW_ROUND=not is_interpreted(x.device),
         # 16 warps for a 4,096-wide row: 1 row 2.4 us against 2.8 with 8, 752 rows 6.5 against
         # 6.8 (H100); 16k rows equal (at the copy bandwidth either way). As `rms_norm`'s.
         num_warps=min(max(block_n // 256, 1), 16),

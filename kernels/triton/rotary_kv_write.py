@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton import dual_jit, is_interpreted
+from kernels.triton import dual_jit
 from kernels.triton.pdl import gdc_launch_dependents, gdc_wait
 
 
@@ -53,7 +53,6 @@ def _rotary_kv_write_kernel(
     HALF_PAD: tl.constexpr,
     QUANT: tl.constexpr,  # the cache is fp8: scale, saturate and round to e4m3
     PDL: tl.constexpr,
-    HW_ROUND: tl.constexpr = False,  # the GPU's cast rounds (else by hand: the interpreter)
 ):
     if PDL:  # the grid before this one done and visible (see kernels.triton.pdl_enabled)
         gdc_wait()
@@ -97,21 +96,12 @@ def _rotary_kv_write_kernel(
         v1 = tl.load(at, mask=mask, other=0.0)
         v2 = tl.load(at + HALF, mask=mask, other=0.0)
         if QUANT:
-            # The four halves as one [H, HALF, 2, 2] pass; under the interpreter rounded to
-            # e4m3's grid by hand to nearest even, as kernels/triton/fp8_quant.py does (and says
-            # why), so that the cast below is exact. New names: the compiler refuses a variable
-            # whose type changes inside the `if slot` block.
+            # The four halves as one [H, HALF, 2, 2] pass, saturated; the cast below rounds to
+            # nearest even. New names: the compiler refuses a variable whose type changes
+            # inside the `if slot` block.
             kk = tl.join(k1.to(tl.float32), k2.to(tl.float32)) * tl.load(kv_scale_ptr + 2)
             vv = tl.join(v1.to(tl.float32), v2.to(tl.float32)) * tl.load(kv_scale_ptr + 3)
-            x = tl.clamp(tl.join(kk, vv), -448.0, 448.0)
-            if not HW_ROUND:
-                a = tl.abs(x)
-                small = a < 0.015625
-                bits = tl.where(small, a + 0.015625, a).to(tl.uint32, bitcast=True)
-                a = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
-                a = tl.where(small, a - 0.015625, a)
-                x = tl.where(x < 0, -a, a)
-            kq, vq = tl.split(x)
+            kq, vq = tl.split(tl.clamp(tl.join(kk, vv), -448.0, 448.0))
             kq1, kq2 = tl.split(kq)
             vq1, vq2 = tl.split(vq)
             tl.store(k_cache_ptr + dst, kq1.to(k_cache_ptr.dtype.element_ty), mask=mask)
@@ -186,6 +176,5 @@ def rotary_and_write_kv(
         HKV_PAD=triton.next_power_of_2(num_kv_heads),
         HALF_PAD=triton.next_power_of_2(half),
         QUANT=quant,
-        HW_ROUND=not is_interpreted(q.device),
         num_warps=4 if num_heads * head_dim >= 2048 else 1,
     )

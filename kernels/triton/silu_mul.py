@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton import dual_jit, is_interpreted
+from kernels.triton import dual_jit
 from kernels.triton.pdl import gdc_launch_dependents, gdc_wait
 
 BLOCK = 1024
@@ -76,7 +76,6 @@ def _silu_and_mul_fp8_kernel(
     BLOCK_N: tl.constexpr,
     ONE_BLOCK: tl.constexpr,
     PDL: tl.constexpr,
-    HW_ROUND: tl.constexpr = False,
 ):
     if PDL:  # the grid before this one done and visible (see kernels.triton.pdl_enabled)
         gdc_wait()
@@ -114,15 +113,6 @@ def _silu_and_mul_fp8_kernel(
             silu = (gate / (1.0 + tl.exp(-gate))).to(OUT_DTYPE).to(tl.float32)
             y = (silu * up).to(OUT_DTYPE).to(tl.float32)
         q = tl.clamp(tl.div_rn(y, scale), -fp8_max, fp8_max)
-        if not HW_ROUND:  # the interpreter: e4m3's rounding by hand (fp8_quant.py says why)
-            a = tl.abs(q)
-            small = a < 0.015625
-            a = tl.where(small, a + 0.015625, a)
-            bits = a.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
-            a = bits.to(tl.float32, bitcast=True)
-            a = tl.where(small, a - 0.015625, a)
-            q = tl.where(q < 0, -a, a)
         tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -170,7 +160,6 @@ def silu_and_mul_fp8(x: torch.Tensor, row_block: int = ROW_BLOCK) -> tuple[torch
         OUT_DTYPE=_TL_DTYPES[x.dtype],
         BLOCK_N=block,
         ONE_BLOCK=one_block,
-        HW_ROUND=not is_interpreted(x.device),
         num_warps=_fp8_warps(m, block),
     )
     return q, scale

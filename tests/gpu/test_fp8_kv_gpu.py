@@ -1,7 +1,7 @@
 """The fp8 KV cache on the GPU: its kernels against their twins at serving sizes (Llama-3.1-8B
 heads: 32 query / 8 KV, D=128, block 16), and an engine whose cache is fp8.
 
-The writes round by hand to nearest even as torch's CUDA cast does (a rare code one step away
+The writes' cast rounds to nearest even as torch's CUDA cast does (a rare code one step away
 is allowed, as for the FP8 activations). Paged
 attention reads the same fp8 cache as the twin (run in fp32 on it): within a bf16 rounding.
 """

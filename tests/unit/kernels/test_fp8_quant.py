@@ -24,14 +24,16 @@ def test_quantize_fp8_rows_matches_twin_bit_for_bit(
 
 
 def test_quantize_fp8_rows_rounds_to_nearest_even_across_binades_and_subnormals() -> None:
-    # Values that round up into the next power of two (127.4 -> 128), and e4m3 subnormals
-    # (below 2**-6 of the scale): where a naive cast (Triton's interpreter's) goes wrong.
-    row = torch.tensor([[448.0, 127.4, -31.1, 1.98, 0.009, -0.0031, 0.00098, 0.0]])
+    # Values that round up into the next power of two (127.4 -> 128), e4m3 subnormals (below
+    # 2**-6 of the scale) and a negative zero: where Triton's interpreter's own cast goes wrong
+    # (kernels.triton casts through torch under it, as the GPU's cast rounds).
+    row = torch.tensor([[448.0, 127.4, -31.1, 1.98, 0.009, -0.0031, 0.00098, 0.0, -0.0, -1e-5]])
     q, scale = quantize_fp8_rows(row)
     q_ref, _ = reference.quantize_fp8_rows(row)
     assert scale.item() == 1.0
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     assert q.float()[0, 1].item() == 128.0
+    assert q.view(torch.uint8)[0, 8].item() == 0x80  # -0 stays -0
 
 
 def test_quantize_fp8_rows_scales_each_row_and_keeps_leading_dims_flat() -> None:

@@ -314,3 +314,17 @@ def test_pdl_is_off_where_the_interpreter_runs(monkeypatch) -> None:
 
     assert _skinny_gemm_kernel.pdl
     assert _prefetch_lines(256, 2) == 8 and _prefetch_lines(512, 1) == 8  # 2 K tiles of 128-byte lines
+
+
+def test_the_interpreters_e4m3_cast_is_torchs_during_a_launch_only() -> None:
+    """Under the interpreter a cast to e4m3 rounds as torch's (and the GPU's) does, so a kernel
+    needs no rounding by hand; the interpreter's own cast is back after the launch."""
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    before = InterpreterBuilder.create_fp_to_fp
+    k = torch.tensor([[[127.4, -0.0, 0.0031, 300.0]]])  # a carry into the exponent, -0, a subnormal
+    cache = torch.zeros(2, 1, 4, 1, 4, dtype=torch.float8_e4m3fn)
+    kt.write_kv_cache(k, k, cache, torch.tensor([0]))
+    assert InterpreterBuilder.create_fp_to_fp is before
+    want = k.to(torch.float8_e4m3fn).view(torch.uint8)
+    assert torch.equal(cache[0, 0, 0].view(torch.uint8), want[0])
