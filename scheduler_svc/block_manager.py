@@ -133,6 +133,15 @@ class BlockManager:
         (its cache salt), kept in its table from the first call on.
         """
         table = self.tables.get(seq_id)
+        if table is not None:
+            # Most decode steps of a large batch: no new block, no block filled to register.
+            end, size = num_computed + num_new, self.block_size
+            if end <= len(table.block_ids) * size:
+                if not self.enable_prefix_caching:
+                    return []
+                known = num_known if callable(token_ids) else len(token_ids)
+                if known is not None and min(end, known) // size <= table.num_cached_blocks:
+                    return []
         hits: list[int] = []
         if table is None:
             token_ids = token_ids() if callable(token_ids) else token_ids

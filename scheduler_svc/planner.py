@@ -260,6 +260,7 @@ class Planner:
                 # is in flight: it finishes when that result is applied.
                 i += 1
                 continue
+            num_tokens = req.num_tokens
             if req.awaiting_result:
                 # Chained behind the verification in flight: one more token after whatever it
                 # accepts, plus the drafts the worker proposes then (it resolves the positions).
@@ -267,14 +268,14 @@ class Planner:
                 num_new = 1 + drafts
                 self.spec.stats.num_chained += 1
             else:
-                num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget, chunk)
+                num_new = min(num_tokens + req.num_pending - req.num_computed_tokens, budget, chunk)
                 drafts = 0
                 if req.num_drafts and num_new == 1 and req.num_pending <= 1:
                     drafts = self.spec.drafts_to_verify(req, budget, cfg.max_model_len)
                     num_new += drafts
             root = req.cache_root
             new_blocks = self.blocks.allocate(
-                req.request_id, tokens_of(req), req.num_computed_tokens, num_new, req.num_tokens, root
+                req.request_id, tokens_of(req), req.num_computed_tokens, num_new, num_tokens, root
             )
             while new_blocks is None:
                 victim = self._pick_victim(self.running[i:])
@@ -283,7 +284,7 @@ class Planner:
                 if victim is req:
                     break
                 new_blocks = self.blocks.allocate(
-                    req.request_id, tokens_of(req), req.num_computed_tokens, num_new, req.num_tokens, root
+                    req.request_id, tokens_of(req), req.num_computed_tokens, num_new, num_tokens, root
                 )
             if new_blocks is None:
                 continue  # req itself was preempted; running[i] is now the next one
@@ -389,27 +390,30 @@ class Planner:
                 req.num_pending -= 1
         for chunk in result.prompt_logprobs:  # first: a request its first token finishes is gone after
             self._absorb_prompt_logprobs(chunk)
-        touched: dict[str, Request] = {}
-        new_tokens: dict[str, list[int]] = {}
+        # Tokens gained per sequence, in order of first appearance (a verification gains several).
+        # Runs once per sampled sequence per step: kept to plain dict and list operations.
+        gained: dict[str, int] = {}
+        touched: list[Request] = []
+        requests, running = self.requests, RequestStatus.RUNNING
         for seq_id, token_id, logprobs in zip(result.seq_ids, result.token_ids, result.logprobs, strict=True):
-            req = self.requests.get(seq_id)
-            if req is None or req.status is not RequestStatus.RUNNING:
+            req = requests.get(seq_id)
+            if req is None or req.status is not running:
                 continue  # aborted or finished while the step was in flight
             if sampled.get(seq_id) != req.incarnation:
                 continue  # preempted (and perhaps re-admitted) since this plan was made
             req.output_token_ids.append(token_id)
             req.output_logprobs.append(logprobs)
-            new_tokens.setdefault(seq_id, []).append(token_id)
-            touched[seq_id] = req
+            if seq_id in gained:
+                gained[seq_id] += 1
+            else:
+                gained[seq_id] = 1
+                touched.append(req)
             reason = self._stop_reason(req, token_id)
             if reason is not None:
                 self._finish(req, reason)
         if speculating:
-            self._apply_speculation(speculating, sampled, result, new_tokens)
-        deltas = []
-        for seq_id, req in touched.items():
-            n = len(new_tokens[seq_id])
-            deltas.append(self.delta(req, n))
+            self._apply_speculation(speculating, sampled, result, gained)
+        deltas = [self.delta(req, gained[req.request_id]) for req in touched]
         for out in result.pooled:  # pooling requests end with their vector, no token
             req = self.requests.get(out.seq_id)
             if req is None or req.status is not RequestStatus.RUNNING:
@@ -426,7 +430,7 @@ class Planner:
         speculating: dict[str, tuple[int, int]],
         sampled: dict[str, int],
         result: StepResult,
-        new_tokens: dict[str, list[int]],
+        gained: dict[str, int],
     ) -> None:
         """Drafts verified and proposed by a plan: computed lengths, the worker's drafts, the policy."""
         proposed = dict(zip(result.draft_seq_ids, result.num_draft_tokens, strict=True))
@@ -443,7 +447,7 @@ class Planner:
                 # it), and the chained plans compute from the newest on.
                 req.num_computed_tokens = req.num_tokens - 1 + sum(e.num_new for e in later.values())
             if entry.proposed:
-                accepted = len(new_tokens.get(seq_id, ())) - 1
+                accepted = gained.get(seq_id, 0) - 1
                 self.spec.verified(req, entry.proposed, min(accepted, entry.proposed))
             if entry.propose:
                 num_proposed = proposed.get(seq_id, 0)
@@ -466,18 +470,21 @@ class Planner:
 
     def delta(self, req: Request, num_new: int) -> RequestDelta:
         prompt_logprobs = None
-        if req.needs_prompt_logprobs and num_new:  # with the first token: the prompt is done
+        if num_new and req.needs_prompt_logprobs:  # with the first token: the prompt is done
             prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
+        out, logprobs = req.output_token_ids, req.output_logprobs
+        n_out = len(out)
+        # Positional: one of these per sampled sequence per step.
         return RequestDelta(
-            request_id=req.request_id,
-            new_token_ids=req.output_token_ids[len(req.output_token_ids) - num_new :],
-            new_logprobs=req.output_logprobs[len(req.output_logprobs) - num_new :],
-            finish_reason=req.finish_reason,
-            num_prompt_tokens=len(req.prompt_token_ids),
-            num_output_tokens=len(req.output_token_ids),
-            num_cached_tokens=max(req.num_cached_tokens, 0),
-            prompt_logprobs=prompt_logprobs,
-            embedding=req.embedding,
+            req.request_id,
+            out[n_out - num_new :],
+            logprobs[len(logprobs) - num_new :],
+            req.finish_reason,
+            len(req.prompt_token_ids),
+            n_out,
+            req.num_cached_tokens if req.num_cached_tokens > 0 else 0,
+            prompt_logprobs,
+            req.embedding,
         )
 
     # ----- the worker's link broke -----
