@@ -132,45 +132,36 @@ class BlockManager:
         `block_size` steps), not every step. `root`: the root of the sequence's key chain
         (its cache salt), kept in its table from the first call on.
         """
+        end, size = num_computed + num_new, self.block_size
         table = self.tables.get(seq_id)
-        if table is not None:
-            # Most decode steps of a large batch: no new block, no block filled to register.
-            end, size = num_computed + num_new, self.block_size
-            if end <= len(table.block_ids) * size:
-                if not self.enable_prefix_caching:
-                    return []
-                known = num_known if callable(token_ids) else len(token_ids)
-                if known is not None and min(end, known) // size <= table.num_cached_blocks:
-                    return []
         hits: list[int] = []
         if table is None:
             token_ids = token_ids() if callable(token_ids) else token_ids
-            hits = self.longest_cached_prefix(token_ids, root=root)[: num_computed // self.block_size]
-            assert len(hits) * self.block_size == num_computed, "first allocation starts at the cached prefix"
-        have = len(table.block_ids) if table else len(hits)
-        need = self.blocks_needed(num_computed + num_new) - have
-        # Cached hits sitting in the free list are taken out of it, so they cannot also be fresh blocks.
-        reusable = sum(1 for b in hits if self.blocks[b].ref_count == 0) if hits else 0
-        if need > len(self.free) - reusable:
-            return None
+            hits = self.longest_cached_prefix(token_ids, root=root)[: num_computed // size]
+            assert len(hits) * size == num_computed, "first allocation starts at the cached prefix"
+        need = self.blocks_needed(end) - (len(table.block_ids) if table else len(hits))
+        # A decode needs a block once in block_size steps: the other steps of a large batch's
+        # sequences (every step, every sequence) skip the free-list work.
+        if need > 0:
+            # Cached hits sitting in the free list are taken out of it, so they cannot also be fresh blocks.
+            reusable = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+            if need > len(self.free) - reusable:
+                return None
         if table is None:
             table = self.tables[seq_id] = BlockTable(root=root)
             for block_id in hits:
                 self._take(block_id)
                 table.block_ids.append(block_id)
             table.num_cached_blocks = len(hits)
-        # A decode needs a block once in block_size steps: the other steps of a large batch's
-        # sequences (every step, every sequence) make nothing here.
-        new_ids = [self._take_fresh() for _ in range(need)] if need > 0 else []
-        if new_ids:
+        new_ids: list[int] = []
+        if need > 0:
+            new_ids = [self._take_fresh() for _ in range(need)]
             table.block_ids.extend(new_ids)
         if self.enable_prefix_caching:
-            known = len(token_ids) if not callable(token_ids) else num_known
+            known = num_known if callable(token_ids) else len(token_ids)
             assert known is not None, "num_known is needed with a token_ids function"
-            if min(num_computed + num_new, known) // self.block_size > table.num_cached_blocks:
-                self._register_full_blocks(
-                    table, token_ids() if callable(token_ids) else token_ids, num_computed + num_new
-                )
+            if min(end, known) // size > table.num_cached_blocks:
+                self._register_full_blocks(table, token_ids() if callable(token_ids) else token_ids, end)
         return new_ids
 
     def free_seq(self, seq_id: str) -> None:
