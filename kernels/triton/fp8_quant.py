@@ -23,6 +23,7 @@ from kernels.triton.pdl import gdc_launch_dependents, gdc_wait
 ROW_BLOCK = 16384  # the widest row quantized from registers in one load
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # an all-zero row still gets a finite, nonzero scale
+PART_COLUMNS = 2048  # the columns of a row each program quantizes when the amax came in parts
 
 
 @dual_jit(pdl=True)
@@ -71,9 +72,52 @@ def _quantize_fp8_rows_kernel(
         tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
-def quantize_fp8_rows(x: torch.Tensor, row_block: int = ROW_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+@dual_jit(pdl=True)
+def _quantize_fp8_rows_by_parts_kernel(
+    x_ptr,
+    parts_ptr,
+    q_ptr,
+    scale_ptr,
+    stride_x,
+    stride_q,
+    n_cols,
+    n_parts,
+    fp8_max,
+    inv_fp8_max,
+    min_scale,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """`_quantize_fp8_rows_kernel` for rows whose amax came in parts (by the kernel that wrote
+    them): a row's programs each take the max of its parts and quantize their own BLOCK_N
+    columns, no pass for the amax; the first writes the scale. Same scale, same codes."""
+    if PDL:  # the grid before this one done and visible (see kernels.triton.pdl_enabled)
+        gdc_wait()
+        gdc_launch_dependents()
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros([BLOCK_P], dtype=tl.float32)
+    for start in range(0, n_parts, BLOCK_P):
+        p = start + tl.arange(0, BLOCK_P)
+        amax = tl.maximum(amax, tl.load(parts_ptr + row * n_parts + p, mask=p < n_parts, other=0.0))
+    scale = tl.maximum(tl.max(amax, axis=0) * inv_fp8_max, min_scale)  # as the kernel above
+    if tl.program_id(1) == 0:
+        tl.store(scale_ptr + row, scale)
+    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs < n_cols
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    q = tl.clamp(tl.div_rn(x, scale), -fp8_max, fp8_max)
+    tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_fp8_rows(
+    x: torch.Tensor, row_block: int = ROW_BLOCK, partial_amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] -> (q [M, K] float8_e4m3fn, scale [M, 1] fp32), M = rows of x, x ≈ q * scale.
-    `row_block`: the widest row loaded once (wider rows take two passes)."""
+    `row_block`: the widest row loaded once (wider rows take two passes). `partial_amax`
+    ([M, P] fp32, the max over P of each row being amax(|row|)): the rows' amax in parts, from
+    the kernel that wrote x (the gated skinny GEMM's `row_amax`); then a row is quantized by
+    several programs in one pass."""
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
     if x2.stride(-1) != 1:
@@ -82,6 +126,27 @@ def quantize_fp8_rows(x: torch.Tensor, row_block: int = ROW_BLOCK) -> tuple[torc
     q = torch.empty((m, n), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m == 0:
+        return q, scale
+    if partial_amax is not None:
+        assert partial_amax.shape[0] == m and partial_amax.is_contiguous(), partial_amax.shape
+        block_n = min(PART_COLUMNS, triton.next_power_of_2(n))
+        n_parts = partial_amax.shape[1]
+        _quantize_fp8_rows_by_parts_kernel[(m, triton.cdiv(n, block_n))](
+            x2,
+            partial_amax,
+            q,
+            scale,
+            x2.stride(0),
+            q.stride(0),
+            n,
+            n_parts,
+            FP8_MAX,
+            1.0 / FP8_MAX,
+            MIN_SCALE,
+            BLOCK_P=min(1024, triton.next_power_of_2(n_parts)),
+            BLOCK_N=block_n,
+            num_warps=4,
+        )
         return q, scale
     one_block = n <= row_block
     block_n = triton.next_power_of_2(n) if one_block else min(2048, row_block)

@@ -177,3 +177,40 @@ def test_an_8b_shaped_fp8_checkpoint_runs_as_the_on_the_fly_fp8_model(tmp_path) 
     print("batch-1 decode step: " + ", ".join(f"{k} {v:.3f} ms" for k, v in best.items()))
     assert greedy[0] == greedy[1]
     assert best["checkpoint"] <= 1.05 * best["on the fly"]
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize(
+    "cfg",
+    [(32, 512, 4, 4, 1), (64, 256, 4, 4, 1), (128, 256, 8, 3, 1), (32, 512, 4, 4, 2), (32, 256, 4, 3, 1)],
+    ids=["n32", "n64", "n128", "split2", "bf16-cand"],
+)
+def test_gated_skinny_gemm_is_the_gemm_then_silu_and_mul_on_gpu(fp8: bool, m: int, cfg: tuple) -> None:
+    """The decode MLP's gate|up GEMM with SiLU·mul in its epilogue, at the 8B shape, against the
+    GEMM then SiLU·mul's kernel (and, for FP8, then the quantization the down projection takes):
+    the same bits, with the candidate tiles the decode graphs choose from."""
+    import kernels.triton as kt
+    from kernels.triton.skinny_gemm import SkinnyConfig, skinny_gemm
+
+    if not fp8 and m > 16:
+        pytest.skip("bf16 layers take the skinny GEMM up to 16 rows (SKINNY_MAX_ROWS)")
+    n, k, warps, stages, split = cfg
+    config = SkinnyConfig(block_n=n, block_k=k, num_warps=warps, num_stages=stages, split_k=split)
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2 * 14336, 4096, device="cuda", dtype=torch.bfloat16) / 64
+    if fp8:
+        xq, xs = quantize_fp8_rows(x)
+        wq, ws = quantize_weight_fp8(w)
+        fused, parts = skinny_gemm(
+            xq, wq, torch.bfloat16, config, scale=ws, x_scale=xs, gated=True, row_amax=True
+        )
+        plain = skinny_gemm(xq, wq, torch.bfloat16, config, scale=ws, x_scale=xs)
+        q, qs = quantize_fp8_rows(fused, partial_amax=parts)
+        want_q, want_s = kt.silu_and_mul_fp8(plain)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(qs, want_s)
+    else:
+        fused = skinny_gemm(x, w, None, config, gated=True)
+        plain = skinny_gemm(x, w, None, config)
+    assert fused.shape == (m, 14336)
+    assert torch.equal(fused, kt.silu_and_mul(plain))

@@ -149,6 +149,36 @@ def fp8_skinny_linear(
     return out.view(*lead, weight.shape[0])
 
 
+def fp8_skinny_silu_and_mul(
+    x: torch.Tensor | Fp8Rows,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    config: SkinnyConfig,
+    quantize: bool,
+) -> torch.Tensor | Fp8Rows:
+    """SiLU(gate) * up of an FP8 gate | up layer ([2I, K]) for a few rows, by the skinny GEMM
+    with SiLU·mul in its epilogue: [M, I] in `out_dtype`, or with `quantize` its per-token FP8
+    rows for an FP8 down projection. These are the codes and scales `silu_and_mul_fp8` makes of
+    the GEMM's output: the GEMM hands the rows' amax over in parts, so the quantization needs no
+    pass of its own to find it (kernels.triton.fp8_quant)."""
+    from kernels.triton.skinny_gemm import skinny_gemm
+
+    q, x_scale, lead = _rows(x)
+    scale = weight_scale[0]
+    if not quantize:
+        out = skinny_gemm(q, weight, out_dtype, config, scale=scale, x_scale=x_scale, gated=True)
+        return out.view(*lead, out.shape[-1])
+    y, parts = skinny_gemm(
+        q, weight, out_dtype, config, scale=scale, x_scale=x_scale, gated=True, row_amax=True
+    )
+    if y.device.type != "cuda":  # the twin's way (the kernel below is CUDA's)
+        return Fp8Rows(*reference.quantize_fp8_rows(y), out_dtype)
+    from kernels.triton.fp8_quant import quantize_fp8_rows
+
+    return Fp8Rows(*quantize_fp8_rows(y, partial_amax=parts), out_dtype)
+
+
 def _rows(x: torch.Tensor | Fp8Rows) -> tuple[torch.Tensor, torch.Tensor, torch.Size]:
     """(q [M, K], scale [M, 1], the leading dims of the output): x quantized per token unless
     it came quantized."""

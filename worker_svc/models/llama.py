@@ -193,6 +193,10 @@ class MLP(nn.Module):
         self.act_fp8 = reference.silu_and_mul_fp8  # the same ending in FP8 rows
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        # A decode graph's: SiLU·mul (and an FP8 down projection's quantization) in the GEMM.
+        y = self.gate_up_proj.decode_silu_and_mul(x, quantize=self.down_proj.takes_fp8_rows())
+        if y is not None:
+            return self.down_proj(y)
         h = self.gate_up_proj(x)
         if self.down_proj.takes_fp8_rows():  # quantized in SiLU·mul's pass, for the FP8 GEMM
             q, scale = self.act_fp8(h)
@@ -246,9 +250,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config)
         # Tied models reuse the embedding matrix; no separate parameter exists.
         self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+            None if config.tie_word_embeddings else ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         )
         self._select_kernels(backend)
 

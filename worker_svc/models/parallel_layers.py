@@ -23,6 +23,7 @@ parameter names, so checkpoints, tests and CUDA graphs see no difference.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_svc.models.fp8 import Fp8Rows, fp8_linear, fp8_skinny_linear
+from worker_svc.models.fp8 import Fp8Rows, fp8_linear, fp8_skinny_linear, fp8_skinny_silu_and_mul
 from worker_svc.parallel import TensorParallel
 
 if TYPE_CHECKING:
@@ -54,6 +55,9 @@ SKINNY_MAX_ROWS = 16  # the skinny GEMM pads rows to 16 for the tensor cores: ab
 # ...except where an FP8 layer's start-time timing chose a second config for the decode graphs of
 # SKINNY_MAX_ROWS + 1 to SKINNY_WIDE_ROWS rows (`ShardedLinear.decode_gemm_wide`)
 SKINNY_WIDE_ROWS = 64
+# The MLP's SiLU·mul in the gate|up skinny GEMM's epilogue (`decode_silu_and_mul`); 0: its own
+# kernel, as before (read at import).
+GATED_GEMM = os.environ.get("LLMESH_GATED_GEMM", "1") != "0"
 
 
 class _DecodeGraphScope(threading.local):
@@ -242,6 +246,28 @@ class MergedColumnParallelLinear(ShardedLinear):
     def __init__(self, hidden: int, intermediate: int, bias: bool, tp: TensorParallel) -> None:
         segments = {"gate": intermediate, "up": intermediate}
         super().__init__(hidden, 2 * intermediate, bias, tp, dim=0, segments=segments)
+
+    def decode_silu_and_mul(
+        self, x: torch.Tensor | Fp8Rows, quantize: bool = False
+    ) -> torch.Tensor | Fp8Rows | None:
+        """SiLU(gate) * up of this layer's output, [..., I] in the model's dtype (with `quantize`
+        and FP8 weights: its per-token FP8 rows, for an FP8 down projection), by the skinny GEMM
+        with SiLU·mul in its epilogue: inside a decode graph (`decode_graph_gemms`), where a
+        skinny GEMM serves these rows. None elsewhere (the library's GEMM, LoRA's delta, a bias,
+        LLMESH_GATED_GEMM=0): the caller then runs the GEMM and SiLU·mul's own kernel. The
+        result has the bits of that pair (kernels.triton.skinny_gemm)."""
+        if not _DECODE_GRAPH.active or self.lora is not None or self.bias is not None or not GATED_GEMM:
+            return None
+        rows = x.shape[0] if isinstance(x, Fp8Rows) else x.numel() // max(x.shape[-1], 1)
+        cfg = self._decode_config(rows)
+        if cfg is None:
+            return None
+        if self.weight_scale is not None:
+            return fp8_skinny_silu_and_mul(x, self.weight, self.weight_scale, x.dtype, cfg, quantize)
+        from kernels.triton.skinny_gemm import skinny_gemm
+
+        assert isinstance(x, torch.Tensor)
+        return skinny_gemm(x, self.weight, None, cfg, gated=True)
 
 
 class RowParallelLinear(ShardedLinear):

@@ -164,3 +164,42 @@ def test_split_k_skinny_gemm_matches_twin_and_leaves_its_counters_at_zero(m: int
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
     _, counts = skinny._WORKSPACES.by_device[torch.device("cpu")]
     assert not counts.any()
+
+
+@pytest.mark.parametrize("m", [1, 5])
+def test_gated_fp8_skinny_gemm_then_quantization_is_silu_and_mul_fp8_bit_for_bit(m: int) -> None:
+    """The FP8 decode MLP with SiLU·mul in the gate|up GEMM, its output quantized by
+    `quantize_fp8_rows`, hands the down projection the codes and scales the GEMM then
+    `silu_and_mul_fp8` hand it."""
+    import kernels.triton as kt
+    from kernels.triton.skinny_gemm import SkinnyConfig, skinny_gemm
+    from worker_svc.models.fp8 import quantize_weight_fp8
+
+    x = torch.randn(m, 128)
+    w = torch.randn(2 * 48, 128) / 8
+    xq, xs = reference.quantize_fp8_rows(x)
+    wq, scale = quantize_weight_fp8(w)
+    cfg = SkinnyConfig(block_n=32, block_k=64)
+    fused = skinny_gemm(xq, wq, torch.bfloat16, cfg, scale=scale, x_scale=xs, gated=True)
+    plain = skinny_gemm(xq, wq, torch.bfloat16, cfg, scale=scale, x_scale=xs)
+    fused_again, parts = skinny_gemm(
+        xq, wq, torch.bfloat16, cfg, scale=scale, x_scale=xs, gated=True, row_amax=True
+    )
+    assert torch.equal(fused_again, fused) and parts.shape == (m, 3)  # 48 columns, 16 a program
+    q, qs = quantize_fp8_rows(fused, partial_amax=parts)
+    want_q, want_s = kt.silu_and_mul_fp8(plain)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(qs, want_s)
+
+
+@pytest.mark.parametrize("parts", [1, 7])
+def test_quantize_fp8_rows_by_parts_of_the_amax_is_quantize_fp8_rows(parts: int) -> None:
+    """Rows whose amax comes in parts (the max of a row's parts being its amax, as the gated
+    skinny GEMM writes them) get the codes and scales of the plain quantization, the row
+    spread over programs of PART_COLUMNS columns."""
+    x = torch.randn(3, 5000, dtype=torch.bfloat16)
+    x[1] = 0  # an all-zero row: the smallest scale
+    split = torch.tensor_split(x.float().abs(), parts, dim=1)
+    partial = torch.stack([p.amax(dim=1) for p in split], dim=1).contiguous()
+    q, scale = quantize_fp8_rows(x, partial_amax=partial)
+    want_q, want_s = quantize_fp8_rows(x)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_s)

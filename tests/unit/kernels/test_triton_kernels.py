@@ -304,6 +304,31 @@ def test_skinny_gemm_keeps_leading_dims_and_reads_strided_rows() -> None:
     torch.testing.assert_close(out, reference.linear(x, weight), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(block_n=32, block_k=64),
+        dict(block_n=16, block_k=64, split_k=2),
+        dict(block_n=32, block_k=64, dot=False),
+    ],
+    ids=["dot", "split", "sum"],
+)
+def test_gated_skinny_gemm_is_the_gemm_then_silu_and_mul_bit_for_bit(m: int, cfg: dict) -> None:
+    """SiLU·mul in the epilogue gives the bits of the GEMM then SiLU·mul's kernel (the decode
+    graphs' MLP launches one kernel where it launched two); an intermediate size that is not a
+    multiple of a program's columns exercises the masks."""
+    from kernels.triton.skinny_gemm import SkinnyConfig
+
+    config = SkinnyConfig(**cfg)
+    x = torch.randn(m, 128, dtype=torch.bfloat16)
+    weight = torch.randn(2 * 40, 128, dtype=torch.bfloat16) / 8  # gate | up, I = 40
+    fused = kt.skinny_gemm(x, weight, config=config, gated=True)
+    assert fused.shape == (m, 40) and fused.dtype == torch.bfloat16
+    assert torch.equal(fused, kt.silu_and_mul(kt.skinny_gemm(x, weight, config=config)))
+    _close(fused, reference.silu_and_mul(reference.linear(x, weight)), torch.bfloat16)
+
+
 def test_pdl_is_off_where_the_interpreter_runs(monkeypatch) -> None:
     """A `dual_jit(pdl=True)` kernel runs under the interpreter with PDL off (its grid waits are
     compiled-only); on the GPU LLMESH_PDL=0 turns it off (tests/gpu/test_pdl_gpu.py: same bits)."""

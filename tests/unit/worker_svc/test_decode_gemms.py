@@ -12,6 +12,7 @@ from kernels.triton.skinny_gemm import SkinnyConfig
 from worker_svc.decode_gemms import CACHE_FILE, CUBLAS, MIN_GAIN, candidates, choose_decode_gemms
 from worker_svc.models.parallel_layers import (
     SKINNY_MAX_ROWS,
+    MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
     decode_graph_gemms,
@@ -45,6 +46,27 @@ def test_inside_a_decode_graph_few_rows_take_the_skinny_gemm_with_the_bias() -> 
         out = layer(x)
     expected = reference.linear(x, layer.weight) + layer.bias
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_decode_graphs_gate_up_layer_does_silu_and_mul_in_its_gemm() -> None:
+    """Inside a decode graph's scope the gate|up layer returns SiLU(gate) * up from its skinny
+    GEMM, the bits of the GEMM then SiLU·mul's kernel; elsewhere (outside the scope, the
+    library's rows, a bias) it declines and the MLP runs the two as before."""
+    import kernels.triton as kt
+
+    torch.manual_seed(0)
+    layer = MergedColumnParallelLinear(64, 24, False, TensorParallel()).to(torch.bfloat16)
+    torch.nn.init.normal_(layer.weight, std=0.1)
+    layer.decode_gemm = CFG
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    assert layer.decode_silu_and_mul(x) is None
+    with decode_graph_gemms():
+        fused = layer.decode_silu_and_mul(x)
+        assert torch.equal(fused, kt.silu_and_mul(layer(x)))
+        assert layer.decode_silu_and_mul(torch.randn(SKINNY_MAX_ROWS + 1, 64, dtype=torch.bfloat16)) is None
+        biased = MergedColumnParallelLinear(64, 24, True, TensorParallel())
+        biased.decode_gemm = CFG
+        assert biased.decode_silu_and_mul(x.float()) is None
 
 
 def test_more_rows_than_the_skinny_limit_stay_on_cublas() -> None:
