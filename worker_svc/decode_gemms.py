@@ -8,7 +8,9 @@ dtype) is timed before the decode graphs are captured: cuBLAS against a few conf
 graph that runs the op over the model's own layers of that shape in turn (so the weights come
 from memory, not from L2, as in a real step). The fastest is used by every layer of that
 shape; cuBLAS stays unless a config beats it by MIN_GAIN. FP8 layers are timed a second time at
-WIDE_ROWS rows for a second choice, which the decode graphs of 17 to WIDE_ROWS rows run.
+WIDE_ROWS rows for a second choice, which the decode graphs of 17 to WIDE_ROWS rows run. The
+lm_head (`ParallelLMHead`, kept in the model's dtype) is timed as a shape of its own: the logits
+of a decode step of few rows (`vocab_parallel_logits`) take its config.
 
 The choices are kept in a JSON file in the model cache (`decode_gemms.json`), keyed by GPU,
 torch and Triton versions and shape, and reused: a timing is noisy where two candidates are
@@ -34,7 +36,7 @@ from torch import nn
 
 from kernels import reference
 from worker_svc.models.fp8 import Fp8Rows, fp8_linear, fp8_skinny_linear
-from worker_svc.models.parallel_layers import SKINNY_WIDE_ROWS, ShardedLinear, linear_fp32_out
+from worker_svc.models.parallel_layers import SKINNY_WIDE_ROWS, ParallelLMHead, ShardedLinear, linear_fp32_out
 
 if TYPE_CHECKING:
     from kernels.triton.skinny_gemm import SkinnyConfig
@@ -110,8 +112,8 @@ def choose_decode_gemms(
     groups: dict[tuple, list[ShardedLinear]] = {}
     for model in models:
         for layer in model.modules():
-            if isinstance(layer, ShardedLinear) and layer.weight.dtype in _WEIGHT_DTYPES:
-                fp32_out = layer.out_fp32()
+            if isinstance(layer, ShardedLinear | ParallelLMHead) and layer.weight.dtype in _WEIGHT_DTYPES:
+                fp32_out = isinstance(layer, ShardedLinear) and layer.out_fp32()
                 groups.setdefault((tuple(layer.weight.shape), layer.weight.dtype, fp32_out), []).append(layer)
     if not groups:
         return []
@@ -121,7 +123,7 @@ def choose_decode_gemms(
     lines, learned = [], False
     for (shape, dtype, fp32_out), layers in groups.items():
         key = _key(device, shape, dtype, fp32_out)
-        wide_timed = layers[0].weight_scale is not None  # FP8 layers get a second choice
+        wide_timed = _fp8(layers[0])  # FP8 layers get a second choice
         name, wide = known.get(key), known.get(key + _WIDE) if wide_timed else None
         how = "cached"
         # Not chosen yet, or a config since retired (or a cache from before the second timing,
@@ -135,7 +137,8 @@ def choose_decode_gemms(
             learned, how = True, _times_text(times)
         for layer in layers:
             layer.decode_gemm = None if name == CUBLAS else configs[name]  # type: ignore[assignment]
-            layer.decode_gemm_wide = None if wide in (None, CUBLAS) else configs[wide]  # type: ignore[assignment]
+            if isinstance(layer, ShardedLinear):
+                layer.decode_gemm_wide = None if wide in (None, CUBLAS) else configs[wide]  # type: ignore[assignment]
         out = "fp32" if fp32_out else str(dtype).removeprefix("torch.")
         upto = f"; 17-{WIDE_ROWS} rows: {wide}" if wide_timed else ""
         lines.append(f"{shape[1]}->{shape[0]} {out} x{len(layers)}: {name}{upto} ({how})")
@@ -143,6 +146,11 @@ def choose_decode_gemms(
         _write(path, known)
     log.info("decode GEMMs chosen in %.1f s: %s", time.perf_counter() - t0, "; ".join(lines))
     return lines
+
+
+def _fp8(layer: ShardedLinear | ParallelLMHead) -> bool:
+    """Whether the layer's weight is FP8 (a head never is: it stays in the model's dtype)."""
+    return getattr(layer, "weight_scale", None) is not None
 
 
 def _valid(name: str | None, configs: dict[str, object]) -> bool:
@@ -209,7 +217,7 @@ def _write(path: str, choices: dict[str, str]) -> None:
                 os.unlink(tmp)
 
 
-def _time_candidates(layers: list[ShardedLinear], fp32_out: bool) -> dict[str, float]:
+def _time_candidates(layers: list[ShardedLinear | ParallelLMHead], fp32_out: bool) -> dict[str, float]:
     """Microseconds per call of cuBLAS and of each candidate that runs on this GPU.
 
     FP8 layers: "cuBLAS" is their eager path (`_scaled_mm`), a skinny GEMM the same math on its
@@ -219,19 +227,19 @@ def _time_candidates(layers: list[ShardedLinear], fp32_out: bool) -> dict[str, f
 
     weight = layers[0].weight
     n, k = weight.shape
-    fp8 = layers[0].weight_scale is not None
+    fp8 = _fp8(layers[0])
     x = torch.randn(_ROWS, k, dtype=torch.bfloat16 if fp8 else weight.dtype, device=weight.device)
     rows = Fp8Rows(*reference.quantize_fp8_rows(x), x.dtype) if fp8 else None
     out_dtype = torch.float32 if fp32_out else None
 
-    def cublas(layer: ShardedLinear) -> None:
-        if layer.weight_scale is not None:
+    def cublas(layer: ShardedLinear | ParallelLMHead) -> None:
+        if _fp8(layer):
             fp8_linear(rows, layer.weight, layer.weight_scale, None, out_dtype or x.dtype)
         else:
             linear_fp32_out(x, layer.weight) if fp32_out else F.linear(x, layer.weight)
 
-    def skinny(layer: ShardedLinear, cfg: SkinnyConfig) -> None:
-        if layer.weight_scale is not None:
+    def skinny(layer: ShardedLinear | ParallelLMHead, cfg: SkinnyConfig) -> None:
+        if _fp8(layer):
             fp8_skinny_linear(rows, layer.weight, layer.weight_scale, out_dtype or x.dtype, cfg)
         else:
             skinny_gemm(x, layer.weight, out_dtype, cfg)

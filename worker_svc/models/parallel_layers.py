@@ -389,6 +389,12 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output projection over the vocabulary, split like the embedding (a tied model has
     no separate head: its embedding's split matrix serves both)."""
 
+    def __init__(self, vocab_size: int, hidden: int, tp: TensorParallel) -> None:
+        super().__init__(vocab_size, hidden, tp)
+        # The skinny GEMM config chosen for this shape at start (worker_svc.decode_gemms) for
+        # logits of up to SKINNY_MAX_ROWS rows; None: cuBLAS.
+        self.decode_gemm: SkinnyConfig | None = None
+
 
 def vocab_parallel_logits(hidden: torch.Tensor, head: VocabParallelEmbedding) -> torch.Tensor | None:
     """Logits [N, vocab] in the head's dtype on rank 0, None on the others: each rank's run of
@@ -398,7 +404,17 @@ def vocab_parallel_logits(hidden: torch.Tensor, head: VocabParallelEmbedding) ->
     rows = logits_rows(n)
     if rows != n:
         hidden = F.pad(hidden, (0, 0, 0, rows - n))
-    full = head.tp.gather_last_dim(F.linear(hidden, head.weight))
+    # A decode step's few rows only stream the head's matrix (1 GB for Llama 3's 128k vocabulary
+    # in bf16): the skinny GEMM chosen for it at start, launched eagerly (the step's graph is
+    # still running when the host gets here, so its launch cost is hidden).
+    cfg = getattr(head, "decode_gemm", None)
+    if cfg is not None and rows <= SKINNY_MAX_ROWS:
+        from kernels.triton.skinny_gemm import skinny_gemm
+
+        local = skinny_gemm(hidden, head.weight, None, cfg)
+    else:
+        local = F.linear(hidden, head.weight)
+    full = head.tp.gather_last_dim(local)
     if full is None:
         return None
     return full[:n, : head.vocab_size]

@@ -13,6 +13,7 @@ from worker_svc.decode_gemms import CACHE_FILE, CUBLAS, MIN_GAIN, candidates, ch
 from worker_svc.models.parallel_layers import (
     SKINNY_MAX_ROWS,
     MergedColumnParallelLinear,
+    ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
     decode_graph_gemms,
@@ -162,6 +163,31 @@ def test_each_shape_is_timed_once_and_its_fastest_kept(tmp_path) -> None:
     assert all(str(layer.decode_gemm) == names[1] for layer in model.same)
     assert str(model.other.decode_gemm) == names[1]
     assert model.fp32.decode_gemm is None
+
+
+def test_the_lm_head_gets_a_config_and_few_rows_of_logits_take_it(tmp_path) -> None:
+    """The vocabulary projection is timed as a shape of its own; with a config chosen, logits of
+    up to SKINNY_MAX_ROWS rows come from the skinny GEMM, more rows from the library."""
+    from worker_svc.models.parallel_layers import vocab_parallel_logits
+
+    names = list(candidates())
+    torch.manual_seed(3)
+    head = ParallelLMHead(100, 64, TensorParallel()).to(torch.bfloat16)
+    torch.nn.init.normal_(head.weight, std=0.1)
+    calls: list = []
+    choose_decode_gemms(
+        [head], torch.device("cpu"), str(tmp_path), _timer({CUBLAS: 10.0, names[0]: 5.0}, calls)
+    )
+    assert calls == [((100, 64), 1, False)] and str(head.decode_gemm) == names[0]
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    want = reference.linear(x, head.weight)
+    torch.testing.assert_close(vocab_parallel_logits(x, head), want, atol=2e-2, rtol=2e-2)
+    head.decode_gemm = SkinnyConfig(block_n=16, block_k=32)  # a config that fits 64-wide rows
+    few = vocab_parallel_logits(x, head)
+    assert few.shape == (3, 100)
+    torch.testing.assert_close(few, want, atol=2e-2, rtol=2e-2)
+    many = torch.randn(SKINNY_MAX_ROWS + 1, 64, dtype=torch.bfloat16)
+    assert torch.equal(vocab_parallel_logits(many, head), torch.nn.functional.linear(many, head.weight))
 
 
 def test_cublas_stays_unless_beaten_by_the_margin(tmp_path) -> None:
