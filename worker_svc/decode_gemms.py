@@ -9,8 +9,10 @@ graph that runs the op over the model's own layers of that shape in turn (so the
 from memory, not from L2, as in a real step). The fastest is used by every layer of that
 shape; cuBLAS stays unless a config beats it by MIN_GAIN. FP8 layers are timed a second time at
 WIDE_ROWS rows for a second choice, which the decode graphs of 17 to WIDE_ROWS rows run. The
-lm_head (`ParallelLMHead`, kept in the model's dtype) is timed as a shape of its own: the logits
-of a decode step of few rows (`vocab_parallel_logits`) take its config.
+vocabulary's matrix (the lm_head, or a tied model's embedding; kept in the model's dtype) is timed
+as a shape of its own: the logits of a decode step of few rows (`vocab_parallel_logits`) take its
+config. An untied model's embedding has the head's shape and joins its group (a lookup never
+reads the config).
 
 The choices are kept in a JSON file in the model cache (`decode_gemms.json`), keyed by GPU,
 torch and Triton versions and shape, and reused: a timing is noisy where two candidates are
@@ -36,7 +38,12 @@ from torch import nn
 
 from kernels import reference
 from worker_svc.models.fp8 import Fp8Rows, fp8_linear, fp8_skinny_linear
-from worker_svc.models.parallel_layers import SKINNY_WIDE_ROWS, ParallelLMHead, ShardedLinear, linear_fp32_out
+from worker_svc.models.parallel_layers import (
+    SKINNY_WIDE_ROWS,
+    ShardedLinear,
+    VocabParallelEmbedding,
+    linear_fp32_out,
+)
 
 if TYPE_CHECKING:
     from kernels.triton.skinny_gemm import SkinnyConfig
@@ -112,7 +119,8 @@ def choose_decode_gemms(
     groups: dict[tuple, list[ShardedLinear]] = {}
     for model in models:
         for layer in model.modules():
-            if isinstance(layer, ShardedLinear | ParallelLMHead) and layer.weight.dtype in _WEIGHT_DTYPES:
+            timed = isinstance(layer, ShardedLinear | VocabParallelEmbedding)
+            if timed and layer.weight.dtype in _WEIGHT_DTYPES:
                 fp32_out = isinstance(layer, ShardedLinear) and layer.out_fp32()
                 groups.setdefault((tuple(layer.weight.shape), layer.weight.dtype, fp32_out), []).append(layer)
     if not groups:
@@ -148,7 +156,7 @@ def choose_decode_gemms(
     return lines
 
 
-def _fp8(layer: ShardedLinear | ParallelLMHead) -> bool:
+def _fp8(layer: ShardedLinear | VocabParallelEmbedding) -> bool:
     """Whether the layer's weight is FP8 (a head never is: it stays in the model's dtype)."""
     return getattr(layer, "weight_scale", None) is not None
 
@@ -217,7 +225,9 @@ def _write(path: str, choices: dict[str, str]) -> None:
                 os.unlink(tmp)
 
 
-def _time_candidates(layers: list[ShardedLinear | ParallelLMHead], fp32_out: bool) -> dict[str, float]:
+def _time_candidates(
+    layers: list[ShardedLinear | VocabParallelEmbedding], fp32_out: bool
+) -> dict[str, float]:
     """Microseconds per call of cuBLAS and of each candidate that runs on this GPU.
 
     FP8 layers: "cuBLAS" is their eager path (`_scaled_mm`), a skinny GEMM the same math on its
@@ -232,13 +242,13 @@ def _time_candidates(layers: list[ShardedLinear | ParallelLMHead], fp32_out: boo
     rows = Fp8Rows(*reference.quantize_fp8_rows(x), x.dtype) if fp8 else None
     out_dtype = torch.float32 if fp32_out else None
 
-    def cublas(layer: ShardedLinear | ParallelLMHead) -> None:
+    def cublas(layer: ShardedLinear | VocabParallelEmbedding) -> None:
         if _fp8(layer):
             fp8_linear(rows, layer.weight, layer.weight_scale, None, out_dtype or x.dtype)
         else:
             linear_fp32_out(x, layer.weight) if fp32_out else F.linear(x, layer.weight)
 
-    def skinny(layer: ShardedLinear | ParallelLMHead, cfg: SkinnyConfig) -> None:
+    def skinny(layer: ShardedLinear | VocabParallelEmbedding, cfg: SkinnyConfig) -> None:
         if _fp8(layer):
             fp8_skinny_linear(rows, layer.weight, layer.weight_scale, out_dtype or x.dtype, cfg)
         else:

@@ -351,6 +351,10 @@ class VocabParallelEmbedding(nn.Module):
         self.per_rank = -(-vocab_size // tp.size)
         self.start = tp.rank * self.per_rank
         self.weight = nn.Parameter(torch.empty(self.per_rank, hidden))
+        # As the logits' projection (an lm_head, or a tied model's embedding): the skinny GEMM
+        # config chosen for this shape at start (worker_svc.decode_gemms) for logits of up to
+        # SKINNY_MAX_ROWS rows; None: cuBLAS.
+        self.decode_gemm: SkinnyConfig | None = None
 
     def full_shape(self, param_name: str) -> tuple[int, ...]:
         return (self.vocab_size, self.hidden)
@@ -389,12 +393,6 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output projection over the vocabulary, split like the embedding (a tied model has
     no separate head: its embedding's split matrix serves both)."""
 
-    def __init__(self, vocab_size: int, hidden: int, tp: TensorParallel) -> None:
-        super().__init__(vocab_size, hidden, tp)
-        # The skinny GEMM config chosen for this shape at start (worker_svc.decode_gemms) for
-        # logits of up to SKINNY_MAX_ROWS rows; None: cuBLAS.
-        self.decode_gemm: SkinnyConfig | None = None
-
 
 def vocab_parallel_logits(hidden: torch.Tensor, head: VocabParallelEmbedding) -> torch.Tensor | None:
     """Logits [N, vocab] in the head's dtype on rank 0, None on the others: each rank's run of
@@ -407,7 +405,7 @@ def vocab_parallel_logits(hidden: torch.Tensor, head: VocabParallelEmbedding) ->
     # A decode step's few rows only stream the head's matrix (1 GB for Llama 3's 128k vocabulary
     # in bf16): the skinny GEMM chosen for it at start, launched eagerly (the step's graph is
     # still running when the host gets here, so its launch cost is hidden).
-    cfg = getattr(head, "decode_gemm", None)
+    cfg = head.decode_gemm
     if cfg is not None and rows <= SKINNY_MAX_ROWS:
         from kernels.triton.skinny_gemm import skinny_gemm
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from kernels import reference
@@ -16,6 +17,7 @@ from worker_svc.models.parallel_layers import (
     ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
+    VocabParallelEmbedding,
     decode_graph_gemms,
 )
 from worker_svc.parallel import TensorParallel
@@ -165,14 +167,17 @@ def test_each_shape_is_timed_once_and_its_fastest_kept(tmp_path) -> None:
     assert model.fp32.decode_gemm is None
 
 
-def test_the_lm_head_gets_a_config_and_few_rows_of_logits_take_it(tmp_path) -> None:
-    """The vocabulary projection is timed as a shape of its own; with a config chosen, logits of
-    up to SKINNY_MAX_ROWS rows come from the skinny GEMM, more rows from the library."""
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_lm_head_gets_a_config_and_few_rows_of_logits_take_it(tmp_path, tied: bool) -> None:
+    """The vocabulary projection (a head, or a tied model's embedding) is timed as a shape of its
+    own; with a config chosen, logits of up to SKINNY_MAX_ROWS rows come from the skinny GEMM,
+    more rows from the library."""
     from worker_svc.models.parallel_layers import vocab_parallel_logits
 
     names = list(candidates())
     torch.manual_seed(3)
-    head = ParallelLMHead(100, 64, TensorParallel()).to(torch.bfloat16)
+    kind = VocabParallelEmbedding if tied else ParallelLMHead
+    head = kind(100, 64, TensorParallel()).to(torch.bfloat16)
     torch.nn.init.normal_(head.weight, std=0.1)
     calls: list = []
     choose_decode_gemms(
