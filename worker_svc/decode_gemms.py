@@ -12,7 +12,10 @@ WIDE_ROWS rows for a second choice, which the decode graphs of 17 to WIDE_ROWS r
 vocabulary's matrix (the lm_head, or a tied model's embedding; kept in the model's dtype) is timed
 as a shape of its own: the logits of a decode step of few rows (`vocab_parallel_logits`) take its
 config. An untied model's embedding has the head's shape and joins its group (a lookup never
-reads the config).
+reads the config). Only a large matrix is timed (HEAD_MIN_BYTES): the head's GEMM is launched
+eagerly, after the step's graph, and a small model's step is bound by the host, whose Triton
+launch costs more than cuBLAS's (H100, Qwen2.5-0.5B's 260 MiB head: batch-1 step 1.11 -> 1.37 ms;
+Llama 3.1 8B's 1,002 MiB: 5.75 -> 5.70 ms).
 
 The choices are kept in a JSON file in the model cache (`decode_gemms.json`), keyed by GPU,
 torch and Triton versions and shape, and reused: a timing is noisy where two candidates are
@@ -62,6 +65,7 @@ _ROWS = 1  # timed at batch 1 (the sweep's best config was the same from 1 to 16
 # at 17-64 sequences. Timing at the range's top also proves that the config fits all of it.
 WIDE_ROWS = SKINNY_WIDE_ROWS
 _WIDE = f"@{WIDE_ROWS}"  # suffix of the times (and cache keys) of that second timing
+HEAD_MIN_BYTES = 512 << 20  # a vocabulary's matrix smaller than this keeps cuBLAS (module doc)
 
 # (layers of one shape, output in fp32) -> {candidate name: microseconds per call}
 Timer = Callable[[list[ShardedLinear], bool], dict[str, float]]
@@ -119,7 +123,10 @@ def choose_decode_gemms(
     groups: dict[tuple, list[ShardedLinear]] = {}
     for model in models:
         for layer in model.modules():
-            timed = isinstance(layer, ShardedLinear | VocabParallelEmbedding)
+            timed = isinstance(layer, ShardedLinear) or (
+                isinstance(layer, VocabParallelEmbedding)
+                and layer.weight.numel() * layer.weight.element_size() >= HEAD_MIN_BYTES
+            )
             if timed and layer.weight.dtype in _WEIGHT_DTYPES:
                 fp32_out = isinstance(layer, ShardedLinear) and layer.out_fp32()
                 groups.setdefault((tuple(layer.weight.shape), layer.weight.dtype, fp32_out), []).append(layer)

@@ -10,6 +10,7 @@ import torch
 
 from kernels import reference
 from kernels.triton.skinny_gemm import SkinnyConfig
+from worker_svc import decode_gemms
 from worker_svc.decode_gemms import CACHE_FILE, CUBLAS, MIN_GAIN, candidates, choose_decode_gemms
 from worker_svc.models.parallel_layers import (
     SKINNY_MAX_ROWS,
@@ -168,7 +169,7 @@ def test_each_shape_is_timed_once_and_its_fastest_kept(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_the_lm_head_gets_a_config_and_few_rows_of_logits_take_it(tmp_path, tied: bool) -> None:
+def test_the_lm_head_gets_a_config_and_few_rows_of_logits_take_it(tmp_path, monkeypatch, tied: bool) -> None:
     """The vocabulary projection (a head, or a tied model's embedding) is timed as a shape of its
     own; with a config chosen, logits of up to SKINNY_MAX_ROWS rows come from the skinny GEMM,
     more rows from the library."""
@@ -180,6 +181,9 @@ def test_the_lm_head_gets_a_config_and_few_rows_of_logits_take_it(tmp_path, tied
     head = kind(100, 64, TensorParallel()).to(torch.bfloat16)
     torch.nn.init.normal_(head.weight, std=0.1)
     calls: list = []
+    choose_decode_gemms([head], torch.device("cpu"), str(tmp_path), _timer({CUBLAS: 10.0}, calls))
+    assert calls == [] and head.decode_gemm is None  # a small matrix: not timed, cuBLAS
+    monkeypatch.setattr(decode_gemms, "HEAD_MIN_BYTES", 0)
     choose_decode_gemms(
         [head], torch.device("cpu"), str(tmp_path), _timer({CUBLAS: 10.0, names[0]: 5.0}, calls)
     )
