@@ -172,11 +172,7 @@ def fp8_skinny_silu_and_mul(
     y, parts = skinny_gemm(
         q, weight, out_dtype, config, scale=scale, x_scale=x_scale, gated=True, row_amax=True
     )
-    if y.device.type != "cuda":  # the twin's way (the kernel below is CUDA's)
-        return Fp8Rows(*reference.quantize_fp8_rows(y), out_dtype)
-    from kernels.triton.fp8_quant import quantize_fp8_rows
-
-    return Fp8Rows(*quantize_fp8_rows(y, partial_amax=parts), out_dtype)
+    return Fp8Rows(*_quantize_rows(y, parts), out_dtype)
 
 
 def _rows(x: torch.Tensor | Fp8Rows) -> tuple[torch.Tensor, torch.Tensor, torch.Size]:
@@ -188,9 +184,12 @@ def _rows(x: torch.Tensor | Fp8Rows) -> tuple[torch.Tensor, torch.Tensor, torch.
     return q, scale, x.shape[:-1]
 
 
-def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_rows(
+    x: torch.Tensor, partial_amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token quantization: the Triton kernel on CUDA (imported on first use: the CPU
-    worker never loads Triton), the twin elsewhere."""
+    worker never loads Triton), the twin elsewhere. `partial_amax`: the rows' amax in parts,
+    which the kernel uses instead of a pass of its own (the twin finds the same amax itself)."""
     if x.device.type != "cuda":
         return reference.quantize_fp8_rows(x)
     global _triton_quantize_rows
@@ -198,10 +197,10 @@ def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from kernels.triton.fp8_quant import quantize_fp8_rows
 
         _triton_quantize_rows = quantize_fp8_rows
-    return _triton_quantize_rows(x)
+    return _triton_quantize_rows(x, partial_amax=partial_amax)
 
 
-_triton_quantize_rows: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+_triton_quantize_rows: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 _SCALED_MM_FP32_OUT: dict[torch.device, bool] = {}
 
 

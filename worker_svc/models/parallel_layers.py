@@ -155,8 +155,7 @@ class ShardedLinear(nn.Module):
         goes through the skinny GEMM chosen for this shape and that many rows; everywhere else,
         the library. Launched eagerly, a Triton kernel costs more host time than cuBLAS, and
         eager small batches are bound by the host."""
-        rows = x.shape[0] if isinstance(x, Fp8Rows) else x.numel() // max(x.shape[-1], 1)
-        cfg = self._decode_config(rows) if _DECODE_GRAPH.active else None
+        cfg = self._decode_graph_config(x)
         if cfg is not None:
             from kernels.triton.skinny_gemm import skinny_gemm
 
@@ -175,6 +174,14 @@ class ShardedLinear(nn.Module):
             out = linear_fp32_out(x, self.weight)
             return out if bias is None else out + bias
         return F.linear(x, self.weight, bias)
+
+    def _decode_graph_config(self, x: torch.Tensor | Fp8Rows) -> SkinnyConfig | None:
+        """The skinny GEMM config for x's rows inside a decode graph's scope; None outside it
+        or where the library serves that many rows."""
+        if not _DECODE_GRAPH.active:
+            return None
+        rows = x.shape[0] if isinstance(x, Fp8Rows) else x.numel() // max(x.shape[-1], 1)
+        return self._decode_config(rows)
 
     def _decode_config(self, rows: int) -> SkinnyConfig | None:
         if rows <= SKINNY_MAX_ROWS:
@@ -256,11 +263,8 @@ class MergedColumnParallelLinear(ShardedLinear):
         skinny GEMM serves these rows. None elsewhere (the library's GEMM, LoRA's delta, a bias,
         LLMESH_GATED_GEMM=0): the caller then runs the GEMM and SiLU·mul's own kernel. The
         result has the bits of that pair (kernels.triton.skinny_gemm)."""
-        if not _DECODE_GRAPH.active or self.lora is not None or self.bias is not None or not GATED_GEMM:
-            return None
-        rows = x.shape[0] if isinstance(x, Fp8Rows) else x.numel() // max(x.shape[-1], 1)
-        cfg = self._decode_config(rows)
-        if cfg is None:
+        cfg = self._decode_graph_config(x)
+        if cfg is None or self.lora is not None or self.bias is not None or not GATED_GEMM:
             return None
         if self.weight_scale is not None:
             return fp8_skinny_silu_and_mul(x, self.weight, self.weight_scale, x.dtype, cfg, quantize)
