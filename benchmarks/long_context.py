@@ -46,9 +46,13 @@ def _decode_at(llm, ctx: int, steps: int, vocab: int) -> float:  # type: ignore[
         return time_greedy(llm, prompt, tokens)
 
     gen(steps + 1)  # prefills (and caches) the prompt, warms every path
-    t_one = min(gen(1) for _ in range(3))
-    t_all = min(gen(steps + 1) for _ in range(2))
-    return (t_all - t_one) / steps
+    # Alternating, best of 5 each: a run's wall jitters by ~10 ms (the collector, the host), which
+    # over 64 steps moved a step by up to 0.2 ms between runs with 3 and 2 tries.
+    t_one, t_all = [], []
+    for _ in range(5):
+        t_one.append(gen(1))
+        t_all.append(gen(steps + 1))
+    return (min(t_all) - min(t_one)) / steps
 
 
 def attention_alone(args: argparse.Namespace, copy_bw: float, section: str, cfg: dict) -> None:

@@ -123,6 +123,59 @@ def test_cuda_graphs_match_eager(model_dir: str, graph_outputs: list) -> None:
     _assert_same_greedy(eager, graph_outputs)
 
 
+# Llama-3.1-8B's layer shapes, 4 layers: no biases, so its decode graphs' layers fold their norms.
+LLAMA_8B_4_LAYERS: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_norms_folded_into_the_decode_gemms_keep_the_greedy_tokens(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the residual norms in the decode graphs' skinny GEMMs (the default) the greedy tokens
+    are those of the norm kernels (LLMESH_NORM_IN_GEMM=0), up to near ties; the fold ran in
+    every layer of the captures."""
+    from worker_svc.models import parallel_layers
+    from worker_svc.models.llama import DecoderLayer
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B_4_LAYERS))
+    folded: list[int] = []
+    fold = DecoderLayer.forward_norms_in_gemms
+
+    def counting_fold(self, *args):  # type: ignore[no-untyped-def]
+        folded.append(1)
+        return fold(self, *args)
+
+    monkeypatch.setattr(DecoderLayer, "forward_norms_in_gemms", counting_fold)
+    outs = []
+    for on in (True, False):
+        monkeypatch.setattr(parallel_layers, "NORM_IN_GEMM", on)
+        llm = LLM(str(tmp_path), attention_backend="triton", **ENGINE)
+        if on:
+            qkv = llm.engine.runner.model.layers[0].self_attn.qkv_proj
+            if qkv.decode_gemm is None:
+                pytest.skip("cuBLAS won this device's decode GEMMs: there is no skinny GEMM to fold into")
+            assert folded and len(folded) % LLAMA_8B_4_LAYERS["num_hidden_layers"] == 0
+            captured = len(folded)
+        outs.append(_generate(llm))
+        del llm
+        _free()
+    assert len(folded) == captured  # none with the fold off
+    _assert_same_greedy(outs[1], outs[0])
+
+
 def test_decode_step_syncs_only_for_sampled_ids(model_dir: str) -> None:
     """A graph decode step performs at most one synchronising CUDA call: waiting for the sampled ids.
 

@@ -194,6 +194,36 @@ def test_skinny_gemm_llama_8b_o_proj(m: int, out_dtype: torch.dtype) -> None:
     torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("cfg", [(32, 512, 4, 3), (32, 512, 4, 4), (64, 256, 4, 4)], ids=["s3", "s4", "n64"])
+def test_skinny_gemms_fold_the_residual_norm_at_the_llama_8b_shapes(m: int, cfg: tuple) -> None:
+    """A bf16 decode layer's norms folded into its skinny GEMMs (the decode graphs' candidate
+    tiles): o_proj and down add their product to the stream with the bits of the fp32 GEMM then
+    the norm kernel's add, and write h * g (its bits) and h's squares; qkv and gate|up (gated)
+    read those, within bf16's tolerance of the norm kernel then the GEMM."""
+    from kernels.triton.skinny_gemm import SkinnyConfig
+
+    n, k, warps, stages = cfg
+    config = SkinnyConfig(block_n=n, block_k=k, num_warps=warps, num_stages=stages)
+    stream = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+    g = (1 + torch.randn(4096, device="cuda") / 4).to(torch.bfloat16)
+    for cols in (4096, 14336):  # o_proj, down
+        x = torch.randn(m, cols, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(4096, cols, device="cuda", dtype=torch.bfloat16) / 64
+        h, scaled, squares = kt.skinny_gemm(x, w, config=config, residual=stream, norm_weight=g)
+        product = kt.skinny_gemm(x, w, torch.float32, config)
+        assert torch.equal(h, kt.rms_norm(product, g, 1e-5, stream)[1])
+        assert torch.equal(scaled, (h.float() * g.float()).to(torch.bfloat16))
+        torch.testing.assert_close(squares.sum(1), h.float().square().sum(1), atol=1e-2, rtol=1e-5)
+    normed = kt.rms_norm(h, g, 1e-5)[0]
+    for rows, gated in ((6144, False), (2 * 14336, True)):  # qkv, gate|up
+        w = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16) / 64
+        fused = kt.skinny_gemm(scaled, w, config=config, gated=gated, norm_parts=squares, eps=1e-5)
+        chain = kt.skinny_gemm(normed, w, config=config, gated=gated)
+        # (gate and up each round to bf16 before SiLU·mul: a near-cancelling product moves most)
+        torch.testing.assert_close(fused, chain, atol=4e-2, rtol=BF16_TOL)
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize(("num_seqs", "ctx", "num_splits"), [(1, 32768, 32), (4, 8192, 16), (1, 128, 32)])
 def test_decode_fused_merge_in_a_graph(fp8: bool, num_seqs: int, ctx: int, num_splits: int) -> None:

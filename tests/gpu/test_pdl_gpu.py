@@ -51,28 +51,55 @@ def _forward(x: torch.Tensor, layers: list[dict[str, torch.Tensor]]) -> torch.Te
     return h + residual
 
 
+def _forward_norms_in_gemms(x: torch.Tensor, layers: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    """The same chain with the residual norms in the GEMMs (LlamaForCausalLM's decode graphs in
+    bf16): each GEMM reads what the one before wrote in its epilogue (the stream, h * g and the
+    squares' parts), so every read of the grid before must wait for it."""
+    plain, split = SkinnyConfig(block_n=64, block_k=256), SkinnyConfig(block_n=32, block_k=256, split_k=2)
+    stream, scaled, squares = x, None, None
+    for i, layer in enumerate(layers):
+        if scaled is None:
+            qkv = kt.skinny_gemm(kt.rms_norm(stream, layer["norm1"], 1e-6)[0], layer["qkv"], config=plain)
+        else:
+            qkv = kt.skinny_gemm(scaled, layer["qkv"], config=plain, norm_parts=squares, eps=1e-6)
+        attn = qkv[:, :HIDDEN].contiguous()
+        stream, scaled, squares = kt.skinny_gemm(
+            attn, layer["o"], config=split, residual=stream, norm_weight=layer["norm2"]
+        )
+        act = kt.skinny_gemm(scaled, layer["gate_up"], config=plain, gated=True, norm_parts=squares, eps=1e-6)
+        if i + 1 < len(layers):
+            stream, scaled, squares = kt.skinny_gemm(
+                act, layer["down"], config=split, residual=stream, norm_weight=layers[i + 1]["norm1"]
+            )
+        else:
+            stream = kt.skinny_gemm(act, layer["down"], config=split, residual=stream)
+    return stream
+
+
+@pytest.mark.parametrize("fold", [False, True], ids=["norm-kernels", "norms-in-gemms"])
 @pytest.mark.parametrize("rows", [1, 16])
-def test_graph_with_pdl_gives_the_plain_launches_bits(rows: int, monkeypatch) -> None:
+def test_graph_with_pdl_gives_the_plain_launches_bits(rows: int, fold: bool, monkeypatch) -> None:
     if not kt.pdl_enabled(torch.device("cuda")):
         pytest.skip("programmatic dependent launch is off (LLMESH_PDL=0) or needs sm90+")
     layers = _layers(4)
+    forward = _forward_norms_in_gemms if fold else _forward
     inputs = [torch.randn(rows, HIDDEN, device="cuda").to(torch.bfloat16) for _ in range(3)]
 
     monkeypatch.setenv("LLMESH_PDL", "0")
     assert not kt.pdl_enabled(torch.device("cuda"))
-    expected = [_forward(x, layers) for x in inputs]
+    expected = [forward(x, layers) for x in inputs]
     monkeypatch.delenv("LLMESH_PDL")
 
     static = inputs[0].clone()
-    _forward(static, layers)  # compile, and make split-K's workspace before the capture
+    forward(static, layers)  # compile, and make split-K's workspace before the capture
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        _forward(static, layers)
+        forward(static, layers)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = _forward(static, layers)
+        out = forward(static, layers)
     for _ in range(3):  # replays back to back, each input twice
         for x, want in zip(inputs, expected, strict=True):
             static.copy_(x)
@@ -81,4 +108,4 @@ def test_graph_with_pdl_gives_the_plain_launches_bits(rows: int, monkeypatch) ->
             assert torch.equal(out, want)
     # Eager launches with PDL too.
     for x, want in zip(inputs, expected, strict=True):
-        assert torch.equal(_forward(x, layers), want)
+        assert torch.equal(forward(x, layers), want)

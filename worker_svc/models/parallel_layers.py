@@ -58,6 +58,9 @@ SKINNY_WIDE_ROWS = 64
 # The MLP's SiLU·mul in the gate|up skinny GEMM's epilogue (`decode_silu_and_mul`); 0: its own
 # kernel, as before (read at import).
 GATED_GEMM = os.environ.get("LLMESH_GATED_GEMM", "1") != "0"
+# A decoder layer's residual RMSNorms folded into the skinny GEMMs around them (`decode_normed`,
+# `RowParallelLinear.decode_add_to`); 0: the norm kernels, as before (read at import).
+NORM_IN_GEMM = os.environ.get("LLMESH_NORM_IN_GEMM", "1") != "0"
 
 
 class _DecodeGraphScope(threading.local):
@@ -182,6 +185,33 @@ class ShardedLinear(nn.Module):
             return None
         rows = x.shape[0] if isinstance(x, Fp8Rows) else x.numel() // max(x.shape[-1], 1)
         return self._decode_config(rows)
+
+    def folds_norms(self, x: torch.Tensor | Fp8Rows) -> bool:
+        """Whether a residual norm may fold into this layer's GEMM of x's rows: a decode graph's
+        skinny GEMM over unquantized weights, at size 1 (the add needs the whole sum), with no
+        LoRA (its delta reads the normed rows) and no bias."""
+        return (
+            NORM_IN_GEMM
+            and _DECODE_GRAPH.active
+            and isinstance(x, torch.Tensor)
+            and self.weight_scale is None
+            and self.lora is None
+            and self.bias is None
+            and self.tp.size == 1
+            and self._decode_graph_config(x) is not None
+        )
+
+    def decode_normed(
+        self, scaled: torch.Tensor, squares: torch.Tensor, eps: float, gated: bool = False
+    ) -> torch.Tensor:
+        """RMSNorm(h) * g @ W.T from h * g (`scaled`) and the parts of h's squares, as the GEMM
+        before wrote them (`RowParallelLinear.decode_add_to`): 1 / rms in the skinny GEMM's
+        epilogue (where `folds_norms`). With `gated` (gate|up), SiLU(gate) * up of it."""
+        from kernels.triton.skinny_gemm import skinny_gemm
+
+        cfg = self._decode_graph_config(scaled)
+        assert cfg is not None and self.folds_norms(scaled), "decode_normed outside a fold"
+        return skinny_gemm(scaled, self.weight, None, cfg, gated=gated, norm_parts=squares, eps=eps)
 
     def _decode_config(self, rows: int) -> SkinnyConfig | None:
         if rows <= SKINNY_MAX_ROWS:
@@ -312,6 +342,22 @@ class RowParallelLinear(ShardedLinear):
         if self.tp.size > 1:
             out = self.tp.all_reduce(out)
         return out if self.bias is None else out + self.bias
+
+    def decode_add_to(
+        self, x: torch.Tensor, stream: torch.Tensor, norm_weight: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(h, h * g, squares): h = stream + x @ W.T, summed in fp32 and rounded once to the
+        stream's dtype, the residual norm's add in the skinny GEMM's epilogue (where
+        `folds_norms`), the same bits as `forward` then the norm kernel's add. With the next
+        norm's weight g, also h * g and the parts of h's squares for `decode_normed`; else
+        (None, None)."""
+        from kernels.triton.skinny_gemm import skinny_gemm
+
+        cfg = self._decode_graph_config(x)
+        assert cfg is not None and self.folds_norms(x), "decode_add_to outside a fold"
+        if norm_weight is None:
+            return skinny_gemm(x, self.weight, None, cfg, residual=stream), None, None  # type: ignore[return-value]
+        return skinny_gemm(x, self.weight, None, cfg, residual=stream, norm_weight=norm_weight)  # type: ignore[return-value]
 
 
 _MM_FP32_OUT: dict[torch.device, bool] = {}  # per device: does torch.mm take out_dtype=float32?

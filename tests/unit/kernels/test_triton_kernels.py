@@ -329,6 +329,49 @@ def test_gated_skinny_gemm_is_the_gemm_then_silu_and_mul_bit_for_bit(m: int, cfg
     _close(fused, reference.silu_and_mul(reference.linear(x, weight)), torch.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(block_n=32, block_k=64),
+        dict(block_n=16, block_k=64, split_k=2),
+        dict(block_n=32, block_k=64, dot=False),
+    ],
+    ids=["dot", "split", "sum"],
+)
+def test_skinny_gemm_folds_the_residual_norm_around_it(dtype: torch.dtype, m: int, cfg: dict) -> None:
+    """The residual RMSNorm folded into the GEMMs on either side of it. The GEMM before the norm
+    adds its product to the stream (the bits of the fp32 GEMM then the norm kernel's add) and
+    writes h * g and h's squares in parts; the GEMM after it reads h * g and scales its sums by
+    1 / rms from the parts: the norm then the GEMM, up to where bf16 rounds (exact in fp32).
+    Sizes that are not multiples of the tiles exercise the masks."""
+    from kernels.triton.skinny_gemm import SkinnyConfig
+
+    config = SkinnyConfig(**cfg)
+    torch.manual_seed(0)
+    x = torch.randn(m, 96, dtype=dtype)
+    w_before = (torch.randn(200, 96) / 10).to(dtype)
+    stream = torch.randn(m, 200, dtype=dtype)
+    g = (1 + torch.randn(200) / 4).to(dtype)
+    h, hg, parts = kt.skinny_gemm(x, w_before, config=config, residual=stream, norm_weight=g)
+    assert h.dtype == hg.dtype == dtype and h.shape == hg.shape == (m, 200) and parts.shape[0] == m
+    product = kt.skinny_gemm(x, w_before, out_dtype=torch.float32, config=config)
+    assert torch.equal(h, kt.rms_norm(product, g, 1e-5, stream)[1])
+    _close(hg, h.float() * g.float(), dtype)  # (the interpreter's bf16 cast truncates; the GPU's rounds)
+    torch.testing.assert_close(parts.sum(1), h.float().square().sum(1), atol=1e-3, rtol=1e-5)
+
+    w_after = (torch.randn(72, 200) / 10).to(dtype)
+    normed = reference.rms_norm(h, g, 1e-5)[0]
+    fused = kt.skinny_gemm(hg, w_after, config=config, norm_parts=parts, eps=1e-5)
+    assert fused.shape == (m, 72) and fused.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else ATOL[dtype]
+    torch.testing.assert_close(fused.float(), reference.linear(normed, w_after).float(), atol=tol, rtol=tol)
+    if dtype == torch.bfloat16:  # gate | up, I = 36
+        gated = kt.skinny_gemm(hg, w_after, config=config, gated=True, norm_parts=parts, eps=1e-5)
+        _close(gated, reference.silu_and_mul(reference.linear(normed, w_after)), dtype)
+
+
 def test_pdl_is_off_where_the_interpreter_runs(monkeypatch) -> None:
     """A `dual_jit(pdl=True)` kernel runs under the interpreter with PDL off (its grid waits are
     compiled-only); on the GPU LLMESH_PDL=0 turns it off (tests/gpu/test_pdl_gpu.py: same bits)."""

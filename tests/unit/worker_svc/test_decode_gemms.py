@@ -130,6 +130,46 @@ def test_row_parallel_hands_bf16_products_on_in_fp32_at_size_1() -> None:
     torch.testing.assert_close(out, want, atol=2e-2, rtol=1e-2)  # CPU: bf16 GEMM, then widened
 
 
+def test_a_decode_graphs_layers_fold_the_residual_norm_and_elsewhere_decline() -> None:
+    """Inside a decode graph's scope, bf16 layers of few rows take the residual norm into their
+    skinny GEMMs: o_proj / down add their product to the stream (the bits of the GEMM's fp32
+    output then the norm kernel's add) and write h * g and h's squares; qkv / gate|up read
+    those and normalize in their epilogue. Outside the scope, past the skinny rows, with a bias
+    or a LoRA, with FP8 weights or a tensor-parallel size over 1, a layer declines and the
+    model runs the norm kernels."""
+    import kernels.triton as kt
+
+    torch.manual_seed(3)
+    o_proj = RowParallelLinear(48, 64, False, TensorParallel()).to(torch.bfloat16)
+    qkv = _qkv(bias=False).to(torch.bfloat16)
+    for layer in (o_proj, qkv):
+        torch.nn.init.normal_(layer.weight, std=0.1)
+        layer.decode_gemm = CFG
+    x = torch.randn(2, 48, dtype=torch.bfloat16)
+    stream = torch.randn(2, 64, dtype=torch.bfloat16)
+    norm_w = (1 + torch.randn(64) / 4).to(torch.bfloat16)
+    assert not o_proj.folds_norms(x)
+    with decode_graph_gemms():
+        assert o_proj.folds_norms(x) and qkv.folds_norms(stream)
+        added, none, _ = o_proj.decode_add_to(x, stream)
+        assert none is None and torch.equal(added, kt.rms_norm(o_proj(x), norm_w, 1e-5, stream)[1])
+        h, scaled, squares = o_proj.decode_add_to(x, stream, norm_w)
+        assert torch.equal(h, added) and scaled is not None and squares is not None
+        normed = qkv.decode_normed(scaled, squares, 1e-5)
+        want = qkv(kt.rms_norm(h, norm_w, 1e-5)[0])
+        torch.testing.assert_close(normed.float(), want.float(), atol=3e-2, rtol=3e-2)
+        assert not qkv.folds_norms(torch.randn(SKINNY_MAX_ROWS + 1, 64, dtype=torch.bfloat16))
+        assert not _qkv(bias=True).folds_norms(stream.float())
+        qkv.lora = object()  # type: ignore[assignment]
+        assert not qkv.folds_norms(stream)
+        qkv.lora = None
+        qkv.weight_scale = torch.ones(1, 64)
+        assert not qkv.folds_norms(stream)
+        qkv.weight_scale = None
+        qkv.tp = TensorParallel(size=2)
+        assert not qkv.folds_norms(stream)
+
+
 def test_nothing_is_chosen_off_cuda() -> None:
     layer = _qkv(bias=False).to(torch.bfloat16)
     assert choose_decode_gemms([layer], torch.device("cpu")) == []

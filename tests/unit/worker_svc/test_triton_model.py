@@ -66,6 +66,45 @@ def test_padded_static_decode_equals_reference(tiny: str, reference_tokens: list
     assert 3 in sizes and 1 in sizes  # padded (3 -> 4) and unpadded decode batches both ran
 
 
+def test_decode_with_the_norms_in_the_skinny_gemms_equals_reference(
+    tiny: str, reference_tokens: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decode path as a decode graph runs it, every linear layer on a skinny GEMM: the
+    layers fold their residual norms into those GEMMs (no norm kernel but the final one), and
+    the greedy tokens stay the reference's (fp32 here, so the fold is exact to a rounding)."""
+    from kernels.triton.skinny_gemm import SkinnyConfig
+    from worker_svc.models.llama import DecoderLayer
+    from worker_svc.models.parallel_layers import ShardedLinear, decode_graph_gemms
+
+    llm = LLM(tiny, attention_backend="triton", **ENGINE)
+    runner = llm.engine.runner
+    for module in runner.model.modules():
+        if isinstance(module, ShardedLinear):
+            module.decode_gemm = SkinnyConfig(block_n=32, block_k=64)
+    graphs = DecodeGraphs(runner.executor, [1, 2, 4], capture=False)
+    forward = graphs._forward
+
+    def in_graph_scope(b: int):  # type: ignore[no-untyped-def]
+        with decode_graph_gemms():
+            return forward(b)
+
+    graphs._forward = in_graph_scope  # type: ignore[method-assign]
+    folded = []
+    fold = DecoderLayer.forward_norms_in_gemms
+
+    def counting_fold(self, *args):  # type: ignore[no-untyped-def]
+        out = fold(self, *args)
+        folded.append(self)  # (a step that raised is not counted)
+        return out
+
+    monkeypatch.setattr(DecoderLayer, "forward_norms_in_gemms", counting_fold)
+    runner.executor.graphs = graphs
+    assert _generate(llm) == reference_tokens
+    # every layer of every pure-decode step (those the graphs run) folded, without a failure
+    layers = len(runner.model.layers)
+    assert len(folded) >= 4 * layers and len(folded) % layers == 0
+
+
 def test_pack_to_device_round_trips_aligned() -> None:
     import numpy as np
 
