@@ -277,6 +277,18 @@ def test_triton_backend_is_drop_in_for_torch_backend(dtype: torch.dtype) -> None
 # ----------------------------------------------------------------------------- skinny GEMM
 
 
+# The skinny GEMM's three bodies for its epilogues: tensor cores, split-K, plain sum.
+EPILOGUE_TILES = pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(block_n=32, block_k=64),
+        dict(block_n=16, block_k=64, split_k=2),
+        dict(block_n=32, block_k=64, dot=False),
+    ],
+    ids=["dot", "split", "sum"],
+)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 3, 16])
 @pytest.mark.parametrize("dot", [True, False])
@@ -305,15 +317,7 @@ def test_skinny_gemm_keeps_leading_dims_and_reads_strided_rows() -> None:
 
 
 @pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize(
-    "cfg",
-    [
-        dict(block_n=32, block_k=64),
-        dict(block_n=16, block_k=64, split_k=2),
-        dict(block_n=32, block_k=64, dot=False),
-    ],
-    ids=["dot", "split", "sum"],
-)
+@EPILOGUE_TILES
 def test_gated_skinny_gemm_is_the_gemm_then_silu_and_mul_bit_for_bit(m: int, cfg: dict) -> None:
     """SiLU·mul in the epilogue gives the bits of the GEMM then SiLU·mul's kernel (the decode
     graphs' MLP launches one kernel where it launched two); an intermediate size that is not a
@@ -331,15 +335,7 @@ def test_gated_skinny_gemm_is_the_gemm_then_silu_and_mul_bit_for_bit(m: int, cfg
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize(
-    "cfg",
-    [
-        dict(block_n=32, block_k=64),
-        dict(block_n=16, block_k=64, split_k=2),
-        dict(block_n=32, block_k=64, dot=False),
-    ],
-    ids=["dot", "split", "sum"],
-)
+@EPILOGUE_TILES
 def test_skinny_gemm_folds_the_residual_norm_around_it(dtype: torch.dtype, m: int, cfg: dict) -> None:
     """The residual RMSNorm folded into the GEMMs on either side of it. The GEMM before the norm
     adds its product to the stream (the bits of the fp32 GEMM then the norm kernel's add) and
