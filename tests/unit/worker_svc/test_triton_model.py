@@ -66,16 +66,21 @@ def test_padded_static_decode_equals_reference(tiny: str, reference_tokens: list
     assert 3 in sizes and 1 in sizes  # padded (3 -> 4) and unpadded decode batches both ran
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_decode_with_the_norms_in_the_skinny_gemms_equals_reference(
-    tiny: str, reference_tokens: list[list[int]], monkeypatch: pytest.MonkeyPatch
+    arch: str, tiny: str, reference_tokens: list[list[int]], tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The decode path as a decode graph runs it, every linear layer on a skinny GEMM: the
-    layers fold their residual norms into those GEMMs (no norm kernel but the final one), and
-    the greedy tokens stay the reference's (fp32 here, so the fold is exact to a rounding)."""
+    layers fold their residual norms into those GEMMs (no norm kernel but the first layer's
+    and the final one), and the greedy tokens stay the reference's (fp32 here, so the fold is
+    exact to a rounding). Qwen3 adds its q / k norms between the qkv GEMM and the attention."""
     from kernels.triton.skinny_gemm import SkinnyConfig
     from worker_svc.models.llama import DecoderLayer
     from worker_svc.models.parallel_layers import ShardedLinear, decode_graph_gemms
 
+    if arch != "llama":
+        tiny = make_tiny_model(tmp_path / arch, arch)
+        reference_tokens = _generate(LLM(tiny, attention_backend="torch", **ENGINE))
     llm = LLM(tiny, attention_backend="triton", **ENGINE)
     runner = llm.engine.runner
     for module in runner.model.modules():
