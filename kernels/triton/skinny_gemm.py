@@ -194,6 +194,10 @@ def _skinny_gemm_kernel(
             acc += tl.load(part, mask=part_mask, other=0.0, cache_modifier=".cg")
         tl.atomic_xchg(count_ptr + pid_n, 0, mask=arrived == SPLIT_K - 1)  # ready for the next call
         out_mask = out_mask & last  # only the last program writes
+    # The rows this program writes: all of them, or under split-K only the last program's.
+    rows_written = m_mask
+    if SPLIT_K > 1:
+        rows_written = rows_written & ((tl.zeros((BLOCK_M,), dtype=tl.int32) + arrived) == SPLIT_K - 1)
     if NORM_PARTS:  # the row's 1 / rms, over all of K
         acc *= tl.rsqrt(sumsq / K + eps)[:, None]
     if HAS_SCALE:  # the weight's per-output-channel scales, applied once to the fp32 sums
@@ -210,17 +214,12 @@ def _skinny_gemm_kernel(
         silu = (gate / (1.0 + tl.exp(-gate))).to(odt).to(tl.float32)
         y = silu * up.to(odt).to(tl.float32)
         out_cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        y_mask = m_mask[:, None] & (out_cols < N // 2)[None, :]
-        if SPLIT_K > 1:
-            y_mask = y_mask & ((tl.zeros((BLOCK_M, BLOCK_N // 2), dtype=tl.int32) + arrived) == SPLIT_K - 1)
+        y_mask = rows_written[:, None] & (out_cols < N // 2)[None, :]
         y = y.to(odt)
         tl.store(out_rows + out_cols[None, :], y, mask=y_mask)
         if ROW_AMAX:  # [M, programs]: the max of a row's parts is its amax, for the FP8 quantization
             part = tl.max(tl.where(y_mask, tl.abs(y.to(tl.float32)), 0.0), axis=1)
-            part_mask = m_mask
-            if SPLIT_K > 1:
-                part_mask = part_mask & ((tl.zeros((BLOCK_M,), dtype=tl.int32) + arrived) == SPLIT_K - 1)
-            tl.store(amax_ptr + offs_m * tl.num_programs(0) + pid_n, part, mask=part_mask)
+            tl.store(amax_ptr + offs_m * tl.num_programs(0) + pid_n, part, mask=rows_written)
     else:
         if RESIDUAL:  # the norm kernel's add: in fp32, rounded once to the stream's dtype
             acc += r.to(tl.float32)
@@ -230,10 +229,7 @@ def _skinny_gemm_kernel(
             hf = tl.where(out_mask, y.to(tl.float32), 0.0)
             normed_rows = normed_ptr + offs_m.to(tl.int64)[:, None] * stride_om
             tl.store(normed_rows + offs_n[None, :], (hf * g[None, :]).to(y.dtype), mask=out_mask)
-            part_mask = m_mask
-            if SPLIT_K > 1:
-                part_mask = part_mask & ((tl.zeros((BLOCK_M,), dtype=tl.int32) + arrived) == SPLIT_K - 1)
-            tl.store(sq_ptr + offs_m * n_parts + pid_n, tl.sum(hf * hf, axis=1), mask=part_mask)
+            tl.store(sq_ptr + offs_m * n_parts + pid_n, tl.sum(hf * hf, axis=1), mask=rows_written)
 
 
 def skinny_gemm(

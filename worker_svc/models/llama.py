@@ -345,10 +345,8 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def _folds_norms(self, hidden: torch.Tensor) -> bool:
-        """Whether every layer folds its norms (the first asked first: outside a decode graph
-        it says no at once)."""
-        layers = list(self.layers)
-        return bool(layers) and layers[0].folds_norms(hidden) and all(y.folds_norms(hidden) for y in layers)
+        """Whether every layer folds its norms (outside a decode graph the first says no)."""
+        return len(self.layers) > 0 and all(layer.folds_norms(hidden) for layer in self.layers)
 
     def _forward_norms_in_gemms(
         self,
