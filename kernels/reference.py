@@ -267,10 +267,13 @@ def rotary_and_write_kv(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     kv_scale: torch.Tensor | None = None,
+    rotate_q: bool = True,
 ) -> None:
-    """Rotate q and k in place, then write k and v into the paged cache (slots < 0 skipped)."""
+    """Rotate q (unless not `rotate_q`) and k in place, then write k and v into the paged cache
+    (slots < 0 skipped)."""
     q_rot, k_rot = rotary_embedding(positions, q, k, cos_sin_cache)
-    q.copy_(q_rot)
+    if rotate_q:
+        q.copy_(q_rot)
     k.copy_(k_rot)
     keep = slot_mapping >= 0
     write_kv_cache(k[keep], v[keep], kv_cache, slot_mapping[keep], kv_scale)
@@ -288,6 +291,11 @@ def merge_attn_partials(partial_out: torch.Tensor, partial_lse: torch.Tensor) ->
     # A row whose segments all lack keys would give -inf - -inf = NaN: weight it 0 instead.
     w = torch.exp(lse - total).nan_to_num(0.0)
     return (w.unsqueeze(-1) * partial_out.float()).sum(dim=-2)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """int64 [rows]: the first column of each row of `x` [rows, cols] holding the row's maximum."""
+    return x.argmax(dim=-1)
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,7 @@ import triton.language as tl
 
 from kernels.attention_metadata import AttentionMetadata
 from kernels.triton import dual_jit, is_interpreted
-from kernels.triton.paged_decode import paged_decode, takes_decode_kernel
+from kernels.triton.paged_decode import paged_decode, rotates_q, takes_decode_kernel
 from kernels.triton.pdl import gdc_launch_dependents, gdc_wait
 
 _LOG2E = 1.4426950408889634
@@ -370,6 +370,25 @@ def _choose_num_splits(meta: AttentionMetadata, num_kv_heads: int, device: torch
     return min(want, 1 << (useful.bit_length() - 1), _SPLIT_MAX)
 
 
+def _takes_decode_kernel(meta: AttentionMetadata, kv_cache: torch.Tensor, num_splits: int | None) -> bool:
+    """Whether this batch goes to `kernels.triton.paged_decode` (pure decode, its shapes)."""
+    kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    device = kv_cache.device
+    return (
+        meta.is_pure_decode
+        and not _UNIFIED_DECODE
+        and takes_decode_kernel(meta, kv_cache.shape[3], kv_fp8, device, num_splits)
+    )
+
+
+def decode_rotates_q(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, cos_sin_cache: torch.Tensor
+) -> bool:
+    """Whether `paged_attention` takes this batch with q not rotated yet (`q_rotary`): one the
+    decode kernel serves and can rotate q for (`kernels.triton.paged_decode.rotates_q`)."""
+    return meta.num_seqs > 0 and _takes_decode_kernel(meta, kv_cache, None) and rotates_q(q, cos_sin_cache)
+
+
 def paged_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -379,6 +398,7 @@ def paged_attention(
     *,
     num_splits: int | None = None,
     kv_scale: torch.Tensor | None = None,
+    q_rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of each query token to its sequence's cached context, causal within the chunk.
 
@@ -387,7 +407,8 @@ def paged_attention(
     the split-K decode path with that many segments (pure-decode batches only); by default
     it is chosen from the batch shape. An fp8 cache is read with `kv_scale` (fp32 [4] on q's
     device, `kernels.reference.unit_kv_scale`'s layout; None = every scale 1.0). Reads only
-    host-side metadata, never syncs.
+    host-side metadata, never syncs. `q_rotary` = (positions, cos_sin_cache): q is not rotated
+    yet, for a batch that `decode_rotates_q` accepts (the decode kernel rotates it).
     """
     num_tokens, num_heads, head_dim = q.shape
     assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, kv_cache.shape
@@ -407,12 +428,11 @@ def paged_attention(
     assert head_pad <= 256, "head_dim > 256 is not supported"
     decode_only = meta.is_pure_decode
     kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
-    if (
-        decode_only
-        and not _UNIFIED_DECODE
-        and takes_decode_kernel(meta, num_kv_heads, kv_fp8, q.device, num_splits)
-    ):
-        return paged_decode(q, kv_cache, meta, scale, out, num_splits=num_splits, kv_scale=kv_scale)
+    if _takes_decode_kernel(meta, kv_cache, num_splits):
+        return paged_decode(
+            q, kv_cache, meta, scale, out, num_splits=num_splits, kv_scale=kv_scale, q_rotary=q_rotary
+        )
+    assert q_rotary is None, "only the decode kernel rotates q (decode_rotates_q)"
     if num_splits is None:
         num_splits = _choose_num_splits(meta, num_kv_heads, q.device)
     elif num_splits > 1:

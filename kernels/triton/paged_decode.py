@@ -30,12 +30,19 @@ What sets the pace, found on the compiled kernel (sm_90 TTGIR; see `pick_decode_
   run in fp16 (q cast to fp16, clamped to its range: exact for every bf16 q in fp16's normal
   range; p in [0, 1] gets 3 more mantissa bits than bf16) with fp32 accumulation. The scales
   never touch the tiles: k_scale folds into the softmax scale, v_scale into the output.
+* Its start. The kernel before it rotates q and k and writes the step's K/V; with PDL the
+  decode kernel had to wait for it (and the launch latency) before its first load. Given the
+  raw q (`q_rotary`, `rotates_q`) it rotates q itself, so it needs that kernel only for each
+  sequence's newest tile: it walks every older tile first and waits just before the newest
+  (1 x 32k, fp8 cache, bf16 8B: a batch-1 step 0.15 ms faster with the rows' argmax below,
+  docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -65,6 +72,9 @@ _SPLIT_MAX = 64
 _FEW_PROGRAMS_PER_SM = 4
 _MID_PROGRAMS_PER_SM = 12
 _MANY_PROGRAMS_PER_SM = 40
+# Pure-decode batches whose attention rotates q itself (`rotates_q`); 0: the cache-write kernel
+# rotates it, as before (benchmarks A/B the two).
+_DECODE_ROTATES_Q = os.environ.get("LLMESH_DECODE_ROTATES_Q", "1") != "0"
 
 
 # Four e4m3 codes (one int32 word, code i in byte i) -> four fp16: two packed conversions.
@@ -91,6 +101,9 @@ def _paged_decode_kernel(
     counter_ptr,  # [B * Hkv] int32, zero between launches (FUSED_MERGE): segments finished
     kv_scale_ptr,  # fp32 [4]: k_scale, v_scale, 1 / k_scale, 1 / v_scale (read when KV_FP8)
     order_ptr,  # [B] int32: the sequence of grid row i (LONGEST_FIRST)
+    positions_ptr,  # [T] int64: each query token's position (ROTATE_Q)
+    cos_sin_ptr,  # [max_pos, HEAD_DIM] fp32: cos then sin (ROTATE_Q)
+    stride_cs,
     scale_log2,  # softmax scale * log2(e)
     num_splits,
     stride_qt,
@@ -125,10 +138,15 @@ def _paged_decode_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no silent tf32)
     FUSED_MERGE: tl.constexpr,  # the last segment of each (sequence, KV head) merges them all
     SPLIT_PAD: tl.constexpr,  # num_splits rounded up to a power of two (FUSED_MERGE)
+    ROTATE_Q: tl.constexpr,  # q is not rotated yet: rotate it here and start before the grid before
     PDL: tl.constexpr,
 ):
-    if PDL:  # the grid before this one done and visible (see kernels.triton.pdl_enabled)
-        gdc_wait()
+    if PDL:
+        # The grid before this one done and visible (see kernels.triton.pdl_enabled). With
+        # ROTATE_Q that grid is the one writing this step's K/V (and rotating k), and only a
+        # sequence's newest tile needs it: the wait moves to that tile (phase 1, below).
+        if not ROTATE_Q:
+            gdc_wait()
         gdc_launch_dependents()
     kv_head = tl.program_id(0)
     if LONGEST_FIRST:  # the block scheduler starts low rows first: long contexts lead, no tail
@@ -155,7 +173,23 @@ def _paged_decode_kernel(
     head = kv_head * GROUP + offs_g
     tok = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     q_mask = row_valid[:, None] & d_valid[None, :]
-    q = tl.load(q_ptr + tok * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
+    q_rows = q_ptr + tok * stride_qt + head[:, None] * stride_qh
+    if ROTATE_Q:
+        # q is the grid before the grid before's (the qkv GEMM's, or the q norm's), finished
+        # once this grid may start: read from L2 (.cg), never from a stale L1 line. Rotated as
+        # `_rotary_kv_write_kernel` rotates it (the same explicit fmas, rounded to q's dtype:
+        # left to the compiler, the two kernels contracted them differently, 1 ulp apart).
+        half = HEAD_DIM // 2
+        pos = tl.load(positions_ptr + tok, cache_modifier=".cg").to(tl.int64)
+        x = tl.load(q_rows + offs_d[None, :], mask=q_mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        partner = (offs_d + half) % HEAD_DIM  # d's pair in the rotation: d + half, or d - half
+        xp = tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_d % half).to(tl.float32)[None, :]
+        sin = tl.load(cos_sin_ptr + pos * stride_cs + half + offs_d % half).to(tl.float32)[None, :]
+        first = (offs_d < half)[None, :]
+        q = tl.where(first, tl.fma(x, cos, -(xp * sin)), tl.fma(x, cos, xp * sin)).to(q_ptr.dtype.element_ty)
+    else:
+        q = tl.load(q_rows + offs_d[None, :], mask=q_mask, other=0.0)
     if DOT_F16:
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     if DOT_UPCAST:
@@ -173,16 +207,20 @@ def _paged_decode_kernel(
     offs_t = tl.arange(0, TILE)
     k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
     v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
-    # The query sits at position seq_len - 1 and sees every key: only the ragged last tile
-    # needs a mask. Phase 0 walks the full tiles with no mask at all, phase 1 the last one.
-    n_full = seq_len // TILE
+    # The query sits at position seq_len - 1 and sees every key: only the last tile, which
+    # holds that position (the key and value this step wrote), needs a mask. Phase 0 walks the
+    # tiles before it with no mask at all (with ROTATE_Q before the grid before has finished:
+    # no kernel of this step writes them), phase 1 the last one.
+    n_before = tl.maximum(seq_len - 1, 0) // TILE
     for phase in tl.static_range(2):
         if phase == 0:
             lo = tile_lo
-            hi = tl.minimum(tile_hi, n_full)
+            hi = tl.minimum(tile_hi, n_before)
         else:
-            lo = tl.maximum(tile_lo, n_full)
+            lo = tl.maximum(tile_lo, n_before)
             hi = tile_hi
+            if PDL and ROTATE_Q:  # every program, so that this grid ends after the one before
+                gdc_wait()
         for tile in range(lo, hi):
             kv_pos = tile * TILE + offs_t
             kv_valid = kv_pos < seq_len
@@ -444,6 +482,20 @@ def choose_decode_splits(meta: AttentionMetadata, num_kv_heads: int, device: tor
     return min(want, 1 << (useful.bit_length() - 1), _SPLIT_MAX)
 
 
+def rotates_q(q: torch.Tensor, cos_sin_cache: torch.Tensor) -> bool:
+    """Whether `paged_decode` can rotate this q itself (`q_rotary`): a rotary over the whole head
+    dim, a power of two, the table's rows contiguous, and not switched off (LLMESH_DECODE_ROTATES_Q=0,
+    for benchmarks)."""
+    head_dim = q.shape[-1]
+    return (
+        _DECODE_ROTATES_Q
+        and head_dim >= 16
+        and head_dim & (head_dim - 1) == 0
+        and cos_sin_cache.shape[-1] == head_dim
+        and cos_sin_cache.stride(-1) == 1
+    )
+
+
 def longest_first_order(meta: AttentionMetadata) -> torch.Tensor:
     """[B] int32: the batch's sequences by context length, longest first, sorted on the device
     once a step (the first layer to ask; every layer shares `meta`), so a CUDA graph replays the
@@ -480,11 +532,17 @@ def paged_decode(
     num_splits: int | None = None,
     kv_scale: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
+    q_rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Decode attention into `out` ([B, H, D]) for a pure-decode batch (one query a sequence).
 
     Arguments as `kernels.triton.paged_attention.paged_attention` (checked there); `config`
     and `num_splits` override `plan_decode`'s choice (benchmarks, tests). Reads host-side metadata only.
+
+    `q_rotary` = (positions [T], cos_sin_cache [max_pos, D]): q is not rotated yet (the cache
+    write rotated only k: `rotary_and_write_kv(..., rotate_q=False)`, the kernel just before
+    this one); the kernel rotates it as that kernel would have, bit for bit, and under PDL walks
+    every tile but each sequence's last while that kernel still runs (`rotates_q`).
     """
     from kernels.triton.paged_attention import merge_attn_partials
 
@@ -515,6 +573,12 @@ def paged_decode(
     interpreted = is_interpreted(q.device)
     counters = _counters(q.device, meta.num_seqs * num_kv_heads) if split and cfg.fused_merge else None
     order = longest_first_order(meta) if cfg.longest_first else None
+    if q_rotary is not None:
+        assert rotates_q(q, q_rotary[1]), (q.shape, q_rotary[1].shape)
+        positions, cos_sin = q_rotary
+        assert positions.shape == (num_tokens,), (positions.shape, q.shape)
+    else:
+        positions = cos_sin = meta.seq_lens  # any pointer when unused
     _paged_decode_kernel[(num_kv_heads, meta.num_seqs, num_splits)](
         q,
         key_cache,
@@ -528,6 +592,9 @@ def paged_decode(
         counters if counters is not None else meta.seq_lens,  # any pointer when unused
         kv_scale if kv_fp8 else meta.seq_lens,  # any pointer when unused
         order if order is not None else meta.seq_lens,  # any pointer when unused
+        positions,
+        cos_sin,
+        cos_sin.stride(0),
         scale * _LOG2E,
         num_splits,
         q.stride(0),
@@ -562,6 +629,7 @@ def paged_decode(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 and not dot_f16 else "tf32",
         FUSED_MERGE=counters is not None,
         SPLIT_PAD=max(2, triton.next_power_of_2(num_splits)) if counters is not None else 2,
+        ROTATE_Q=q_rotary is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -52,6 +52,7 @@ def _rotary_kv_write_kernel(
     HKV_PAD: tl.constexpr,
     HALF_PAD: tl.constexpr,
     QUANT: tl.constexpr,  # the cache is fp8: scale, saturate and round to e4m3
+    ROTATE_Q: tl.constexpr,  # else q is left as it is (the decode kernel after this one rotates it)
     PDL: tl.constexpr,
 ):
     if PDL:  # the grid before this one done and visible (see kernels.triton.pdl_enabled)
@@ -67,14 +68,17 @@ def _rotary_kv_write_kernel(
     ]
 
     # Queries, in place. (Keys below repeat the pattern rather than share a helper: see
-    # DualKernel on nested functions.)
-    offs_h = tl.arange(0, H_PAD)
-    mask = (offs_h[:, None] < NUM_HEADS) & d_mask[None, :]
-    at = q_ptr + tok * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
-    x1 = tl.load(at, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(at + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(at, (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(at + HALF, (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty), mask=mask)
+    # DualKernel on nested functions.) The products are fused as written, not as the compiler
+    # would contract them, so that the decode kernel rotating q itself (paged_decode's ROTATE_Q)
+    # gets the same bits from the same expressions.
+    if ROTATE_Q:
+        offs_h = tl.arange(0, H_PAD)
+        mask = (offs_h[:, None] < NUM_HEADS) & d_mask[None, :]
+        at = q_ptr + tok * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
+        x1 = tl.load(at, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(at + HALF, mask=mask, other=0.0).to(tl.float32)
+        tl.store(at, tl.fma(x1, cos, -(x2 * sin)).to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(at + HALF, tl.fma(x2, cos, x1 * sin).to(q_ptr.dtype.element_ty), mask=mask)
 
     # Keys, in place, rounded to k's dtype as the unfused path rounds them before the write.
     offs_h = tl.arange(0, HKV_PAD)
@@ -82,8 +86,8 @@ def _rotary_kv_write_kernel(
     at = k_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
     x1 = tl.load(at, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(at + HALF, mask=mask, other=0.0).to(tl.float32)
-    k1 = (x1 * cos - x2 * sin).to(k_ptr.dtype.element_ty)
-    k2 = (x2 * cos + x1 * sin).to(k_ptr.dtype.element_ty)
+    k1 = tl.fma(x1, cos, -(x2 * sin)).to(k_ptr.dtype.element_ty)
+    k2 = tl.fma(x2, cos, x1 * sin).to(k_ptr.dtype.element_ty)
     tl.store(at, k1, mask=mask)
     tl.store(at + HALF, k2, mask=mask)
 
@@ -124,12 +128,15 @@ def rotary_and_write_kv(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     kv_scale: torch.Tensor | None = None,
+    rotate_q: bool = True,
 ) -> None:
     """Rotate q [T, H, D] and k [T, Hkv, D] in place by `positions` [T], then write the rotated
     k and v [T, Hkv, D] into `kv_cache` [2, num_blocks, block_size, Hkv, D] at `slot_mapping`
     [T] (slots < 0 are skipped). q, k and v may be strided views (slices of a fused qkv output)
     with a contiguous head_dim. cos_sin_cache: [max_pos, D], cos then sin (fp32). An fp8 cache
-    quantizes with `kv_scale` (fp32 [4] on q's device; None = every scale 1.0).
+    quantizes with `kv_scale` (fp32 [4] on q's device; None = every scale 1.0). With
+    `rotate_q=False` q is left alone: the decode attention after this kernel rotates it
+    (`kernels.triton.paged_attention.decode_rotates_q`).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -176,5 +183,6 @@ def rotary_and_write_kv(
         HKV_PAD=triton.next_power_of_2(num_kv_heads),
         HALF_PAD=triton.next_power_of_2(half),
         QUANT=quant,
+        ROTATE_Q=rotate_q,
         num_warps=4 if num_heads * head_dim >= 2048 else 1,
     )

@@ -109,3 +109,64 @@ def test_graph_with_pdl_gives_the_plain_launches_bits(rows: int, fold: bool, mon
     # Eager launches with PDL too.
     for x, want in zip(inputs, expected, strict=True):
         assert torch.equal(forward(x, layers), want)
+
+
+@pytest.mark.parametrize(("fp8", "ctx"), [(True, 8192), (False, 32768)])
+def test_decode_rotating_q_starts_early_and_sees_the_newest_token(fp8: bool, ctx: int, monkeypatch) -> None:
+    """qkv GEMM -> cache write (k only) -> decode attention rotating q (`q_rotary`), at the 8B's
+    heads, in a graph with PDL: the attention walks the older tiles while the cache write runs,
+    and still reads the key and value that write puts in the newest slot on each replay. The
+    bits are the plain launches' of the path before (the cache write rotating q)."""
+    from kernels.triton import paged_decode as pd
+    from tests.unit.kernels import make_paged_batch, rope_cache
+
+    if not kt.pdl_enabled(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch is off (LLMESH_PDL=0) or needs sm90+")
+    heads, kv_heads, d = 32, 8, 128
+    torch.manual_seed(0)
+    b = make_paged_batch(
+        [(1, ctx)], num_heads=heads, num_kv_heads=kv_heads, head_dim=d, block_size=16,
+        dtype=torch.bfloat16, device="cuda",
+    )  # fmt: skip
+    scales = torch.tensor([0.05, 0.05, 20.0, 20.0], device="cuda") if fp8 else None
+    fp8_cache = (b.kv_cache.float() / 0.05).to(torch.float8_e4m3fn)
+    caches = [fp8_cache.clone() if fp8 else b.kv_cache.clone() for _ in range(2)]
+    positions = b.meta.seq_lens.to(torch.int64) - 1
+    cos_sin = rope_cache(ctx + 16, d).cuda()
+    rows = (heads + 2 * kv_heads) * d
+    w = [(torch.randn(rows, HIDDEN, device="cuda") / 32).to(torch.bfloat16) for _ in caches]
+    assert pd.rotates_q(b.q, cos_sin) and b.meta.is_pure_decode
+
+    def forward(x: torch.Tensor, early: bool) -> list[torch.Tensor]:
+        outs = []
+        for weight, cache in zip(w, caches, strict=True):
+            qkv = kt.skinny_gemm(x, weight, config=SkinnyConfig(block_n=64, block_k=256))
+            q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+            q, k, v = q.view(1, heads, d), k.view(1, kv_heads, d), v.view(1, kv_heads, d)
+            slots = b.meta.slot_mapping
+            kt.rotary_and_write_kv(positions, q, k, v, cos_sin, cache, slots, scales, rotate_q=not early)
+            out = torch.empty(1, heads, d, device="cuda", dtype=torch.bfloat16)
+            rotary = (positions, cos_sin) if early else None
+            outs.append(
+                pd.paged_decode(
+                    q, cache, b.meta, d**-0.5, out, num_splits=32, kv_scale=scales, q_rotary=rotary
+                )
+            )
+        return outs
+
+    inputs = [torch.randn(1, HIDDEN, device="cuda").to(torch.bfloat16) for _ in range(3)]
+    monkeypatch.setenv("LLMESH_PDL", "0")
+    expected = [forward(x, early=False) for x in inputs]
+    monkeypatch.delenv("LLMESH_PDL")
+    static = inputs[0].clone()
+    forward(static, early=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = forward(static, early=True)
+    for _ in range(2):
+        for x, want in zip(inputs, expected, strict=True):
+            static.copy_(x)
+            graph.replay()
+            torch.cuda.synchronize()
+            for got, ref in zip(outs, want, strict=True):
+                assert torch.equal(got, ref)

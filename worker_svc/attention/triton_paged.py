@@ -11,6 +11,7 @@ import torch
 
 import kernels.triton as triton_kernels
 from kernels.attention_metadata import AttentionMetadata
+from kernels.triton.paged_attention import decode_rotates_q
 from kernels.triton.prefill_attention import use_prefill_kernel
 from worker_svc.attention.base import RotaryInputs
 from worker_svc.attention.long_prefill import long_prefill_attention
@@ -32,13 +33,19 @@ class TritonPagedBackend:
     ) -> torch.Tensor:
         # Write first, then attend: the new tokens must see themselves (and a sequence may
         # read a prefix block another sequence of this step just wrote).
+        prefill = use_prefill_kernel(meta)  # long chunks, long contexts: SDPA / Triton prefill (issue 31)
+        q_rotary = None
         if rotary is not None:  # one kernel rotates q and k in place and writes the cache
             positions, cos_sin = rotary
+            # A pure decode on the decode kernel rotates q there instead, so that the attention
+            # walks all but each sequence's newest tile while the cache write still runs.
+            if not prefill and decode_rotates_q(q, kv_cache, meta, cos_sin):
+                q_rotary = rotary
             triton_kernels.rotary_and_write_kv(
-                positions, q, k, v, cos_sin, kv_cache, meta.slot_mapping, kv_scale
+                positions, q, k, v, cos_sin, kv_cache, meta.slot_mapping, kv_scale, rotate_q=q_rotary is None
             )
         else:
             triton_kernels.write_kv_cache(k, v, kv_cache, meta.slot_mapping, kv_scale)
-        if use_prefill_kernel(meta):  # long chunks, long contexts: SDPA / Triton prefill (issue 31)
+        if prefill:
             return long_prefill_attention(q, kv_cache, meta, scale, kv_scale=kv_scale)
-        return triton_kernels.paged_attention(q, kv_cache, meta, scale, kv_scale=kv_scale)
+        return triton_kernels.paged_attention(q, kv_cache, meta, scale, kv_scale=kv_scale, q_rotary=q_rotary)

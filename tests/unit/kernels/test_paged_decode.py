@@ -17,7 +17,7 @@ import torch
 import kernels.triton as kt
 from kernels import reference
 from kernels.triton import paged_decode as pd
-from tests.unit.kernels import make_paged_batch
+from tests.unit.kernels import make_paged_batch, rope_cache
 
 pa_mod = importlib.import_module("kernels.triton.paged_attention")
 
@@ -192,3 +192,88 @@ def test_longest_first_matches_twin_and_shares_its_order(num_splits: int) -> Non
     assert order is not None and order.tolist() == [2, 3, 1, 0]
     pd.paged_decode(b.q, b.kv_cache, b.meta, 0.3, out, num_splits=num_splits, config=cfg)
     assert b.meta.decode_order is order
+
+
+def _q_rotary(b, max_pos: int = 256):  # type: ignore[no-untyped-def]
+    """Each decode token's position (its context length - 1) and a rope table for the batch."""
+    positions = (b.meta.seq_lens.to(torch.int64) - 1).clamp_min(0)
+    return positions, rope_cache(max_pos, b.q.shape[-1])
+
+
+@pytest.mark.parametrize(
+    ("cache_dtype", "q_dtype", "cfg"),
+    [
+        (torch.bfloat16, torch.bfloat16, pd.DecodeConfig(tile=32, num_warps=4, num_stages=2, dot_f16=False)),
+        (torch.float32, torch.float32, pd.DecodeConfig(tile=16, num_warps=4, num_stages=2, dot_f16=False)),
+        (
+            torch.float8_e4m3fn,
+            torch.bfloat16,
+            pd.DecodeConfig(tile=32, num_warps=4, num_stages=2, dot_f16=True, kv_words=True),
+        ),
+    ],
+)
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_rotating_q_is_rotate_then_attend_bit_for_bit(
+    cache_dtype: torch.dtype, q_dtype: torch.dtype, cfg: pd.DecodeConfig, num_splits: int
+) -> None:
+    """`q_rotary`: the kernel rotates the raw q as the cache write would have, then attends: the
+    same bits as the cache-write kernel rotating q and the kernel attending to the rotated q.
+    Lengths 1, 37, 130, 64 at 16- or 32-token tiles: a newest tile that is full (64), ragged, and
+    alone (1), and segments with no newest tile."""
+    b = _batch(q_dtype, 4, head_dim=32)
+    cache = b.kv_cache if cache_dtype != torch.float8_e4m3fn else (b.kv_cache.float() * 4).to(cache_dtype)
+    scales = SCALES if cache_dtype == torch.float8_e4m3fn else None
+    positions, cos_sin = _q_rotary(b)
+    assert pd.rotates_q(b.q, cos_sin)
+    rotated = b.q.clone()
+    kt.rotary_and_write_kv(
+        positions, rotated, b.k.clone(), b.v, cos_sin, cache.clone(), torch.full_like(positions, -1)
+    )
+    expected = pd.paged_decode(
+        rotated, cache, b.meta, 0.3, torch.empty_like(b.q), num_splits=num_splits, kv_scale=scales, config=cfg
+    )
+    raw = b.q.clone()
+    out = pd.paged_decode(
+        raw, cache, b.meta, 0.3, torch.full_like(b.q, float("nan")),
+        num_splits=num_splits, kv_scale=scales, config=cfg, q_rotary=(positions, cos_sin),
+    )  # fmt: skip
+    assert torch.equal(out, expected)
+    assert torch.equal(raw, b.q)  # q itself is left as it was
+
+
+def test_cache_write_leaves_q_to_the_decode_kernel() -> None:
+    """`rotate_q=False`: k rotated and both written as before, q untouched (the twin alike)."""
+    b = _batch(torch.bfloat16, 4)
+    positions, cos_sin = _q_rotary(b)
+    slots = torch.arange(b.q.shape[0], dtype=torch.int64)
+    for fn in (kt.rotary_and_write_kv, reference.rotary_and_write_kv):
+        q, k, cache = b.q.clone(), b.k.clone(), b.kv_cache.clone()
+        fn(positions, q, k, b.v, cos_sin, cache, slots, rotate_q=False)
+        q_all, k_all, cache_all = b.q.clone(), b.k.clone(), b.kv_cache.clone()
+        fn(positions, q_all, k_all, b.v, cos_sin, cache_all, slots)
+        assert torch.equal(q, b.q) and not torch.equal(q_all, b.q)
+        assert torch.equal(k, k_all) and torch.equal(cache, cache_all)
+
+
+def test_backend_leaves_q_to_the_decode_kernel_where_it_rotates_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton backend's pure decodes on the decode kernel (an fp8 cache) leave q to it and
+    match the torch backend; LLMESH_DECODE_ROTATES_Q=0's switch and a mixed batch rotate q in
+    the cache write, as before."""
+    from worker_svc.attention.torch_paged import TorchPagedBackend
+    from worker_svc.attention.triton_paged import TritonPagedBackend
+
+    b = _batch(torch.bfloat16, 4)
+    positions, cos_sin = _q_rotary(b)
+    cache = torch.zeros_like(b.kv_cache, dtype=torch.float8_e4m3fn)
+    assert pa_mod.decode_rotates_q(b.q, cache, b.meta, cos_sin)
+    assert not pa_mod.decode_rotates_q(b.q, b.kv_cache, b.meta, cos_sin)  # short bf16: the unified kernel
+    assert not pa_mod.decode_rotates_q(b.q, cache, b.meta, cos_sin[:, :16])  # a partial rotary
+    monkeypatch.setattr(pd, "_DECODE_ROTATES_Q", False)
+    assert not pa_mod.decode_rotates_q(b.q, cache, b.meta, cos_sin)
+    monkeypatch.undo()
+    outs = []
+    for backend in (TritonPagedBackend(), TorchPagedBackend()):
+        q, k, c = b.q.clone(), b.k.clone(), cache.clone()
+        o = backend.forward(q, k, b.v, c, b.meta, 0.3, rotary=(positions, cos_sin), kv_scale=SCALES)
+        outs.append(o.float())
+    _close(outs[0], outs[1], 2e-2)
