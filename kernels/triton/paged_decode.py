@@ -138,6 +138,7 @@ def _paged_decode_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no silent tf32)
     FUSED_MERGE: tl.constexpr,  # the last segment of each (sequence, KV head) merges them all
     SPLIT_PAD: tl.constexpr,  # num_splits rounded up to a power of two (FUSED_MERGE)
+    GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two (FUSED_MERGE)
     ROTATE_Q: tl.constexpr,  # q is not rotated yet: rotate it here and start before the grid before
     PDL: tl.constexpr,
 ):
@@ -318,36 +319,39 @@ def _paged_decode_kernel(
             counter = counter_ptr + seq * num_kv_heads + kv_head
             done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if done == num_splits - 1:
+                # Every head of the group at once: a loop over the heads (four dependent load
+                # chains in the one program every other segment waits for) cost ~19 us a layer.
                 offs_s = tl.arange(0, SPLIT_PAD)
-                s_valid = offs_s < num_splits
-                for g in tl.static_range(GROUP):
-                    h = kv_head * GROUP + g
-                    lse_s = tl.load(
-                        part_lse_ptr + tok * stride_lt + h * stride_lh + offs_s,
-                        mask=s_valid,
-                        other=float("-inf"),
-                        cache_modifier=".cg",
-                    )
-                    lse_max = tl.max(lse_s, axis=0)
-                    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-                    w = tl.exp(lse_s - lse_max)  # 0 for segments without keys
-                    denom = tl.sum(w, axis=0)
-                    o_s = tl.load(
-                        part_out_ptr
-                        + tok * stride_pt
-                        + h * stride_ph
-                        + offs_s[:, None] * stride_ps
-                        + offs_d[None, :],
-                        mask=s_valid[:, None] & d_valid[None, :],
-                        other=0.0,
-                        cache_modifier=".cg",
-                    )
-                    res = tl.sum(w[:, None] * o_s, axis=0) / tl.where(denom > 0.0, denom, 1.0)
-                    tl.store(
-                        out_ptr + tok * stride_ot + h * stride_oh + offs_d,
-                        res.to(out_ptr.dtype.element_ty),
-                        mask=d_valid,
-                    )
+                offs_gm = tl.arange(0, GROUP_PAD)
+                group_heads = kv_head * GROUP + offs_gm
+                g_ok = offs_gm < GROUP
+                s_ok = offs_s < num_splits
+                lse_s = tl.load(
+                    part_lse_ptr + tok * stride_lt + group_heads[:, None] * stride_lh + offs_s[None, :],
+                    mask=g_ok[:, None] & s_ok[None, :],
+                    other=float("-inf"),
+                    cache_modifier=".cg",
+                )
+                o_s = tl.load(
+                    part_out_ptr
+                    + tok * stride_pt
+                    + group_heads[:, None, None] * stride_ph
+                    + offs_s[None, :, None] * stride_ps
+                    + offs_d[None, None, :],
+                    mask=g_ok[:, None, None] & s_ok[None, :, None] & d_valid[None, None, :],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                lse_max = tl.max(lse_s, axis=1)
+                lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+                w = tl.exp(lse_s - lse_max[:, None])
+                denom = tl.sum(w, axis=1)
+                res = tl.sum(w[:, :, None] * o_s, axis=1) / tl.where(denom > 0.0, denom, 1.0)[:, None]
+                tl.store(
+                    out_ptr + tok * stride_ot + group_heads[:, None] * stride_oh + offs_d[None, :],
+                    res.to(out_ptr.dtype.element_ty),
+                    mask=g_ok[:, None] & d_valid[None, :],
+                )
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
         tl.store(
@@ -382,9 +386,10 @@ def pick_decode_config(head_pad: int, kv_fp8: bool) -> DecodeConfig:
     registers) 43.6 us at 1 x 32k against 45.7 for 64-token tiles two deep. fp8: 128-token
     tiles two deep, fp16 dots, the codes read as int32 words: 35.1-35.8 us at 1 x 32k against
     36.8-37.7 read as bytes, 102.1 against 106.6 at 1 x 120k. The fused merge is off: correct on
-    the GPU (tests/gpu/test_kernels_gpu.py) but slower on an H100 at batch 1, 32 splits: 25.6
-    against 8.1 us a layer at 128 tokens, 59.5 against 35.6 at 32k (fp8 cache), its serial
-    reduction behind every segment's atomic.
+    the GPU (tests/gpu/test_kernels_gpu.py) but no faster on an H100. In the 8B's batch-1 decode
+    graph (32 splits, fp8 cache) a step took 5,140 us against 5,117 with the merge kernel at 128
+    tokens, 5,950 against 5,933 at 32k: the atomic and the last segment's merge cost what the
+    launch boundary does. (Merging a group's heads one after another, it cost ~19 us a layer.)
     """
     if head_pad > 128:  # keep the fp32 accumulator and the K/V tiles within registers/smem
         return DecodeConfig(tile=32, num_warps=4, num_stages=2, dot_f16=kv_fp8)
@@ -629,6 +634,7 @@ def paged_decode(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 and not dot_f16 else "tf32",
         FUSED_MERGE=counters is not None,
         SPLIT_PAD=max(2, triton.next_power_of_2(num_splits)) if counters is not None else 2,
+        GROUP_PAD=triton.next_power_of_2(group),
         ROTATE_Q=q_rotary is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
