@@ -8,8 +8,9 @@ cache of the sequence once: floor = (weight bytes + C x KV bytes per token) / co
 the bandwidth measured in the same run. An fp8 cache halves the second term (and, with FP8
 weights, the first too). Each pair of --long-configs (quantization:kv_cache_dtype, none = the
 model's dtype) builds its own engine with random weights, prefills one prompt of C tokens,
-then times decode steps as (generate(1 + n) - generate(1)) / n with the prompt cached. The
-KV blocks each cache dtype gets from the same memory are printed too (fp8: twice bf16's).
+then times decode steps as (generate(n) - generate(n / 4)) / (3n / 4) with the prompt cached
+(n = --long-steps; C is then the window's mean context). The KV blocks each cache dtype gets
+from the same memory are printed too (fp8: twice bf16's).
 """
 
 from __future__ import annotations
@@ -35,8 +36,17 @@ def _weight_bytes(model) -> int:  # type: ignore[no-untyped-def]
     return n
 
 
+def _window(ctx: int, steps: int) -> tuple[int, int, float]:
+    """The decode steps `_decode_at` times: from `steps // 4` to `steps` generated tokens after a
+    prompt of `ctx`, and their mean context."""
+    lo = max(1, steps // 4)
+    return lo, steps, ctx + (lo + steps) / 2
+
+
 def _decode_at(llm, ctx: int, steps: int, vocab: int) -> float:  # type: ignore[no-untyped-def]
-    """Seconds per decode step of one sequence at `ctx` tokens of context (prompt cached)."""
+    """Seconds per decode step of one sequence at `ctx` tokens of context (prompt cached): the
+    difference of two generations, `steps // 4` and `steps` tokens, so that the prompt's cached
+    prefill and the first token, whose time jitters by milliseconds, cancel out."""
     from benchmarks.gpu import time_greedy
 
     rng = random.Random(0)
@@ -45,14 +55,15 @@ def _decode_at(llm, ctx: int, steps: int, vocab: int) -> float:  # type: ignore[
     def gen(tokens: int) -> float:
         return time_greedy(llm, prompt, tokens)
 
-    gen(steps + 1)  # prefills (and caches) the prompt, warms every path
+    lo, hi, _ = _window(ctx, steps)
+    gen(hi + 1)  # prefills (and caches) the prompt, warms every path
     # Alternating, best of 5 each: a run's wall jitters by ~10 ms (the collector, the host), which
-    # over 64 steps moved a step by up to 0.2 ms between runs with 3 and 2 tries.
-    t_one, t_all = [], []
+    # over 64 steps timed as generate(65) - generate(1) moved a step by up to 0.2 ms between runs.
+    t_short, t_long = [], []
     for _ in range(5):
-        t_one.append(gen(1))
-        t_all.append(gen(steps + 1))
-    return (min(t_all) - min(t_one)) / steps
+        t_short.append(gen(lo))
+        t_long.append(gen(hi))
+    return (min(t_long) - min(t_short)) / (hi - lo)
 
 
 def attention_alone(args: argparse.Namespace, copy_bw: float, section: str, cfg: dict) -> None:
@@ -179,7 +190,7 @@ def long_context_section(root: str, args: argparse.Namespace, copy_bw: float, sh
                 f"{runner.num_kv_blocks * shape[2]} tokens of {per_token} B; "
                 f"start {time.perf_counter() - t0:.0f} s",
             )
-            weights, kv_bytes = _weight_bytes(runner.model), ctx * per_token
+            weights, kv_bytes = _weight_bytes(runner.model), _window(ctx, steps)[2] * per_token
             floor = (weights + kv_bytes) / copy_bw
             step = _decode_at(llm, ctx, steps, cfg["vocab_size"])
             verdict = "met" if step <= TARGET * floor else "MISSED"
@@ -192,7 +203,7 @@ def long_context_section(root: str, args: argparse.Namespace, copy_bw: float, sh
             )
             # The context's share: the same engine's step at a short context taken off.
             short = _decode_at(llm, SHORT, steps, cfg["vocab_size"])
-            kv_floor = (ctx - SHORT) * per_token / copy_bw
+            kv_floor = (_window(ctx, steps)[2] - _window(SHORT, steps)[2]) * per_token / copy_bw
             row(
                 section,
                 f"{label}: step at {ctx} - step at {SHORT}",
