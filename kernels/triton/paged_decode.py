@@ -52,6 +52,7 @@ import triton.language as tl
 from kernels.attention_metadata import AttentionMetadata
 from kernels.triton import dual_jit, is_interpreted
 from kernels.triton.pdl import gdc_launch_dependents, gdc_wait
+from kernels.triton.rounding import mul_rn
 
 _LOG2E = 1.4426950408889634
 
@@ -178,8 +179,9 @@ def _paged_decode_kernel(
     if ROTATE_Q:
         # q is the grid before the grid before's (the qkv GEMM's, or the q norm's), finished
         # once this grid may start: read from L2 (.cg), never from a stale L1 line. Rotated as
-        # `_rotary_kv_write_kernel` rotates it (the same explicit fmas, rounded to q's dtype:
-        # left to the compiler, the two kernels contracted them differently, 1 ulp apart).
+        # `_rotary_kv_write_kernel` rotates it, each product rounded on its own (CVT_ASM: on the
+        # GPU, where the compiler would otherwise contract them; left to it, the two kernels
+        # contracted differently, 1 ulp apart), then rounded to q's dtype.
         half = HEAD_DIM // 2
         pos = tl.load(positions_ptr + tok, cache_modifier=".cg").to(tl.int64)
         x = tl.load(q_rows + offs_d[None, :], mask=q_mask, other=0.0, cache_modifier=".cg").to(tl.float32)
@@ -188,7 +190,11 @@ def _paged_decode_kernel(
         cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_d % half).to(tl.float32)[None, :]
         sin = tl.load(cos_sin_ptr + pos * stride_cs + half + offs_d % half).to(tl.float32)[None, :]
         first = (offs_d < half)[None, :]
-        q = tl.where(first, tl.fma(x, cos, -(xp * sin)), tl.fma(x, cos, xp * sin)).to(q_ptr.dtype.element_ty)
+        if CVT_ASM:
+            x_cos, xp_sin = mul_rn(x, cos), mul_rn(xp, sin)
+        else:
+            x_cos, xp_sin = x * cos, xp * sin
+        q = tl.where(first, x_cos - xp_sin, x_cos + xp_sin).to(q_ptr.dtype.element_ty)
     else:
         q = tl.load(q_rows + offs_d[None, :], mask=q_mask, other=0.0)
     if DOT_F16:

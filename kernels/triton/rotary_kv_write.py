@@ -19,8 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton import dual_jit
+from kernels.triton import dual_jit, is_interpreted
 from kernels.triton.pdl import gdc_launch_dependents, gdc_wait
+from kernels.triton.rounding import mul_rn
 
 
 @dual_jit(pdl=True)
@@ -53,6 +54,7 @@ def _rotary_kv_write_kernel(
     HALF_PAD: tl.constexpr,
     QUANT: tl.constexpr,  # the cache is fp8: scale, saturate and round to e4m3
     ROTATE_Q: tl.constexpr,  # else q is left as it is (the decode kernel after this one rotates it)
+    ROUND_PRODUCTS: tl.constexpr,  # GPU: each product rounded on its own (the interpreter never fuses)
     PDL: tl.constexpr,
 ):
     if PDL:  # the grid before this one done and visible (see kernels.triton.pdl_enabled)
@@ -68,17 +70,23 @@ def _rotary_kv_write_kernel(
     ]
 
     # Queries, in place. (Keys below repeat the pattern rather than share a helper: see
-    # DualKernel on nested functions.) The products are fused as written, not as the compiler
-    # would contract them, so that the decode kernel rotating q itself (paged_decode's ROTATE_Q)
-    # gets the same bits from the same expressions.
+    # DualKernel on nested functions.) Each product is rounded before the sum, never contracted
+    # into an fma: the twin's bits, and the decode kernel's when it rotates q itself
+    # (paged_decode's ROTATE_Q). Left to the compiler, the two kernels contracted differently.
     if ROTATE_Q:
         offs_h = tl.arange(0, H_PAD)
         mask = (offs_h[:, None] < NUM_HEADS) & d_mask[None, :]
         at = q_ptr + tok * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
         x1 = tl.load(at, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(at + HALF, mask=mask, other=0.0).to(tl.float32)
-        tl.store(at, tl.fma(x1, cos, -(x2 * sin)).to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(at + HALF, tl.fma(x2, cos, x1 * sin).to(q_ptr.dtype.element_ty), mask=mask)
+        if ROUND_PRODUCTS:
+            r1 = mul_rn(x1, cos) - mul_rn(x2, sin)
+            r2 = mul_rn(x2, cos) + mul_rn(x1, sin)
+        else:
+            r1 = x1 * cos - x2 * sin
+            r2 = x2 * cos + x1 * sin
+        tl.store(at, r1.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(at + HALF, r2.to(q_ptr.dtype.element_ty), mask=mask)
 
     # Keys, in place, rounded to k's dtype as the unfused path rounds them before the write.
     offs_h = tl.arange(0, HKV_PAD)
@@ -86,8 +94,12 @@ def _rotary_kv_write_kernel(
     at = k_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
     x1 = tl.load(at, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(at + HALF, mask=mask, other=0.0).to(tl.float32)
-    k1 = tl.fma(x1, cos, -(x2 * sin)).to(k_ptr.dtype.element_ty)
-    k2 = tl.fma(x2, cos, x1 * sin).to(k_ptr.dtype.element_ty)
+    if ROUND_PRODUCTS:
+        k1 = (mul_rn(x1, cos) - mul_rn(x2, sin)).to(k_ptr.dtype.element_ty)
+        k2 = (mul_rn(x2, cos) + mul_rn(x1, sin)).to(k_ptr.dtype.element_ty)
+    else:
+        k1 = (x1 * cos - x2 * sin).to(k_ptr.dtype.element_ty)
+        k2 = (x2 * cos + x1 * sin).to(k_ptr.dtype.element_ty)
     tl.store(at, k1, mask=mask)
     tl.store(at + HALF, k2, mask=mask)
 
@@ -184,5 +196,6 @@ def rotary_and_write_kv(
         HALF_PAD=triton.next_power_of_2(half),
         QUANT=quant,
         ROTATE_Q=rotate_q,
+        ROUND_PRODUCTS=not is_interpreted(q.device),
         num_warps=4 if num_heads * head_dim >= 2048 else 1,
     )
