@@ -349,6 +349,9 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
         self._status: dict[str, health_pb2.HealthCheckResponse.ServingStatus] = {}
         self._changed = asyncio.Event()
         self._shutting_down = False
+        self._watches = 0  # Watch streams open
+        self._no_watch = asyncio.Event()  # set while none is open
+        self._no_watch.set()
 
     def _notify(self) -> None:
         # Swap in a fresh event and fire the old one: every waiter wakes exactly once.
@@ -380,19 +383,31 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
         return health_pb2.HealthCheckResponse(status=status)
 
+    async def watches_ended(self) -> None:
+        """Return once no Watch stream is open (after enter_graceful_shutdown: each has sent
+        NOT_SERVING and ended)."""
+        await self._no_watch.wait()
+
     async def Watch(self, request: health_pb2.HealthCheckRequest, context: Any) -> None:
-        last = None
-        while True:
-            # Take the event before reading the status, so that a change in
-            # between still wakes us (no lost wake-ups; one thread, no locks).
-            changed = self._changed
-            status = self._status.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
-            if status != last:
-                await context.write(health_pb2.HealthCheckResponse(status=status))
-                last = status
-            if self._shutting_down:
-                return
-            await changed.wait()
+        self._watches += 1
+        self._no_watch.clear()
+        try:
+            last = None
+            while True:
+                # Take the event before reading the status, so that a change in
+                # between still wakes us (no lost wake-ups; one thread, no locks).
+                changed = self._changed
+                status = self._status.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+                if status != last:
+                    await context.write(health_pb2.HealthCheckResponse(status=status))
+                    last = status
+                if self._shutting_down:
+                    return
+                await changed.wait()
+        finally:
+            self._watches -= 1
+            if self._watches == 0:
+                self._no_watch.set()
 
 
 DrainCallback = Callable[[], Awaitable[None] | None]
@@ -519,6 +534,10 @@ class GrpcServer:
         log.info("draining", extra={"grace_s": grace})
         self.draining.set()
         self.health.enter_graceful_shutdown()
+        # Each open Watch sends its NOT_SERVING and ends before the server stops: stopped first,
+        # a stream could end before its last status went out (seen on a loaded 2-core machine).
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.health.watches_ended(), timeout=min(1.0, grace))
         for callback in self._drain_callbacks:
             try:
                 result = callback()
