@@ -172,7 +172,7 @@ class GreedyVerification(SampledIds):
         return ids, [None] * len(ids)
 
 
-def _argmax(x: torch.Tensor) -> torch.Tensor:
+def rows_argmax(x: torch.Tensor) -> torch.Tensor:
     """int64 [rows]: each row's first maximal column. On CUDA split over the row
     (kernels/triton/argmax.py): torch reduces a row in one block of threads, 37 us for one 128k
     row on an H100, a tenth of a batch-1 step's time above its floor."""
@@ -292,14 +292,14 @@ class Sampler:
         greedy_rows = [i for i, r in enumerate(rows) if r.params.greedy]
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if not random_rows:
-            sampled = _argmax(logits)
+            sampled = rows_argmax(logits)
         elif not greedy_rows:
             sampled = self._sample_random(logits, rows)
         else:
             sampled = torch.empty(num_rows, dtype=torch.int64, device=self.device)
             g_idx = self._to_dev(greedy_rows, torch.int64)
             r_idx = self._to_dev(random_rows, torch.int64)
-            sampled[g_idx] = _argmax(logits[g_idx])
+            sampled[g_idx] = rows_argmax(logits[g_idx])
             sampled[r_idx] = self._sample_random(logits[r_idx], [rows[i] for i in random_rows])
 
         return self._gather_results(sampled, raw_logprobs, rows, lp_rows)
@@ -357,7 +357,7 @@ class Sampler:
         random = [j for j, r in enumerate(rows) if not r.params.greedy]
         if greedy:
             g_idx, g_logits = self._rows(logits, greedy)
-            top = _argmax(g_logits)
+            top = rows_argmax(g_logits)
             ok = top == (d_draft if g_idx is None else d_draft[g_idx])
             if g_idx is None:
                 cand, accept = top, ok
@@ -374,7 +374,7 @@ class Sampler:
             ok = has_draft & (self._uniform(r_rows) < p_draft)
             # Without the draft (no renormalising needed: the exponential race is scale-free).
             probs = probs.scatter(1, safe, torch.where(has_draft[:, None], 0.0, p_draft[:, None]))
-            pick = _argmax(probs / self._exponential_noise(r_rows))
+            pick = rows_argmax(probs / self._exponential_noise(r_rows))
             if r_idx is None:
                 cand, accept = pick, ok
             else:
@@ -433,7 +433,7 @@ class Sampler:
     def _verify_greedy(
         self, logits: torch.Tensor, drafts: list[list[int]], starts: np.ndarray, ends: np.ndarray
     ) -> GreedyVerification:
-        top = _argmax(logits).to(torch.int32)
+        top = rows_argmax(logits).to(torch.int32)
         # On the device, each sequence's last row: the next input of a sequence that drafted
         # nothing (the one kind a later step may read from here before the host has it).
         last = top.index_select(0, self._upload(torch.from_numpy(ends - 1)))
@@ -527,7 +527,7 @@ class Sampler:
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         probs = self.filtered_probs(logits, rows)
-        return _argmax(probs / self._exponential_noise(rows))
+        return rows_argmax(probs / self._exponential_noise(rows))
 
     def filtered_probs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """[R, V] the distribution each random row samples from: temperature, top_k, top_p, min_p."""

@@ -27,6 +27,7 @@ import torch
 from kernels.attention_metadata import AttentionMetadata
 from worker_svc.kv_cache import KVCacheSpec, allocate_kv_cache
 from worker_svc.loader import load_model
+from worker_svc.sampler import rows_argmax
 from worker_svc.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -104,7 +105,7 @@ class DraftModel:
                 seq_lens_cpu=seq_lens.tolist(),
             )
             hidden = self.model(d_ids, d_pos, self.kv_caches, meta)
-            tokens = self.model.compute_logits(hidden)[:, : self.vocab_size].argmax(dim=-1).tolist()
+            tokens = rows_argmax(self.model.compute_logits(hidden)[:, : self.vocab_size]).tolist()
             for j, i in enumerate(act.tolist()):
                 drafts[i].append(tokens[j])
                 last[i] = tokens[j]
