@@ -1,13 +1,12 @@
 """Batched token sampling: logits [B, V] -> one token id (and optional logprobs) per row.
 
-Torch ops, so the same code runs on CPU and CUDA, but for two passes that take a Triton kernel
-on CUDA (each beside its torch twin): the token bitmask and the rows' argmax. The whole step costs exactly
-one device->host copy: every result (sampled ids, and the logprob tensors when some
-row asked for them) is packed into one int32 tensor and copied once. Everything the
-host needs to decide (which stages run, which rows are greedy, how many top
-logprobs) comes from the Python-side SamplingParams, never from device values, so
-no stage syncs on its own. Host->device copies of per-row parameters are issued
-non-blocking.
+Torch ops, so the same code runs on CPU and CUDA, but for two passes that take a Triton
+kernel on CUDA (each beside its torch twin): the token bitmask and the rows' argmax. The
+whole step costs exactly one device->host copy: every result (sampled ids, and the logprob
+tensors when some row asked for them) is packed into one int32 tensor and copied once.
+Everything the host needs to decide (which stages run, which rows are greedy, how many top
+logprobs) comes from the Python-side SamplingParams, never from device values, so no stage
+syncs on its own. Host->device copies of per-row parameters are issued non-blocking.
 
 Order of operations (as vLLM v1):
   1. logprobs from the raw logits (log_softmax before any processing), then the
