@@ -282,7 +282,8 @@ def rotary_and_write_kv(
 def merge_attn_partials(partial_out: torch.Tensor, partial_lse: torch.Tensor) -> torch.Tensor:
     """Combine split-K (flash-decoding) segments of attention into one output.
 
-    partial_out: [T, H, S, D], each segment's softmax-normalised output over its keys;
+    partial_out: [T, H, S, D], each segment's softmax-normalised output over its keys (any
+    bits, never read, for a segment that saw no key);
     partial_lse: [T, H, S], each segment's logsumexp of scores (-inf when it saw no key).
     Returns [T, H, D] fp32: sum_s exp(lse_s - logsumexp_s(lse_s)) * out_s.
     """
@@ -290,7 +291,8 @@ def merge_attn_partials(partial_out: torch.Tensor, partial_lse: torch.Tensor) ->
     total = torch.logsumexp(lse, dim=-1, keepdim=True)
     # A row whose segments all lack keys would give -inf - -inf = NaN: weight it 0 instead.
     w = torch.exp(lse - total).nan_to_num(0.0)
-    return (w.unsqueeze(-1) * partial_out.float()).sum(dim=-2)
+    out = torch.where((lse > float("-inf")).unsqueeze(-1), partial_out.float(), 0.0)
+    return (w.unsqueeze(-1) * out).sum(dim=-2)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -300,9 +300,12 @@ def _merge_kernel(
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     w = tl.exp(lse - lse_max)  # 0 for empty segments
     denom = tl.sum(w, axis=0)
+    # A segment that saw no key (lse -inf) holds no output: its row is never read (the decode
+    # kernel does not write it; a split graph at a short context has mostly such segments).
+    seen = s_valid & (lse > float("-inf"))
     o = tl.load(
         part_out_ptr + tok * stride_pt + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
-        mask=s_valid[:, None] & (offs_d[None, :] < HEAD_DIM),
+        mask=seen[:, None] & (offs_d[None, :] < HEAD_DIM),
         other=0.0,
     )
     res = tl.sum(w[:, None] * o, axis=0) / tl.where(denom > 0.0, denom, 1.0)
@@ -514,7 +517,8 @@ def merge_attn_partials(
 ) -> torch.Tensor:
     """Combine split-K segments (twin: `kernels.reference.merge_attn_partials`).
 
-    partial_out: [T, H, S, D] fp32, each segment's softmax-normalised output;
+    partial_out: [T, H, S, D] fp32, each segment's softmax-normalised output (not read, so any
+    bits, for a segment without keys);
     partial_lse: [T, H, S] fp32, each segment's logsumexp (-inf for a segment without keys).
     Returns out [T, H, D] (fp32 when not given).
     """

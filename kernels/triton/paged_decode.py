@@ -14,7 +14,9 @@ its context (grid: KV heads, sequences, segments; KV heads vary fastest, so the 
 read the same cache pages start together) and all GROUP query heads of that KV head as the
 rows of one tensor-core product, so each K/V tile is read once per group. Segments write a
 normalised partial output and its logsumexp; `merge_attn_partials` combines them (or, with
-`DecodeConfig.fused_merge`, the segment that finishes last: off, slower on an H100).
+`DecodeConfig.fused_merge`, the segment that finishes last: off, slower on an H100). Long
+segments over an fp8 cache split each tile between the program's warps too (`with_warp_split`):
+each warp keeps its own softmax state and writes its own partial.
 
 What sets the pace, found on the compiled kernel (sm_90 TTGIR; see `pick_decode_config`):
 
@@ -76,6 +78,19 @@ _MANY_PROGRAMS_PER_SM = 40
 # Pure-decode batches whose attention rotates q itself (`rotates_q`); 0: the cache-write kernel
 # rotates it, as before (benchmarks A/B the two).
 _DECODE_ROTATES_Q = os.environ.get("LLMESH_DECODE_ROTATES_Q", "1") != "0"
+# Split launches over an fp8 cache take warp-split programs (`with_warp_split`); 0: the plain
+# ones, as before (benchmarks A/B the two).
+_DECODE_WARP_SPLIT = os.environ.get("LLMESH_DECODE_WARP_SPLIT", "1") != "0"
+_WARP_SPLIT_PROGRAM = (64, 4, 5)  # tile, warps, pipelining depth
+_WARP_SPLIT_MIN_SEGMENT = 1024  # tokens of the longest context a segment
+# The merge holds a head's partials in registers at once: 256 of them (64 segments x 4 warps)
+# spilled, 139 us a layer at 1 x 32k against 44.6 for the plain programs' 64.
+_MERGE_MAX_PARTS = 128
+# A program's query rows (its group) padded to a power of two, at least this many. Triton pads
+# a dot's M to the MMA's 16 itself; left at 4 (an 8B's group) the softmax works on the 4 real rows
+# only, where padded to 16 three quarters of its max, exp2 and sums were on zeros: the 8B's
+# batch-1 decode graph, fp8 cache, 5,944 -> 5,902 us at 32k tokens, 5,116 -> 5,097 at 128.
+_DOT_MIN_ROWS = 4
 
 
 # Four e4m3 codes (one int32 word, code i in byte i) -> four fp16: two packed conversions.
@@ -124,7 +139,7 @@ def _paged_decode_kernel(
     stride_lt,
     stride_lh,
     GROUP: tl.constexpr,  # query heads per KV head
-    ROWS: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot's smallest M)
+    ROWS: tl.constexpr,  # GROUP padded to a power of two >= _DOT_MIN_ROWS
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,  # HEAD_DIM rounded up to a power of two (>= 16)
     BLOCK_SIZE: tl.constexpr,  # KV-cache block size (tokens)
@@ -141,6 +156,8 @@ def _paged_decode_kernel(
     SPLIT_PAD: tl.constexpr,  # num_splits rounded up to a power of two (FUSED_MERGE)
     GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two (FUSED_MERGE)
     ROTATE_Q: tl.constexpr,  # q is not rotated yet: rotate it here and start before the grid before
+    WARP_SPLIT: tl.constexpr,  # KV_WORDS: each warp walks its own slice of every tile, own partial
+    WARPS: tl.constexpr,  # num_warps (WARP_SPLIT)
     PDL: tl.constexpr,
 ):
     if PDL:
@@ -201,17 +218,31 @@ def _paged_decode_kernel(
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     if DOT_UPCAST:
         q = q.to(tl.float32)
+    # WARP_SPLIT: a tile is [WARPS, TILE // WARPS] tokens, warp w owning row w, and the softmax
+    # state has a leading WARPS axis. The dots are batched over it, and a batched dot's
+    # warps split its batch axis (Triton's MMA layout for rank 3): each warp's max, sums and
+    # p stay in its own registers, where a plain dot splits the tile's tokens across the warps
+    # and every row's max, sum and p crosses them through shared memory (half the barriers of
+    # an iteration). Each warp writes its own partial; the merge combines them.
+    if WARP_SPLIT:
+        q = tl.broadcast_to(q[None, :, :], (WARPS, ROWS, HEAD_PAD))
 
     if KV_FP8:
         qk_scale = scale_log2 * tl.load(kv_scale_ptr)
     else:
         qk_scale = scale_log2
-    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([ROWS], dtype=tl.float32)
-    acc = tl.zeros([ROWS, HEAD_PAD], dtype=tl.float32)
+    if WARP_SPLIT:
+        m_i = tl.full([WARPS, ROWS], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([WARPS, ROWS], dtype=tl.float32)
+        acc = tl.zeros([WARPS, ROWS, HEAD_PAD], dtype=tl.float32)
+        offs_t = tl.arange(0, WARPS)[:, None] * (TILE // WARPS) + tl.arange(0, TILE // WARPS)[None, :]
+    else:
+        m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([ROWS], dtype=tl.float32)
+        acc = tl.zeros([ROWS, HEAD_PAD], dtype=tl.float32)
+        offs_t = tl.arange(0, TILE)
 
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    offs_t = tl.arange(0, TILE)
     k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
     v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
     # The query sits at position seq_len - 1 and sees every key: only the last tile, which
@@ -237,17 +268,18 @@ def _paged_decode_kernel(
                 phys = tl.load(block_table + kv_pos // BLOCK_SIZE, mask=kv_valid, other=0).to(tl.int64)
             in_block = kv_pos % BLOCK_SIZE
             if KV_WORDS:
-                # Both tiles token-major, [TILE, HEAD_DIM // 4] words, converted in the load's
-                # own (blocked) layout; tl.dot then reads fp16 through shared memory.
+                # Both tiles token-major, [TILE, HEAD_DIM // 4] words ([W, SUB, ...] split by
+                # warp), converted in the load's own (blocked) layout; tl.dot then reads fp16
+                # through shared memory.
                 offs_w = tl.arange(0, HEAD_PAD // 4)
-                kw_ptrs = k_head + (phys * stride_kb + in_block * stride_ks)[:, None] + offs_w[None, :]
-                vw_ptrs = v_head + (phys * stride_vb + in_block * stride_vs)[:, None] + offs_w[None, :]
+                kw_ptrs = k_head + tl.expand_dims(phys * stride_kb + in_block * stride_ks, -1) + offs_w
+                vw_ptrs = v_head + tl.expand_dims(phys * stride_vb + in_block * stride_vs, -1) + offs_w
                 if phase == 0:
                     kw = tl.load(kw_ptrs)
                     vw = tl.load(vw_ptrs)
                 else:
-                    kw = tl.load(kw_ptrs, mask=kv_valid[:, None], other=0)
-                    vw = tl.load(vw_ptrs, mask=kv_valid[:, None], other=0)
+                    kw = tl.load(kw_ptrs, mask=tl.expand_dims(kv_valid, -1), other=0)
+                    vw = tl.load(vw_ptrs, mask=tl.expand_dims(kv_valid, -1), other=0)
                 # Each word -> four fp16 (c0..c3): PTX on the GPU; integer ops in the
                 # interpreter (e4m3 is fp16 with the exponent rebiased by 8, subnormals too:
                 # shift the 7 magnitude bits into place, keep the sign, times 2^8).
@@ -273,11 +305,19 @@ def _paged_decode_kernel(
                         c2 = c2.to(tl.uint16).to(tl.float16, bitcast=True) * 256.0
                         c3 = c3.to(tl.uint16).to(tl.float16, bitcast=True) * 256.0
                     # join appends a minor axis: [token, word, j, k] holds code 2j + k.
-                    codes = tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (TILE, HEAD_PAD))
-                    if which == 0:
-                        k = tl.trans(codes)  # [HEAD_PAD, TILE]
+                    codes = tl.join(tl.join(c0, c2), tl.join(c1, c3))
+                    if WARP_SPLIT:
+                        codes = tl.reshape(codes, (WARPS, TILE // WARPS, HEAD_PAD))
+                        if which == 0:
+                            k = tl.permute(codes, (0, 2, 1))  # [WARPS, HEAD_PAD, TILE // WARPS]
+                        else:
+                            v = codes
                     else:
-                        v = codes
+                        codes = tl.reshape(codes, (TILE, HEAD_PAD))
+                        if which == 0:
+                            k = tl.trans(codes)  # [HEAD_PAD, TILE]
+                        else:
+                            v = codes
             else:
                 k_ptrs = k_head + phys[None, :] * stride_kb + in_block[None, :] * stride_ks + offs_d[:, None]
                 v_ptrs = v_head + phys[:, None] * stride_vb + in_block[:, None] * stride_vs + offs_d[None, :]
@@ -293,28 +333,37 @@ def _paged_decode_kernel(
             k = k.to(q.dtype)
             v = v.to(q.dtype)
 
-            s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [ROWS, TILE], log2 units
+            s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [(W,) ROWS, TILE], log2 units
             if phase == 1:
-                s = tl.where(kv_valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                s = tl.where(tl.expand_dims(kv_valid, -2), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=-1))
             # Padding rows see only zeros (finite); a row with no key keeps m = -inf, made safe.
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe[:, None])
+            p = tl.exp2(s - tl.expand_dims(m_safe, -1))
             alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+            l_i = l_i * alpha + tl.sum(p, axis=-1)
+            acc = tl.dot(p.to(v.dtype), v, acc * tl.expand_dims(alpha, -1), input_precision=DOT_PRECISION)
             m_i = m_new
 
     has_keys = l_i > 0.0
     l_safe = tl.where(has_keys, l_i, 1.0)
-    o = acc / l_safe[:, None]
+    o = acc / tl.expand_dims(l_safe, -1)
     if KV_FP8:
         o = o * tl.load(kv_scale_ptr + 1)
-    if SPLIT:
+    # Natural-log logsumexp of the segment's scores; -inf when it saw no key.
+    lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    # A partial that saw no key writes only its lse (-inf): the merge never reads its output.
+    # A split graph at a short context is mostly such partials (1 x 128 tokens, 32 segments).
+    if WARP_SPLIT:  # always split: warp w of segment i writes partial i * WARPS + w
+        parts = segment * WARPS + tl.arange(0, WARPS)
+        part = part_out_ptr + tok * stride_pt + head[None, :, None] * stride_ph
+        part += parts[:, None, None] * stride_ps + offs_d[None, None, :]
+        tl.store(part, o, mask=q_mask[None, :, :] & has_keys[:, :, None])
+        lse_ptrs = part_lse_ptr + tok * stride_lt + head[None, :] * stride_lh + parts[:, None]
+        tl.store(lse_ptrs, lse, mask=row_valid[None, :])
+    elif SPLIT:
         part = part_out_ptr + tok * stride_pt + head[:, None] * stride_ph + segment * stride_ps
-        tl.store(part + offs_d[None, :], o, mask=q_mask)
-        # Natural-log logsumexp of the segment's scores; -inf when it saw no key.
-        lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        tl.store(part + offs_d[None, :], o, mask=q_mask & has_keys[:, None])
         tl.store(part_lse_ptr + tok * stride_lt + head * stride_lh + segment, lse, mask=row_valid)
         if FUSED_MERGE:
             # Split-K's serial reduction (CUTLASS's semaphore): every thread's partials are
@@ -344,7 +393,7 @@ def _paged_decode_kernel(
                     + group_heads[:, None, None] * stride_ph
                     + offs_s[None, :, None] * stride_ps
                     + offs_d[None, None, :],
-                    mask=g_ok[:, None, None] & s_ok[None, :, None] & d_valid[None, None, :],
+                    mask=(lse_s > float("-inf"))[:, :, None] & d_valid[None, None, :],
                     other=0.0,
                     cache_modifier=".cg",
                 )
@@ -379,6 +428,9 @@ class DecodeConfig:
     # as long as its last program, and the block scheduler starts low rows first, so the long
     # contexts start first instead of finishing last. On for every batch (`plan_decode`).
     longest_first: bool = False
+    # kv_words only: each warp walks its own slice of every tile and writes its own partial
+    # (the kernel's WARP_SPLIT), so a launch always merges, split or not.
+    warp_split: bool = False
 
 
 def pick_decode_config(head_pad: int, kv_fp8: bool) -> DecodeConfig:
@@ -433,13 +485,41 @@ def plan_decode(
     programs_per_sm = meta.num_seqs * num_kv_heads / _num_sms(device)
     base = pick_decode_config(head_pad, kv_fp8)
     if meta.num_seqs == 1:
-        return base, choose_decode_splits(meta, num_kv_heads, device)
+        n = choose_decode_splits(meta, num_kv_heads, device)
+        return with_warp_split(base, n, meta.max_seq_len), n
     if head_pad > 128 or programs_per_sm <= _MID_PROGRAMS_PER_SM:
-        return replace(base, longest_first=True), choose_decode_splits(meta, num_kv_heads, device)
+        n = choose_decode_splits(meta, num_kv_heads, device)
+        return with_warp_split(replace(base, longest_first=True), n, meta.max_seq_len), n
     if kv_fp8 and programs_per_sm > _MANY_PROGRAMS_PER_SM:
         return DecodeConfig(32, 1, 2, dot_f16=True, kv_words=True, longest_first=True), 1
     warps = 4 if kv_fp8 else 2
     return DecodeConfig(64, warps, 2, dot_f16=kv_fp8, kv_words=kv_fp8, longest_first=True), 1
+
+
+def with_warp_split(config: DecodeConfig, num_splits: int, max_seq_len: int) -> DecodeConfig:
+    """`config` as warp-split programs (`DecodeConfig.warp_split`: 64-token tiles, a 16-token
+    slice for each of 4 warps, depth 5) where it is split over an fp8 cache read as words into
+    segments of at least `_WARP_SPLIT_MIN_SEGMENT` tokens of the longest context.
+
+    Each warp keeps its own softmax state, so an iteration needs a quarter of the barriers (3
+    against 12 in the sm_90 PTX), and each warp writes its own partial. On an H100 (one layer
+    alone; then the 8B's decode graphs, PDL, q rotated in the kernel), against the plain
+    128-token programs:
+    * alone: 1 x 32k 34.2 against 35.8 us, 1 x 120k 98.8 against 116.8, 4 x 32k 105.1 against
+      127.2, 16 x 8k 105.3 against 127.8;
+    * graph steps: 1 x 120k 7,870 against 8,000 us, 4 x 32k 8,023 against 8,190, 16 x 8k 8,215
+      against 8,312; level at 1 x 32k (5,884 against 5,881); 12 us slower at 1 x 128 tokens
+      (5,100 against 5,088), where most partials are empty and the newest tokens' program
+      walks a 64-token tile.
+    So short segments (a graph captured for short contexts) keep the plain programs, and so does
+    an unsplit launch (warp-split ones would add the merge's launch).
+    """
+    if num_splits <= 1 or not config.kv_words or not _DECODE_WARP_SPLIT:
+        return config
+    tile, warps, stages = _WARP_SPLIT_PROGRAM
+    if num_splits * warps > _MERGE_MAX_PARTS or max_seq_len < num_splits * _WARP_SPLIT_MIN_SEGMENT:
+        return config
+    return replace(config, tile=tile, num_warps=warps, num_stages=stages, warp_split=True)
 
 
 def takes_decode_kernel(
@@ -563,26 +643,33 @@ def paged_decode(
     head_pad = max(16, triton.next_power_of_2(head_dim))
     kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
     planned, planned_splits = plan_decode(meta, num_kv_heads, head_pad, kv_fp8, q.device)
-    cfg = config or planned
     if num_splits is None:
         num_splits = planned_splits
+    elif config is None and planned.warp_split and num_splits <= 1:  # the caller's split: none
+        planned = replace(pick_decode_config(head_pad, kv_fp8), longest_first=planned.longest_first)
+    elif config is None:
+        planned = with_warp_split(planned, num_splits, meta.max_seq_len)
+    cfg = config or planned
     dot_f16 = cfg.dot_f16 and kv_fp8 and q.dtype != torch.float32  # fp32 q: fp32 dots, exact
     split = num_splits > 1
     if kv_fp8 and kv_scale is None:
         kv_scale = torch.ones(4, dtype=torch.float32, device=q.device)
-    if split:
-        shape = (num_tokens, num_heads, num_splits)
-        part_out = torch.empty((*shape, head_dim), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(shape, dtype=torch.float32, device=q.device)
-    else:
-        part_out, part_lse = out, out  # unused by the unsplit launch; any pointer does
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     # Words need whole, aligned rows of codes: a head dim that is its own power of two.
     kv_words = cfg.kv_words and kv_fp8 and head_dim == head_pad and key_cache.stride(-1) == 1
     if kv_words:
         key_cache, value_cache = key_cache.view(torch.int32), value_cache.view(torch.int32)
+    warp_split = cfg.warp_split and kv_words and cfg.tile // cfg.num_warps >= 16  # tl.dot's smallest N
+    num_parts = num_splits * cfg.num_warps if warp_split else num_splits
+    if num_parts > 1:
+        shape = (num_tokens, num_heads, num_parts)
+        part_out = torch.empty((*shape, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(shape, dtype=torch.float32, device=q.device)
+    else:
+        part_out, part_lse = out, out  # unused by the unsplit launch; any pointer does
     interpreted = is_interpreted(q.device)
-    counters = _counters(q.device, meta.num_seqs * num_kv_heads) if split and cfg.fused_merge else None
+    fused = split and cfg.fused_merge and not warp_split
+    counters = _counters(q.device, meta.num_seqs * num_kv_heads) if fused else None
     order = longest_first_order(meta) if cfg.longest_first else None
     if q_rotary is not None:
         assert rotates_q(q, q_rotary[1]), (q.shape, q_rotary[1].shape)
@@ -621,11 +708,11 @@ def paged_decode(
         meta.block_tables.stride(0),
         part_out.stride(0),
         part_out.stride(1),
-        part_out.stride(2) if split else 0,
+        part_out.stride(2) if num_parts > 1 else 0,
         part_lse.stride(0),
         part_lse.stride(1),
         GROUP=group,
-        ROWS=max(16, triton.next_power_of_2(group)),
+        ROWS=max(_DOT_MIN_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size,
@@ -642,9 +729,11 @@ def paged_decode(
         SPLIT_PAD=max(2, triton.next_power_of_2(num_splits)) if counters is not None else 2,
         GROUP_PAD=triton.next_power_of_2(group),
         ROTATE_Q=q_rotary is not None,
+        WARP_SPLIT=warp_split,
+        WARPS=cfg.num_warps,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if split and counters is None:
+    if num_parts > 1 and counters is None:
         merge_attn_partials(part_out, part_lse, out=out)
     return out

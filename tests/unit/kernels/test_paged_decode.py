@@ -95,15 +95,21 @@ def test_split_heuristic_fills_the_sms_once() -> None:
 
 def test_batch_programs_follow_the_grid() -> None:
     """`plan_decode` on 16 "SMs", by (sequence, KV head) programs an SM: batch 1 the batch-1
-    config and its splits; a batch longest context first, with the batch-1 config and its splits
-    up to 12, 64-token tiles two deep unsplit beyond, and past 40 (fp8) one-warp 32-token ones."""
+    config and its splits (split over an fp8 cache: warp-split programs); a batch longest context
+    first, with the batch-1 config and its splits up to 12, 64-token tiles two deep unsplit
+    beyond, and past 40 (fp8) one-warp 32-token ones."""
     cpu = torch.device("cpu")
+    base = pd.pick_decode_config(128, True)
     one, n = pd.plan_decode(_decodes(1, 4096), 8, 128, True, cpu)
-    assert one == pd.pick_decode_config(128, True) and n == 4
+    assert one == pd.with_warp_split(base, n, 4096) and one.warp_split and n == 4
+    assert (one.tile, one.num_warps, one.num_stages) == (64, 4, 5)
+    assert pd.plan_decode(_decodes(1, 300), 8, 128, True, cpu) == (base, 1)  # unsplit: plain programs
+    assert pd.plan_decode(_decodes(1, 2048), 8, 128, True, cpu) == (base, 4)  # 512-token segments: plain
     few, n = pd.plan_decode(_decodes(8, 4096), 1, 128, True, cpu)
     assert few == replace(one, longest_first=True) and n == 4
-    assert pd.plan_decode(_decodes(64, 4096), 1, 128, True, cpu) == (few, 1)  # ~3 an SM on: unsplit
-    assert pd.plan_decode(_decodes(192, 300), 1, 128, True, cpu) == (few, 1)  # 12 an SM
+    unsplit = replace(base, longest_first=True)
+    assert pd.plan_decode(_decodes(64, 4096), 1, 128, True, cpu) == (unsplit, 1)  # ~3 an SM on: unsplit
+    assert pd.plan_decode(_decodes(192, 300), 1, 128, True, cpu) == (unsplit, 1)  # 12 an SM
     mid, n = pd.plan_decode(_decodes(193, 300), 1, 128, True, cpu)
     assert (mid.tile, mid.num_warps, mid.num_stages, mid.kv_words, mid.longest_first, n) == (
         64,
@@ -155,11 +161,21 @@ def test_unified_switch_keeps_the_old_kernel(monkeypatch: pytest.MonkeyPatch) ->
     _close(out, expected, 1e-5)
 
 
+WORDS = pd.DecodeConfig(tile=32, num_warps=4, num_stages=2, dot_f16=True, kv_words=True)
+# Each warp its own slice of a tile: 16-token slices (tl.dot's smallest N), 4 or 2 warps.
+WARP_SPLIT = [
+    replace(WORDS, tile=64, warp_split=True),
+    replace(WORDS, tile=32, num_warps=2, warp_split=True),
+]
+
+
+@pytest.mark.parametrize("cfg", [WORDS, *WARP_SPLIT], ids=["words", "warp-split-4", "warp-split-2"])
 @pytest.mark.parametrize("num_splits", [1, 8])
-def test_decode_fp8_cache_as_words_matches_twin(num_splits: int) -> None:
+def test_decode_fp8_cache_as_words_matches_twin(num_splits: int, cfg: pd.DecodeConfig) -> None:
+    """Lengths 1, 37, 130, 64: with warps splitting a tile, warps past a short context see no
+    key (their partial's lse -inf), and a split's segment may hold no tile at all."""
     b = _batch(torch.bfloat16, 4)
     cache = (b.kv_cache.float() * 4).to(torch.float8_e4m3fn)
-    cfg = pd.DecodeConfig(tile=32, num_warps=4, num_stages=2, dot_f16=True, kv_words=True)
     out = torch.full_like(b.q, float("nan"))
     pd.paged_decode(b.q, cache, b.meta, 0.2, out, num_splits=num_splits, kv_scale=SCALES, config=cfg)
     expected = reference.paged_attention(b.q.float(), cache, b.meta, 0.2, SCALES)
@@ -205,11 +221,8 @@ def _q_rotary(b, max_pos: int = 256):  # type: ignore[no-untyped-def]
     [
         (torch.bfloat16, torch.bfloat16, pd.DecodeConfig(tile=32, num_warps=4, num_stages=2, dot_f16=False)),
         (torch.float32, torch.float32, pd.DecodeConfig(tile=16, num_warps=4, num_stages=2, dot_f16=False)),
-        (
-            torch.float8_e4m3fn,
-            torch.bfloat16,
-            pd.DecodeConfig(tile=32, num_warps=4, num_stages=2, dot_f16=True, kv_words=True),
-        ),
+        (torch.float8_e4m3fn, torch.bfloat16, WORDS),
+        (torch.float8_e4m3fn, torch.bfloat16, WARP_SPLIT[0]),
     ],
 )
 @pytest.mark.parametrize("num_splits", [1, 4])

@@ -240,8 +240,9 @@ def test_merge_attn_partials_matches_twin() -> None:
     partial_lse = 3 * torch.randn(t, h, s)
     partial_lse[0, :, 1:] = float("-inf")  # segments that saw no key
     partial_lse[2, 1, 3] = float("-inf")
-    partial_out[partial_lse == float("-inf")] = 0.0
+    partial_out[partial_lse == float("-inf")] = float("nan")  # never written, never read
     out = kt.merge_attn_partials(partial_out, partial_lse)
+    assert not out.isnan().any()
     _close(out, reference.merge_attn_partials(partial_out, partial_lse), torch.float32)
     torch.testing.assert_close(out[0], partial_out[0, :, 0])
 
