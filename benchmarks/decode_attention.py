@@ -15,6 +15,8 @@ call reads HBM, not L2, with block tables in random order. Rows per cache dtype 
 * `decode kernel`: `kernels.triton.paged_decode` with its picked config and splits;
 * diagnostics: the default config at other split counts (batch 1) or unsplit (batches), with
   the merge fused into the kernel, and the split kernel alone (merge skipped, output unchecked);
+  where the default splits each tile between the warps (`DecodeConfig.warp_split`), the plain
+  programs beside it;
 * with --sweep, at --sweep-contexts: the decode kernel over (tile, pipelining depth, warps)
   x split counts x fused merge, best first.
 
@@ -199,16 +201,23 @@ def _row(case: Case, variant: str, t: float, err: float, w: Workload, bw: float,
 def _sweep_configs(args: argparse.Namespace, kv: str) -> list[tuple[pd.DecodeConfig, int]]:
     """(tile, stages, warps) triples of --sweep-bf16 / --sweep-fp8 x --sweep-splits x fused merge."""
     # Trailing letters: "w" the fp8 codes read as int32 words (DecodeConfig.kv_words), "l" the
-    # longest contexts launched first (DecodeConfig.longest_first).
+    # longest contexts launched first (DecodeConfig.longest_first), "s" each tile split between
+    # the warps (DecodeConfig.warp_split; words only).
     triples = [
-        (*(int(v) for v in x.rstrip("wl").split("/")), "w" in x, "l" in x)
+        (*(int(v) for v in x.rstrip("wls").split("/")), "w" in x, "l" in x, "s" in x)
         for x in (args.sweep_fp8 if kv == "fp8" else args.sweep_bf16).split(",")
     ]
     splits = [int(x) for x in args.sweep_splits.split(",")]
     fused = [bool(int(x)) for x in args.sweep_fused.split(",")]
     return [
-        (pd.DecodeConfig(t, nw, st, dot_f16=kv == "fp8", fused_merge=m, kv_words=w, longest_first=lf), n)
-        for (t, st, nw, w, lf), n, m in itertools.product(triples, splits, fused)
+        (
+            pd.DecodeConfig(
+                t, nw, st, dot_f16=kv == "fp8", fused_merge=m, kv_words=w, longest_first=lf, warp_split=ws
+            ),
+            n,
+        )
+        for (t, st, nw, w, lf, ws), n, m in itertools.product(triples, splits, fused)
+        if not (ws and m)  # warp-split programs always merge apart
     ]
 
 
@@ -247,13 +256,18 @@ def _variants(case: Case, w: Workload, args: argparse.Namespace) -> list[tuple[s
     out = [("unified (before)", _unified(w), n_old, True), (now, _decode(w), n_def if takes else n_old, True)]
     if not takes:  # the decode kernel's own choice, for comparison
         out.append(("decode kernel (its config)", _decode(w, base, n_def), n_def, True))
-    if fp8:  # the other way of reading the codes
-        other = dataclasses.replace(base, kv_words=not base.kv_words)
-        label = f"decode kernel ({'byte codes' if base.kv_words else 'int32 words'})"
+    plain = base
+    if base.warp_split:  # the programs before it, side by side
+        first = pd.pick_decode_config(args.head_dim, fp8)
+        plain = dataclasses.replace(first, longest_first=base.longest_first)
+        out.append(("decode kernel (plain programs)", _decode(w, plain, n_def), n_def, True))
+    if fp8:  # the other way of reading the codes (plain programs: warp-split ones need words)
+        other = dataclasses.replace(plain, kv_words=not plain.kv_words)
+        label = f"decode kernel ({'byte codes' if plain.kv_words else 'int32 words'})"
         out.append((label, _decode(w, other, n_def), n_def, True))
-    if n_def > 1:
-        other = dataclasses.replace(base, fused_merge=not base.fused_merge)
-        label = "decode kernel (merge launched apart)" if base.fused_merge else "decode kernel (fused merge)"
+    if n_def > 1:  # the fused merge: plain programs (warp-split ones merge apart)
+        other = dataclasses.replace(plain, fused_merge=not plain.fused_merge)
+        label = "decode kernel (merge launched apart)" if plain.fused_merge else "decode kernel (fused merge)"
         out.append((label, _decode(w, other, n_def), n_def, True))
         alone = _without_merge(_decode(w, dataclasses.replace(base, fused_merge=False), n_def))
         out.append(("decode kernel (no merge: kernel alone)", alone, n_def, False))
@@ -274,6 +288,7 @@ def _variants(case: Case, w: Workload, args: argparse.Namespace) -> list[tuple[s
             label = f"t{cfg.tile} s{cfg.num_stages} w{cfg.num_warps}{' f16' if cfg.dot_f16 else ''} sp{n}"
             label += " words" if cfg.kv_words else ""
             label += " longest first" if cfg.longest_first else ""
+            label += " warp split" if cfg.warp_split else ""
             label += " fused" if cfg.fused_merge else ""
             out.append((label, _decode(w, cfg, n), n, True))
     return out
@@ -344,7 +359,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sweep-batched", default="", help="BxC cases swept too")
     ap.add_argument("--sweep-fused", default="0,1", help="the sweep's fused-merge settings")
     ap.add_argument("--sweep-bf16", default="128/4/4,64/6/4,64/2/4,32/6/4,64/4/2,64/6/2,32/4/2,128/6/8")
-    ap.add_argument("--sweep-fp8", default="128/6/4,128/4/4,64/6/4,64/4/2,64/6/2,32/6/4,128/6/8")
+    ap.add_argument(
+        "--sweep-fp8", default="128/6/4,128/4/4,64/6/4,64/4/2,64/6/2,32/6/4,128/6/8,64/5/4ws,32/6/2ws"
+    )
     ap.add_argument("--sweep-splits", default="16,32,64,128", help="tile/stages/warps triples and splits")
     ap.add_argument("--diag-splits", default="16,32,64,128", help="batch 1: the default config at these too")
     ap.add_argument(
@@ -359,7 +376,7 @@ def main(argv: list[str] | None = None) -> None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
         args.contexts, args.batched, args.heads, args.kv_heads, args.head_dim = "100", "2x40", 2, 1, 16
         args.sweep, args.sweep_contexts, args.reps, args.copy_mib, args.rotate_mib = True, "100", 1, 8, 1
-        args.sweep_batched, args.sweep_bf16, args.sweep_fp8 = "2x40", "32/2/4", "32/2/4,32/2/4wl"
+        args.sweep_batched, args.sweep_bf16, args.sweep_fp8 = "2x40", "32/2/4", "32/2/4,32/2/4wl,32/2/2ws"
         args.uneven = 0.5
         args.sweep_splits, args.diag_splits = "2", ""
         args.out = None
