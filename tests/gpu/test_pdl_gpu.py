@@ -111,12 +111,13 @@ def test_graph_with_pdl_gives_the_plain_launches_bits(rows: int, fold: bool, mon
         assert torch.equal(forward(x, layers), want)
 
 
-@pytest.mark.parametrize(("fp8", "ctx"), [(True, 8192), (False, 32768)])
+@pytest.mark.parametrize(("fp8", "ctx"), [(True, 8192), (True, 32768), (False, 32768)])
 def test_decode_rotating_q_starts_early_and_sees_the_newest_token(fp8: bool, ctx: int, monkeypatch) -> None:
     """qkv GEMM -> cache write (k only) -> decode attention rotating q (`q_rotary`), at the 8B's
     heads, in a graph with PDL: the attention walks the older tiles while the cache write runs,
     and still reads the key and value that write puts in the newest slot on each replay. The
-    bits are the plain launches' of the path before (the cache write rotating q)."""
+    bits are the plain launches' of the path before (the cache write rotating q). An fp8 cache
+    at 32k splits its 1,024-token segments between each program's warps too (`warp_split`)."""
     from kernels.triton import paged_decode as pd
     from tests.unit.kernels import make_paged_batch, rope_cache
 
@@ -136,6 +137,8 @@ def test_decode_rotating_q_starts_early_and_sees_the_newest_token(fp8: bool, ctx
     rows = (heads + 2 * kv_heads) * d
     w = [(torch.randn(rows, HIDDEN, device="cuda") / 32).to(torch.bfloat16) for _ in caches]
     assert pd.rotates_q(b.q, cos_sin) and b.meta.is_pure_decode
+    planned, _ = pd.plan_decode(b.meta, kv_heads, d, fp8, b.q.device)
+    assert planned.warp_split == (fp8 and ctx == 32768 and pd._DECODE_WARP_SPLIT)
 
     def forward(x: torch.Tensor, early: bool) -> list[torch.Tensor]:
         outs = []
