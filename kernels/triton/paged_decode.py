@@ -222,8 +222,8 @@ def _paged_decode_kernel(
     # state has a leading WARPS axis. The dots are batched over it, and a batched dot's
     # warps split its batch axis (Triton's MMA layout for rank 3): each warp's max, sums and
     # p stay in its own registers, where a plain dot splits the tile's tokens across the warps
-    # and every row's max, sum and p crosses them through shared memory (half the barriers of
-    # an iteration). Each warp writes its own partial; the merge combines them.
+    # and every row's max, sum and p crosses them through shared memory (4x the barriers of an
+    # iteration). Each warp writes its own partial; the merge combines them.
     if WARP_SPLIT:
         q = tl.broadcast_to(q[None, :, :], (WARPS, ROWS, HEAD_PAD))
 
@@ -659,7 +659,8 @@ def paged_decode(
     kv_words = cfg.kv_words and kv_fp8 and head_dim == head_pad and key_cache.stride(-1) == 1
     if kv_words:
         key_cache, value_cache = key_cache.view(torch.int32), value_cache.view(torch.int32)
-    warp_split = cfg.warp_split and kv_words and cfg.tile // cfg.num_warps >= 16  # tl.dot's smallest N
+    # A warp's slice is the p.V dot's K: at least 16 (tl.dot's smallest K for 16-bit inputs).
+    warp_split = cfg.warp_split and kv_words and cfg.tile // cfg.num_warps >= 16
     num_parts = num_splits * cfg.num_warps if warp_split else num_splits
     if num_parts > 1:
         shape = (num_tokens, num_heads, num_parts)
