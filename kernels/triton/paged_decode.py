@@ -457,10 +457,16 @@ def pick_decode_config(head_pad: int, kv_fp8: bool) -> DecodeConfig:
 
 
 def plan_decode(
-    meta: AttentionMetadata, num_kv_heads: int, head_pad: int, kv_fp8: bool, device: torch.device
+    meta: AttentionMetadata,
+    num_kv_heads: int,
+    head_pad: int,
+    kv_fp8: bool,
+    device: torch.device,
+    num_splits: int | None = None,
 ) -> tuple[DecodeConfig, int]:
     """Config and segments per sequence of a launch, from host-side lengths only (in a CUDA
-    graph, its size: the real rows' count is not known at capture).
+    graph, its size: the real rows' count is not known at capture). `num_splits` forces the
+    segments (tests, benchmarks): the programs are then the ones for that split.
 
     Batch 1: `pick_decode_config` with `choose_decode_splits`. A batch's contexts are uneven, and
     a launch lasts as long as its longest program, so a batch launches its longest contexts
@@ -485,15 +491,15 @@ def plan_decode(
     programs_per_sm = meta.num_seqs * num_kv_heads / _num_sms(device)
     base = pick_decode_config(head_pad, kv_fp8)
     if meta.num_seqs == 1:
-        n = choose_decode_splits(meta, num_kv_heads, device)
+        n = num_splits or choose_decode_splits(meta, num_kv_heads, device)
         return with_warp_split(base, n, meta.max_seq_len), n
     if head_pad > 128 or programs_per_sm <= _MID_PROGRAMS_PER_SM:
-        n = choose_decode_splits(meta, num_kv_heads, device)
+        n = num_splits or choose_decode_splits(meta, num_kv_heads, device)
         return with_warp_split(replace(base, longest_first=True), n, meta.max_seq_len), n
     if kv_fp8 and programs_per_sm > _MANY_PROGRAMS_PER_SM:
-        return DecodeConfig(32, 1, 2, dot_f16=True, kv_words=True, longest_first=True), 1
+        return DecodeConfig(32, 1, 2, dot_f16=True, kv_words=True, longest_first=True), num_splits or 1
     warps = 4 if kv_fp8 else 2
-    return DecodeConfig(64, warps, 2, dot_f16=kv_fp8, kv_words=kv_fp8, longest_first=True), 1
+    return DecodeConfig(64, warps, 2, dot_f16=kv_fp8, kv_words=kv_fp8, longest_first=True), num_splits or 1
 
 
 def with_warp_split(config: DecodeConfig, num_splits: int, max_seq_len: int) -> DecodeConfig:
@@ -642,13 +648,7 @@ def paged_decode(
     group = num_heads // num_kv_heads
     head_pad = max(16, triton.next_power_of_2(head_dim))
     kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
-    planned, planned_splits = plan_decode(meta, num_kv_heads, head_pad, kv_fp8, q.device)
-    if num_splits is None:
-        num_splits = planned_splits
-    elif config is None and planned.warp_split and num_splits <= 1:  # the caller's split: none
-        planned = replace(pick_decode_config(head_pad, kv_fp8), longest_first=planned.longest_first)
-    elif config is None:
-        planned = with_warp_split(planned, num_splits, meta.max_seq_len)
+    planned, num_splits = plan_decode(meta, num_kv_heads, head_pad, kv_fp8, q.device, num_splits)
     cfg = config or planned
     dot_f16 = cfg.dot_f16 and kv_fp8 and q.dtype != torch.float32  # fp32 q: fp32 dots, exact
     split = num_splits > 1

@@ -105,6 +105,10 @@ def test_batch_programs_follow_the_grid() -> None:
     assert (one.tile, one.num_warps, one.num_stages) == (64, 4, 5)
     assert pd.plan_decode(_decodes(1, 300), 8, 128, True, cpu) == (base, 1)  # unsplit: plain programs
     assert pd.plan_decode(_decodes(1, 2048), 8, 128, True, cpu) == (base, 4)  # 512-token segments: plain
+    # A forced split gets that split's programs: none, or more partials than the merge holds: plain.
+    assert pd.plan_decode(_decodes(1, 4096), 8, 128, True, cpu, num_splits=1) == (base, 1)
+    assert pd.plan_decode(_decodes(1, 1 << 17), 8, 128, True, cpu, num_splits=64) == (base, 64)
+    assert pd.plan_decode(_decodes(1, 1 << 17), 8, 128, True, cpu, num_splits=32)[0].warp_split
     few, n = pd.plan_decode(_decodes(8, 4096), 1, 128, True, cpu)
     assert few == replace(one, longest_first=True) and n == 4
     unsplit = replace(base, longest_first=True)
