@@ -342,3 +342,28 @@ def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`silu_and_mul` quantized per token: (q [M, I], scale [M, 1]) of its rows (twin of the
     fused Triton pass)."""
     return quantize_fp8_rows(silu_and_mul(x))
+
+
+def fill_decode_inputs(
+    i64: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    src_i64: torch.Tensor,
+    src_i32: torch.Tensor,
+    b: int,
+    w: int,
+    patch: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """Twin of `kernels.triton.pinned_io.fill_decode_inputs`: copies, then the patch."""
+    rows = src_i64.shape[1]
+    i64[:, :rows].copy_(src_i64)
+    seq_lens[:b].copy_(src_i32[:b])
+    block_tables[:b, :w].copy_(src_i32[b:].view(b, w))
+    if patch is not None:
+        moves, sampled = patch
+        i64[0].index_copy_(0, moves[0].to(i64.device), sampled[moves[1].to(sampled.device)].to(torch.int64))
+
+
+def copy_to_host(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Twin of `kernels.triton.pinned_io.copy_to_host`: dst[:] = src as int32."""
+    dst.copy_(src.to(torch.int32))

@@ -15,6 +15,7 @@ count every rank uses is the least any rank holds.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -42,7 +43,26 @@ from worker_svc.step_inputs import round16
 
 log = logging.getLogger(__name__)
 
-Patch = tuple[torch.Tensor, torch.Tensor]  # (input positions, token ids) on the device
+
+@dataclass(frozen=True)
+class Patch:
+    """Input ids that a step still on the device samples: ids[moves[0, j]] = sampled[moves[1, j]].
+
+    moves: int64 [2, n] on the host (input positions, rows of `sampled`); sampled: that step's
+    ids on the device. A decode graph's inputs take it in the kernel that places them
+    (`kernels.triton.pinned_io`); an eager forward uploads `moves` with its other inputs.
+    """
+
+    moves: np.ndarray
+    sampled: torch.Tensor
+
+    def gathered(self) -> torch.Tensor:
+        """int64 [n]: the ids the patch writes, on the device (for the other tensor-parallel ranks)."""
+        rows = torch.from_numpy(np.ascontiguousarray(self.moves[1])).to(
+            self.sampled.device, non_blocking=True
+        )
+        return self.sampled.index_select(0, rows).to(torch.int64)
+
 
 _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 _ALIGN = 64  # bytes: Triton specialises pointer arguments on 16-byte alignment
@@ -235,12 +255,15 @@ class ModelExecutor:
         lora = self.lora.batch_arrays(inp.lora_slots) if self.lora and inp.lora_slots is not None else None
         if lora is not None:
             arrays += lora[:2]
+        if patch is not None:
+            arrays.append(patch.moves)
         d = self.upload(arrays)  # one copy
+        if patch is not None:
+            moves = d.pop()
+            d[0].index_copy_(0, moves[0], patch.sampled.index_select(0, moves[1]).to(torch.int64))
         if lora is not None:
             assert self.lora is not None
             self.lora.set_batch(LoRABatch(d[-2], d[-1], lora[2]))
-        if patch is not None:
-            d[0].index_copy_(0, *patch)
         meta = AttentionMetadata(
             slot_mapping=d[2],
             query_start_loc=d[3],

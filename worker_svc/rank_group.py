@@ -30,6 +30,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -39,6 +40,9 @@ from worker_svc.config import WorkerConfig
 from worker_svc.models.config import ModelConfig
 from worker_svc.parallel import TensorParallel, backend_for, check_shardable, open_group
 from worker_svc.rank_channel import STOP, ForwardInputs, encode
+
+if TYPE_CHECKING:
+    from worker_svc.executor import Patch
 
 log = logging.getLogger(__name__)
 
@@ -153,11 +157,11 @@ class RankGroup:
         if self.failure is not None:
             raise RuntimeError(f"tensor-parallel worker is broken: {self.failure}")
 
-    def send(self, inputs: ForwardInputs, patch: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    def send(self, inputs: ForwardInputs, patch: Patch | None) -> None:
         """Give every rank this step's inputs, then the in-flight token ids `patch` refers to."""
         self._write(inputs.encode())
         if patch is not None:
-            self.tp.broadcast_from_first(patch[1])
+            self.tp.broadcast_from_first(patch.gathered())
 
     def announce(self, kind: int, arrays: list[np.ndarray]) -> None:
         """Tell every rank what rank 0 does next besides a step (a KV gather or scatter)."""

@@ -20,10 +20,11 @@ import sys
 import threading
 import time
 
+import numpy as np
 import torch
 
 from worker_svc.config import WorkerConfig
-from worker_svc.executor import ModelExecutor
+from worker_svc.executor import ModelExecutor, Patch
 from worker_svc.kv_shards import serve_gather, serve_scatter
 from worker_svc.lora.slots import decode_lora_load
 from worker_svc.parallel import TensorParallel, backend_for, open_group
@@ -53,7 +54,8 @@ class RankShard:
             # The tokens rank 0 sampled last step and has not read yet: broadcast from its device.
             values = torch.empty(inp.patch_where.size, dtype=torch.int64, device=ex.device)
             self.tp.broadcast_from_first(values)
-            patch = (ex.upload([inp.patch_where])[0], values)
+            moves = np.stack([inp.patch_where, np.arange(inp.patch_where.size, dtype=np.int64)])
+            patch = Patch(moves, values)
         hidden, sample_index = ex.forward(inp, patch)
         if inp.num_sampled:  # its share of the logits goes to rank 0 through the gather
             ex.logits(hidden, sample_index)

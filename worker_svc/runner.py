@@ -30,7 +30,7 @@ from services.sampling_params import SamplingParams
 from services.step import NewSequence, StepPlan, StepResult, TokenLogprobs, WorkerInfo
 from worker_svc.config import WorkerConfig, default_batch_limits
 from worker_svc.device_memory import ExecutorSleep, free_cached_memory, release
-from worker_svc.executor import ModelExecutor
+from worker_svc.executor import ModelExecutor, Patch
 from worker_svc.kv_cache import ByteViews, KVCacheSpec
 from worker_svc.kv_peer import PeerCopier, export_caches, import_kind
 from worker_svc.kv_scales import describe as describe_kv_scales
@@ -527,8 +527,7 @@ class ModelRunner:
             # Tokens the step in flight samples: gathered from its sampled ids on the device.
             prev = order[step.patch_seq][0].inflight
             assert prev is not None and prev.sampled is not None
-            where = self.upload([step.patch_moves])[0]
-            patch = (where[0], prev.sampled.sampled.index_select(0, where[1]).to(torch.int64))
+            patch = Patch(step.patch_moves, prev.sampled.sampled)
         sampling = [order[i][0] for i in step.sample_seqs]
         mask_after = self._grammars_wait_for(sampling)
         for row, st in enumerate(sampling):

@@ -39,9 +39,12 @@ import torch
 
 from services.sampling_params import SamplingParams
 from services.step import TokenLogprobs
+from worker_svc.pinned_slots import PinnedSlots, Slot
 
 _NEG_INF = float("-inf")
 _MASK63 = (1 << 63) - 1
+# Results up to this size reach the host through a kernel's stores (`_to_host_async`).
+_KERNEL_COPY_MAX_BYTES = 1 << 20
 
 
 @dataclass
@@ -82,6 +85,7 @@ class SampledIds:
     _k_max: int
     # Verification only (`Sampler.verify_async`): draft tokens each row accepted before its id.
     _num_accepted: list[int] | None = None
+    _slot: Slot | None = None  # the page-locked buffer under `_host`, lent until this is dropped
 
     @classmethod
     def empty(cls, device: torch.device) -> SampledIds:
@@ -131,19 +135,31 @@ class SampledIds:
         return ids, out
 
 
-def _to_host_async(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """(host copy of an int32 tensor, the event that marks it complete; None when already there).
+def _to_host_async(
+    t: torch.Tensor, slots: PinnedSlots | None
+) -> tuple[torch.Tensor, torch.cuda.Event | None, Slot | None]:
+    """(host copy of an int32 tensor [n], the event that marks it complete, the page-locked slot
+    holding it; event and slot None when already there).
 
-    One pinned, non-blocking copy queued behind the step's kernels: the host waits for it only
-    in `SampledIds.wait`, not here.
+    Queued behind the step's kernels; the host waits for it only in `SampledIds.wait`, not here.
+    Up to `_KERNEL_COPY_MAX_BYTES` a kernel stores it into a page-locked slot (a few us of the
+    stream, where the copy engine's start held it ~10 us on an H100); beyond, the copy engine.
     """
     if not t.is_cuda:
-        return t, None
-    host = torch.empty(t.shape, dtype=torch.int32, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    return host, done
+        return t, None, None
+    nbytes = t.numel() * 4
+    if slots is None or nbytes > _KERNEL_COPY_MAX_BYTES:
+        host = torch.empty(t.shape, dtype=torch.int32, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done, None
+    from kernels.triton.pinned_io import copy_to_host
+
+    slot = slots.take(nbytes)
+    host = slot.buffer[:nbytes].view(torch.int32)
+    copy_to_host(t, host)
+    return host, slot.record(), slot
 
 
 @dataclass
@@ -171,15 +187,15 @@ class GreedyVerification(SampledIds):
         return ids, [None] * len(ids)
 
 
-def rows_argmax(x: torch.Tensor) -> torch.Tensor:
-    """int64 [rows]: each row's first maximal column. On CUDA split over the row
-    (kernels/triton/argmax.py): torch reduces a row in one block of threads, 37 us for one 128k
-    row on an H100, a tenth of a batch-1 step's time above its floor."""
+def rows_argmax(x: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """[rows] of `dtype` (int64 or int32): each row's first maximal column. On CUDA split over
+    the row (kernels/triton/argmax.py): torch reduces a row in one block of threads, 37 us for
+    one 128k row on an H100, a tenth of a batch-1 step's time above its floor."""
     if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1:
         from kernels.triton.argmax import argmax_rows
 
-        return argmax_rows(x)
-    return x.argmax(dim=-1)
+        return argmax_rows(x, dtype)
+    return x.argmax(dim=-1).to(dtype)
 
 
 def uses_penalties(p: SamplingParams) -> bool:
@@ -223,6 +239,8 @@ class Sampler:
             self._gen.manual_seed(seed & _MASK63)
         self._seeded_gen = torch.Generator(device=self.device)
         self._arange_v = torch.arange(vocab_size, device=self.device)
+        # Each step's results on their way to the host (`_to_host_async`).
+        self._slots = PinnedSlots() if self.device.type == "cuda" else None
 
     # -- helpers --------------------------------------------------------------
 
@@ -291,7 +309,7 @@ class Sampler:
         greedy_rows = [i for i, r in enumerate(rows) if r.params.greedy]
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if not random_rows:
-            sampled = rows_argmax(logits)
+            sampled = rows_argmax(logits, torch.int32)  # what the results and a patch carry
         elif not greedy_rows:
             sampled = self._sample_random(logits, rows)
         else:
@@ -338,9 +356,7 @@ class Sampler:
         lp_seqs = [i for i, r in enumerate(last_rows) if r.params.logprobs is not None]
         if any(counts[i] for i in lp_seqs):
             raise ValueError("a sequence that asks for logprobs cannot verify drafts")
-        logits, raw_logprobs = self._prepare(
-            logits, rows, [int(ends[i]) - 1 for i in lp_seqs], token_bitmask
-        )
+        logits, raw_logprobs = self._prepare(logits, rows, [int(ends[i]) - 1 for i in lp_seqs], token_bitmask)
         if not lp_seqs and all(r.params.greedy for r in rows):
             return self._verify_greedy(logits, drafts, starts, ends)
 
@@ -389,6 +405,7 @@ class Sampler:
         d_starts = self._upload(torch.from_numpy(starts))
         sampled = cand[d_starts + num_accepted]
         return self._gather_results(sampled, raw_logprobs, last_rows, lp_seqs, num_accepted)
+
     # -- structured outputs ---------------------------------------------------
 
     def _apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
@@ -432,14 +449,14 @@ class Sampler:
     def _verify_greedy(
         self, logits: torch.Tensor, drafts: list[list[int]], starts: np.ndarray, ends: np.ndarray
     ) -> GreedyVerification:
-        top = rows_argmax(logits).to(torch.int32)
+        top = rows_argmax(logits, torch.int32)
         # On the device, each sequence's last row: the next input of a sequence that drafted
         # nothing (the one kind a later step may read from here before the host has it).
         last = top.index_select(0, self._upload(torch.from_numpy(ends - 1)))
-        host, done = _to_host_async(top)
+        host, done, slot = _to_host_async(top, self._slots)
         n = len(drafts)
         return GreedyVerification(
-            last, host, done, [None] * n, [], 0, [], _drafts=drafts, _starts=starts.tolist()
+            last, host, done, [None] * n, [], 0, [], _slot=slot, _drafts=drafts, _starts=starts.tolist()
         )
 
     @staticmethod
@@ -641,9 +658,10 @@ class Sampler:
             packed = torch.cat(parts)
         if num_accepted is not None:
             packed = torch.cat([packed, num_accepted.to(torch.int32)])
-        host, done = _to_host_async(packed)
+        host, done, slot = _to_host_async(packed, self._slots)
         accepted = [] if num_accepted is not None else None
-        return SampledIds(sampled, host, done, [r.params.logprobs for r in rows], lp_rows, k_max, accepted)
+        logprobs = [r.params.logprobs for r in rows]
+        return SampledIds(sampled, host, done, logprobs, lp_rows, k_max, accepted, slot)
 
     def sample(
         self, logits: torch.Tensor, rows: list[SamplingRow]

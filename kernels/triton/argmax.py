@@ -50,7 +50,7 @@ def _chunk_max_kernel(
 def _rows_argmax_kernel(
     max_ptr,
     idx_ptr,
-    out_ptr,  # int64 [rows]
+    out_ptr,  # int64 / int32 [rows]
     chunks,
     CHUNKS_PAD: tl.constexpr,
     PDL: tl.constexpr,
@@ -63,15 +63,17 @@ def _rows_argmax_kernel(
     inside = offs < chunks
     best = tl.load(max_ptr + row * chunks + offs, mask=inside, other=float("-inf"))
     _, j = tl.max(best, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    tl.store(out_ptr + row, tl.load(idx_ptr + row * chunks + j).to(tl.int64))
+    tl.store(out_ptr + row, tl.load(idx_ptr + row * chunks + j).to(out_ptr.dtype.element_ty))
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """int64 [rows]: the first column of each row of `x` [rows, cols] holding the row's maximum."""
+def argmax_rows(x: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """[rows] of `dtype` (int64 or int32): the first column of each row of `x` [rows, cols]
+    holding the row's maximum."""
     assert x.dim() == 2 and x.stride(-1) == 1, (x.shape, x.stride())
+    assert dtype in (torch.int64, torch.int32), dtype
     rows, cols = x.shape
     assert cols > 0 and cols < 2**31, cols
-    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    out = torch.empty(rows, dtype=dtype, device=x.device)
     if rows == 0:
         return out
     chunks = triton.cdiv(cols, BLOCK)

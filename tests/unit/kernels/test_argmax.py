@@ -35,3 +35,13 @@ def test_argmax_reads_a_strided_slice(device: str) -> None:
     view = x[:, : BLOCK + 50]
     assert torch.equal(argmax_rows(view).cpu(), view.cpu().argmax(-1))
     assert argmax_rows(x[:0]).shape == (0,)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_argmax_writes_int32_when_asked(device: str) -> None:
+    """The sampler's greedy rows take int32 ids, what the step's results and the next step's
+    patch carry, without a cast kernel."""
+    x = torch.randn(4, BLOCK + 9).to(device)
+    got = argmax_rows(x, dtype=torch.int32)
+    assert got.dtype == torch.int32
+    assert torch.equal(got.cpu().long(), reference.argmax_rows(x.cpu()))
