@@ -96,7 +96,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
-        self.slots = PinnedSlots()  # each step's inputs on their way in (CUDA)
+        self.pinned = PinnedSlots()  # each step's inputs on their way in (CUDA)
 
     def release(self) -> None:
         """Reset every graph (their shared pool goes back to the allocator once the last is reset)
@@ -212,7 +212,7 @@ class DecodeGraphs:
         rows, t = n * self.q, b * self.q
         n_patch = 0 if patch is None else patch.moves.shape[1]
         i64_bytes = (3 * t + 2 * n_patch) * 8
-        slot = self.slots.take(i64_bytes + (b + b * w) * 4)
+        slot = self.pinned.take(i64_bytes + (b + b * w) * 4)
         buf = slot.buffer
         i64 = buf[:i64_bytes].view(torch.int64)
         src_i64 = i64[: 3 * t].view(3, t)
