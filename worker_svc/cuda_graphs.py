@@ -96,7 +96,11 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
-        self.pinned = PinnedSlots()  # each step's inputs on their way in (CUDA)
+        # Each step's inputs on their way in: through page-locked memory and one kernel on CUDA
+        # (`_fill_from_host`), by torch copies elsewhere (tests switch the first on for the CPU:
+        # ordinary memory, the kernel under the interpreter).
+        self.fill_from_host = dev.type == "cuda"
+        self.pinned = PinnedSlots(pin=dev.type == "cuda")
 
     def release(self) -> None:
         """Reset every graph (their shared pool goes back to the allocator once the last is reset)
@@ -185,7 +189,7 @@ class DecodeGraphs:
         """
         n = seq_lens.shape[0]
         b = self.padded_size(n)
-        if self.executor.device.type == "cuda":
+        if self.fill_from_host:
             self._fill_from_host(ids, positions, slots, seq_lens, tables, b, patch)
         else:
             self._fill_by_copies(ids, positions, slots, seq_lens, tables, b, patch)

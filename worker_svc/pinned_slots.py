@@ -30,8 +30,12 @@ class Slot:
         self._last_use = _LastUse()
         weakref.finalize(self, pool._give_back, buffer, self._last_use)  # holds no reference to self
 
-    def record(self) -> torch.cuda.Event:
-        """Mark the GPU work queued so far (on the current stream) as the buffer's last use."""
+    def record(self) -> torch.cuda.Event | None:
+        """Mark the GPU work queued so far (on the current stream) as the buffer's last use
+        (None for a buffer that is not page-locked: the interpreter's launches are done once
+        they return)."""
+        if not self.buffer.is_pinned():
+            return None
         event = torch.cuda.Event()
         event.record()
         self._last_use.event = event
@@ -47,7 +51,8 @@ class _LastUse:
 class PinnedSlots:
     """A pool of page-locked host buffers for kernels to read or write (thread-safe)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pin: bool = True) -> None:
+        self.pin = pin  # False: ordinary host memory, for the interpreter's launches (CPU tests)
         self._free: dict[int, list[tuple[torch.Tensor, torch.cuda.Event | None]]] = {}
         self._lock = threading.Lock()
 
@@ -60,7 +65,7 @@ class PinnedSlots:
                 if event is None or event.query():
                     del free[i]
                     return Slot(self, buffer)
-        return Slot(self, torch.empty(size, dtype=torch.uint8, pin_memory=True))
+        return Slot(self, torch.empty(size, dtype=torch.uint8, pin_memory=self.pin))
 
     def _give_back(self, buffer: torch.Tensor, last_use: _LastUse) -> None:
         with self._lock:
