@@ -367,3 +367,31 @@ def fill_decode_inputs(
 def copy_to_host(src: torch.Tensor, dst: torch.Tensor) -> None:
     """Twin of `kernels.triton.pinned_io.copy_to_host`: dst[:] = src as int32."""
     dst.copy_(src.to(torch.int32))
+
+
+def top_p_mask_(x: torch.Tensor, top_p: torch.Tensor, vocab: int | None = None) -> torch.Tensor:
+    """Twin of `kernels.triton.top_p.top_p_mask_`: each row keeps the tokens whose logit has less
+    than top_p of the row's probability mass strictly above it (ties stay or go together); the
+    others become -inf in place. Rows with top_p >= 1 are left alone. One sort of the row."""
+    vocab = x.shape[1] if vocab is None else vocab
+    rows = (top_p < 1.0).nonzero()[:, 0]
+    if rows.numel() == 0 or vocab == 0:
+        return x
+    logits = x[rows, :vocab]
+    probs = logits.double().softmax(dim=-1)  # float64: a long tail's running sum stays exact enough
+    vals, order = logits.sort(dim=-1, descending=True)
+    incl = probs.gather(1, order).cumsum(dim=-1)
+    # The mass strictly above a value: the inclusive sum just before its first occurrence.
+    first = torch.searchsorted(-vals, -vals, side="left")  # -vals ascending
+    above = torch.where(first > 0, incl.gather(1, (first - 1).clamp_min(0)), 0.0)
+    keep = above < top_p[rows, None].double()
+    x[rows, :vocab] = torch.full_like(logits, float("-inf")).scatter(
+        1, order, torch.where(keep, vals, float("-inf"))
+    )
+    return x
+
+
+def exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Twin of `kernels.triton.exponential_race.exponential_race` given its noise: int64 [R],
+    argmax of probs / noise a row (distributed as probs for Exp(1) noise)."""
+    return argmax_rows(probs / noise)

@@ -81,6 +81,7 @@ def _lang_namespaces() -> list[Any]:
         tl.core,
         tl.math,
         getattr(tl, "standard", None),
+        getattr(tl, "random", None),
         tl.core.tensor,
         tl.core.dtype,
         getattr(tl, "condition", None),
@@ -116,10 +117,12 @@ def _interpretable_lang() -> Iterator[None]:
     from triton.runtime.jit import JITFunction
 
     snapshot = [(ns, dict(vars(ns))) for ns in _lang_namespaces()]
-    for name in dir(tl):
-        member = getattr(tl, name)
-        if isinstance(member, JITFunction):
-            setattr(tl, name, InterpretedFunction(member.fn))
+    # tl.random's helpers call each other (rand -> randint -> philox) through that module.
+    for ns in (tl, getattr(tl, "random", None)):
+        for name in dir(ns) if ns is not None else []:
+            member = getattr(ns, name)
+            if isinstance(member, JITFunction):
+                setattr(ns, name, InterpretedFunction(member.fn))
 
     patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
 
