@@ -116,6 +116,16 @@ def workload_floor(
     return prefill + decode + attention, parts
 
 
+# The timed run's sampling (`--sampling`); the batch-1 row and the greedy check stay greedy.
+# vllm: what vLLM's throughput benchmark samples with (temperature 1, no filter); nucleus: a
+# chat client's usual settings.
+SAMPLING = {
+    "greedy": {"temperature": 0.0},
+    "vllm": {"temperature": 1.0},
+    "nucleus": {"temperature": 0.7, "top_p": 0.9},
+}
+
+
 # ----- in-process -----
 def run_in_process(path: str, reqs, args, async_scheduling: bool) -> dict[str, Any]:
     from llmesh import LLM, SamplingParams
@@ -131,7 +141,8 @@ def run_in_process(path: str, reqs, args, async_scheduling: bool) -> dict[str, A
         t0 = time.perf_counter()
         llm.generate([b1_prompt], b1, use_tqdm=False)
         b1_ms = 1000 * (time.perf_counter() - t0) / args.b1_tokens
-        params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in reqs]
+        sampling = SAMPLING[args.sampling]
+        params = [SamplingParams(**sampling, max_tokens=o, ignore_eos=True) for _, o in reqs]
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs], params, use_tqdm=False)
         dt = time.perf_counter() - t0
@@ -151,7 +162,7 @@ def run_in_process(path: str, reqs, args, async_scheduling: bool) -> dict[str, A
 
 
 # ----- the mesh -----
-async def grpc_generate(address: str, reqs) -> tuple[float, list[list[int]]]:
+async def grpc_generate(address: str, reqs, sampling: dict | None = None) -> tuple[float, list[list[int]]]:
     import grpc
 
     from llmesh.v1 import generation_pb2 as g
@@ -164,7 +175,9 @@ async def grpc_generate(address: str, reqs) -> tuple[float, list[list[int]]]:
         async def one(prompt, max_tokens) -> list[int]:
             req = g.GenerateRequest(
                 prompt_token_ids=g.TokenIds(ids=prompt),
-                sampling_params=g.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                sampling_params=g.SamplingParams(
+                    **(sampling or SAMPLING["greedy"]), max_tokens=max_tokens, ignore_eos=True
+                ),
             )
             out: list[int] = []
             async for resp in stub.Generate(req):
@@ -176,25 +189,25 @@ async def grpc_generate(address: str, reqs) -> tuple[float, list[list[int]]]:
         return time.perf_counter() - t0, outs
 
 
-def _client_process(address: str, reqs, start_at: float) -> tuple[float, list[list[int]]]:
+def _client_process(address: str, reqs, start_at: float, sampling: dict) -> tuple[float, list[list[int]]]:
     """One client process: its share of the requests, all at once, from `start_at` (wall clock)."""
     time.sleep(max(0.0, start_at - time.time()))
-    return asyncio.run(grpc_generate(address, reqs))
+    return asyncio.run(grpc_generate(address, reqs, sampling))
 
 
-def generate_from_processes(address: str, reqs, procs: int) -> tuple[float, list[list[int]]]:
+def generate_from_processes(address: str, reqs, procs: int, sampling: dict) -> tuple[float, list[list[int]]]:
     """Every request at once, from `procs` client processes (one Python client reading hundreds
     of streams is itself a bottleneck at small-model token rates, as real users are not one
     process). Returns (seconds from the common start to the last token, outputs in order)."""
     if procs <= 1:
-        return asyncio.run(grpc_generate(address, reqs))
+        return asyncio.run(grpc_generate(address, reqs, sampling))
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
     shares = [reqs[i::procs] for i in range(procs)]
     start_at = time.time() + 8.0  # every process has imported (torch, too) by then
     with ProcessPoolExecutor(procs, mp_context=mp.get_context("spawn")) as pool:
-        futures = [pool.submit(_client_process, address, share, start_at) for share in shares]
+        futures = [pool.submit(_client_process, address, share, start_at, sampling) for share in shares]
         parts = [f.result() for f in futures]
     outs: list[list[int]] = [[] for _ in reqs]
     for i, (_, part) in enumerate(parts):
@@ -222,7 +235,7 @@ def run_mesh(path: str, reqs, args, async_scheduling: bool, stream_interval: int
             b1_prompt = reqs[0][0][: args.b1_prompt]
             asyncio.run(grpc_generate(addr, [(b1_prompt, 4)]))
             dt_b1, _ = asyncio.run(grpc_generate(addr, [(b1_prompt, args.b1_tokens)]))
-            dt, outs = generate_from_processes(addr, reqs, args.client_procs)
+            dt, outs = generate_from_processes(addr, reqs, args.client_procs, SAMPLING[args.sampling])
             check = [asyncio.run(grpc_generate(addr, [(p[:200], 32)]))[1][0] for p, _ in reqs[:4]]
     gc.collect()
     return {
@@ -334,6 +347,13 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=1,
         help="N > 1 adds a path: the async mesh with the scheduler's --stream-interval N",
+    )
+    ap.add_argument(
+        "--sampling",
+        default="greedy",
+        choices=sorted(SAMPLING),
+        help="the timed run's sampling: greedy; vllm (temperature 1, as vLLM's throughput benchmark); "
+        "nucleus (temperature 0.7, top_p 0.9)",
     )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (checks every path, also on CPU)")

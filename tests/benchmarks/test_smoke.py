@@ -23,7 +23,11 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 HELPERS: set[str] = {"stack_sampler"}
 # Scripts whose smoke run here takes more than --smoke (to keep make test's time): kv_store's chat
 # rows (12 engines) are left out; its document rows cover every store path.
-SMOKE_ARGV: dict[str, list[str]] = {"kv_store": ["--smoke", "--skip-chat"]}
+# gpu_mesh's timed runs sample (top_p), so its sampling option runs too.
+SMOKE_ARGV: dict[str, list[str]] = {
+    "kv_store": ["--smoke", "--skip-chat"],
+    "gpu_mesh": ["--smoke", "--sampling", "nucleus"],
+}
 # Scripts to run as a process of their own (one that patches shared modules or needs its own
 # __main__): none today; the smoke runs of tp_arithmetic and the other GPU engines stop before.
 OWN_PROCESS: set[str] = set()
