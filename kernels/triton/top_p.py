@@ -72,19 +72,22 @@ def _top_p_mask_kernel(
             # FANOUT increasing candidates splitting (lo, hi]; the last is hi. Each keeps its
             # own per-lane sums, reduced once the pass is over.
             step = tl.maximum((hi - lo + FANOUT - 1) // FANOUT, 1)
+            # 2-D throughout ([1, BLOCK] columns against [FANOUT, 1] candidates): built 1-D and
+            # broadcast, each block's keys and weights changed layout through shared memory.
             g_lanes = tl.zeros([FANOUT, BLOCK], dtype=tl.float32)
-            fan = tl.arange(0, FANOUT)
+            fan = tl.arange(0, FANOUT)[:, None]
             cand = tl.minimum(lo + step * (fan.to(tl.int64) + 1), hi).to(tl.int32)
+            cols = tl.arange(0, BLOCK)[None, :]
             for c in range(0, V, BLOCK):
-                x = tl.load(base + c + offs, mask=c + offs < V, other=float("-inf"))
+                x = tl.load(base + c + cols, mask=c + cols < V, other=float("-inf"))
                 bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
                 key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
                 w = tl.exp(x - m)
-                g_lanes += tl.where(key[None, :] > cand[:, None], w[None, :], 0.0)
-            g = tl.sum(g_lanes, axis=1)
+                g_lanes += tl.where(key > cand, w, 0.0)
+            g = tl.sum(g_lanes, axis=1)[:, None]
             good = g < target  # an up-set of the candidates: g never grows with the key
-            hi = tl.min(tl.where(good, cand.to(tl.int64), hi), axis=0)
-            lo = tl.max(tl.where(good, lo, cand.to(tl.int64)), axis=0)
+            hi = tl.min(tl.min(tl.where(good, cand.to(tl.int64), hi), axis=1), axis=0)
+            lo = tl.max(tl.max(tl.where(good, lo, cand.to(tl.int64)), axis=1), axis=0)
         for c in range(0, V, BLOCK):
             inside = c + offs < V
             x = tl.load(base + c + offs, mask=inside, other=float("-inf"))
