@@ -3,8 +3,9 @@
 A row keeps every token whose logit has less than `top_p` of the row's probability mass
 strictly above it (so the most likely token always stays, and tokens of equal logit stay or go
 together); the others become -inf, in place. With a sort of the whole vocabulary, as the
-sampler did, a 128k-vocabulary batch of 256 rows spent ~4.8 ms a step on an H100 (a decode
-step's forward is ~8-12 ms there), one row ~0.2 ms.
+sampler does for small batches, a 128k-vocabulary batch of 256 rows sampled in ~4.8 ms a step
+on an H100 (a decode step's forward is ~8-12 ms there); this search takes ~1.1 ms of it. A row
+is one program, ~0.6 ms alone, so small batches keep the sort (`Sampler._searches_nucleus`).
 
 Here one program a row searches the logits' order for the threshold instead: a float's bits,
 sign-folded, are an integer key in the same order as the float, so the kept set is {key >= k*}
