@@ -189,10 +189,11 @@ class DecodeGraphs:
         """
         n = seq_lens.shape[0]
         b = self.padded_size(n)
+        arrays = (ids, positions, slots, seq_lens, tables)
         if self.fill_from_host:
-            self._fill_from_host(ids, positions, slots, seq_lens, tables, b, patch)
+            self._fill_from_host(arrays, b, patch)
         else:
-            self._fill_by_copies(ids, positions, slots, seq_lens, tables, b, patch)
+            self._fill_by_copies(arrays, b, patch)
         if b in self.graphs:
             self.graphs[b].replay()
             out = self.outputs[b]
@@ -200,18 +201,11 @@ class DecodeGraphs:
             out = self._forward(b)
         return out[: n * self.q]
 
-    def _fill_from_host(
-        self,
-        ids: np.ndarray,
-        positions: np.ndarray,
-        slots: np.ndarray,
-        seq_lens: np.ndarray,
-        tables: np.ndarray,
-        b: int,
-        patch: Patch | None,
-    ) -> None:
-        """The step's inputs written into one page-locked buffer, then placed by one kernel
-        (`kernels.triton.pinned_io`): no copy-engine transfer, no copy kernels."""
+    def _fill_from_host(self, arrays: tuple[np.ndarray, ...], b: int, patch: Patch | None) -> None:
+        """The step's inputs (`run`'s arrays, padded to b sequences) written into one page-locked
+        buffer, then placed by one kernel (`kernels.triton.pinned_io`): no copy-engine transfer,
+        no copy kernels."""
+        ids, positions, slots, seq_lens, tables = arrays
         n, w = tables.shape
         rows, t = n * self.q, b * self.q
         n_patch = 0 if patch is None else patch.moves.shape[1]
@@ -239,17 +233,9 @@ class DecodeGraphs:
         fill_decode_inputs(self.i64, self.seq_lens, self.block_tables, src_i64, src_i32, b, w, on_host)
         slot.record()
 
-    def _fill_by_copies(
-        self,
-        ids: np.ndarray,
-        positions: np.ndarray,
-        slots: np.ndarray,
-        seq_lens: np.ndarray,
-        tables: np.ndarray,
-        b: int,
-        patch: Patch | None,
-    ) -> None:
+    def _fill_by_copies(self, arrays: tuple[np.ndarray, ...], b: int, patch: Patch | None) -> None:
         """The same on the CPU (where `upload` shares the arrays' memory): torch copies."""
+        ids, positions, slots, seq_lens, tables = arrays
         n, w = tables.shape
         rows = n * self.q
         i64 = np.zeros((3, b * self.q), dtype=np.int64)
