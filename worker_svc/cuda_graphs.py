@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kernels import reference
 from kernels.attention_metadata import AttentionMetadata
 from kernels.triton.pinned_io import fill_decode_inputs
 from worker_svc.models.parallel_layers import decode_graph_gemms
@@ -78,7 +79,7 @@ class DecodeGraphs:
         self, executor: ModelExecutor, sizes: list[int], capture: bool = True, query_len: int = 1
     ) -> None:
         # What it reads of the executor: device, max_blocks_per_seq, max_model_len, model,
-        # kv_caches, draft and upload.
+        # kv_caches and draft.
         self.executor = executor
         self.sizes = sorted(set(sizes))
         self.max_size = self.sizes[-1]
@@ -96,10 +97,10 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
-        # Each step's inputs on their way in: through page-locked memory and one kernel on CUDA
-        # (`_fill_from_host`), by torch copies elsewhere (tests switch the first on for the CPU:
-        # ordinary memory, the kernel under the interpreter).
-        self.fill_from_host = dev.type == "cuda"
+        # Each step's inputs on their way in (`_place_inputs`): staged in host memory (page-locked
+        # on CUDA), then placed by one kernel on CUDA, by its twin's torch copies elsewhere (tests
+        # switch the kernel on for the CPU: it runs under the interpreter).
+        self.kernel_places_inputs = dev.type == "cuda"
         self.pinned = PinnedSlots(pin=dev.type == "cuda")
 
     def release(self) -> None:
@@ -189,11 +190,7 @@ class DecodeGraphs:
         """
         n = seq_lens.shape[0]
         b = self.padded_size(n)
-        arrays = (ids, positions, slots, seq_lens, tables)
-        if self.fill_from_host:
-            self._fill_from_host(arrays, b, patch)
-        else:
-            self._fill_by_copies(arrays, b, patch)
+        self._place_inputs((ids, positions, slots, seq_lens, tables), b, patch)
         if b in self.graphs:
             self.graphs[b].replay()
             out = self.outputs[b]
@@ -201,10 +198,10 @@ class DecodeGraphs:
             out = self._forward(b)
         return out[: n * self.q]
 
-    def _fill_from_host(self, arrays: tuple[np.ndarray, ...], b: int, patch: Patch | None) -> None:
-        """The step's inputs (`run`'s arrays, padded to b sequences) written into one page-locked
-        buffer, then placed by one kernel (`kernels.triton.pinned_io`): no copy-engine transfer,
-        no copy kernels."""
+    def _place_inputs(self, arrays: tuple[np.ndarray, ...], b: int, patch: Patch | None) -> None:
+        """The step's inputs (`run`'s arrays, padded to b sequences) written into one host buffer,
+        then placed in the static buffers. On CUDA one kernel reads the buffer page-locked
+        (`kernels.triton.pinned_io`): no copy-engine transfer, no copy kernels."""
         ids, positions, slots, seq_lens, tables = arrays
         n, w = tables.shape
         rows, t = n * self.q, b * self.q
@@ -230,27 +227,6 @@ class DecodeGraphs:
             moves = i64[3 * t :].view(2, n_patch)
             moves.numpy()[:] = patch.moves
             on_host = (moves, patch.sampled)
-        fill_decode_inputs(self.i64, self.seq_lens, self.block_tables, src_i64, src_i32, b, w, on_host)
+        place = fill_decode_inputs if self.kernel_places_inputs else reference.fill_decode_inputs
+        place(self.i64, self.seq_lens, self.block_tables, src_i64, src_i32, b, w, on_host)
         slot.record()
-
-    def _fill_by_copies(self, arrays: tuple[np.ndarray, ...], b: int, patch: Patch | None) -> None:
-        """The same on the CPU (where `upload` shares the arrays' memory): torch copies."""
-        ids, positions, slots, seq_lens, tables = arrays
-        n, w = tables.shape
-        rows = n * self.q
-        i64 = np.zeros((3, b * self.q), dtype=np.int64)
-        i64[0, :rows] = ids
-        i64[1, :rows] = positions
-        i64[2, :rows] = slots
-        i64[2, rows:] = -1
-        lens = np.full(b, self.q, dtype=np.int32)  # padding sequences: no context, q rows
-        lens[:n] = seq_lens
-        bt = np.zeros((b, w), dtype=np.int32)
-        bt[:n] = tables
-        d_i64, d_lens, d_bt = self.executor.upload([i64, lens, bt])
-        self.i64[:, : b * self.q].copy_(d_i64)
-        if patch is not None:
-            at, rows_of = torch.from_numpy(patch.moves).to(self.i64.device)
-            self.i64[0].index_copy_(0, at, patch.sampled.index_select(0, rows_of).to(torch.int64))
-        self.seq_lens[:b].copy_(d_lens)
-        self.block_tables[:b, :w].copy_(d_bt)

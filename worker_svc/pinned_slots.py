@@ -4,7 +4,7 @@ torch's page-locked allocator knows when a buffer's copies are done (it records 
 each `copy_`), but not when a kernel is: a buffer handed back to it while a kernel still stores
 into it could go to another tensor. So the buffers a kernel touches come from here and come back
 here, each with the event that marks the last GPU work on it. A buffer goes out again only once
-that event has fired and its holder let go of it (`Slot` garbage-collected, or `give_back`).
+that event has fired and its holder let go of it (its `Slot` garbage-collected).
 Buffers come in power-of-two sizes from 4 KiB; a step of decode takes two (its inputs, its
 ids), and they circle back within a step or two. The pool keeps every buffer it made: page-
 locking a new one may wait for the device, so that happens once a size, while the engine warms.
@@ -70,7 +70,3 @@ class PinnedSlots:
     def _give_back(self, buffer: torch.Tensor, last_use: _LastUse) -> None:
         with self._lock:
             self._free.setdefault(buffer.numel(), []).append((buffer, last_use.event))
-
-    def num_free(self) -> int:
-        with self._lock:
-            return sum(len(v) for v in self._free.values())

@@ -115,7 +115,7 @@ def test_lora_decode_graphs_static_path_equals_eager(lora_setup) -> None:
     llm = LLM(base, attention_backend="triton", **kw)
     ex = llm.engine.runner.executor
     ex.lora_graphs = LoRADecodeGraphs(ex, [1, 2, 4], ex.lora, capture=False)
-    ex.lora_graphs.fill_from_host = True  # inputs placed as on CUDA (the kernel, interpreted)
+    ex.lora_graphs.kernel_places_inputs = True  # inputs placed as on CUDA (the kernel, interpreted)
     replays = []
     with_rows = ex.lora_graphs.with_rows
     ex.lora_graphs.with_rows = lambda rows: replays.append(len(rows)) or with_rows(rows)  # type: ignore[method-assign]

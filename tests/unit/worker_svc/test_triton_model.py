@@ -56,22 +56,22 @@ def _count_rows(graphs: DecodeGraphs) -> list[int]:
     return rows
 
 
-def _fill_from_host(graphs: DecodeGraphs) -> DecodeGraphs:
+def _placed_by_kernel(graphs: DecodeGraphs) -> DecodeGraphs:
     """The inputs as CUDA places them: one buffer of host memory (not page-locked here) and the
-    kernel that places it (`kernels.triton.pinned_io`, under the interpreter)."""
-    graphs.fill_from_host = True
+    kernel that places it (`kernels.triton.pinned_io`, under the interpreter), not its twin."""
+    graphs.kernel_places_inputs = True
     return graphs
 
 
-@pytest.mark.parametrize("from_host", [False, True])
+@pytest.mark.parametrize("by_kernel", [False, True])
 def test_padded_static_decode_equals_reference(
-    tiny: str, reference_tokens: list[list[int]], from_host: bool
+    tiny: str, reference_tokens: list[list[int]], by_kernel: bool
 ) -> None:
     llm = LLM(tiny, attention_backend="triton", **ENGINE)
     runner = llm.engine.runner
     graphs = DecodeGraphs(runner.executor, [1, 2, 4], capture=False)
-    if from_host:
-        _fill_from_host(graphs)
+    if by_kernel:
+        _placed_by_kernel(graphs)
     sizes = _count_rows(graphs)
     runner.executor.graphs = graphs
     assert _generate(llm) == reference_tokens
@@ -140,8 +140,8 @@ def test_pack_to_device_round_trips_aligned() -> None:
         assert t.data_ptr() % 16 == 0
 
 
-@pytest.mark.parametrize("from_host", [False, True])
-def test_padded_static_verification_equals_reference(tiny: str, from_host: bool) -> None:
+@pytest.mark.parametrize("by_kernel", [False, True])
+def test_padded_static_verification_equals_reference(tiny: str, by_kernel: bool) -> None:
     """Speculative decoding's verify graphs, run eagerly: q rows per sequence, drafts and padding."""
     prompts = [[5, 6, 7, 8] * 6, [40, 41, 42] * 5]
     params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
@@ -155,8 +155,8 @@ def test_padded_static_verification_equals_reference(tiny: str, from_host: bool)
     llm = LLM(tiny, attention_backend="triton", speculative_config=spec, **ENGINE)
     runner = llm.engine.runner
     graphs = DecodeGraphs(runner.executor, [1, 2, 4], capture=False, query_len=4)
-    if from_host:
-        _fill_from_host(graphs)
+    if by_kernel:
+        _placed_by_kernel(graphs)
     rows = _count_rows(graphs)
     runner.executor.verify_graphs = graphs
     assert generate(llm) == want
