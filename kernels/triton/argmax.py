@@ -80,6 +80,14 @@ def argmax_rows(x: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tens
     best = torch.empty((rows, chunks), dtype=torch.float32, device=x.device)
     at = torch.empty((rows, chunks), dtype=torch.int32, device=x.device)
     _chunk_max_kernel[(rows, chunks)](x, best, at, x.stride(0), cols, chunks, BLOCK=BLOCK, num_warps=4)
+    return first_best_chunk(best, at, out)
+
+
+def first_best_chunk(best: torch.Tensor, at: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Stage 2, for any stage 1 that writes a row's chunks' best scores `best` [rows, chunks]
+    fp32 and the column of each `at` [rows, chunks] int32: out[row] = the column of the row's
+    first chunk holding its best (out int64 / int32 [rows]). Returns out."""
+    rows, chunks = best.shape
     _rows_argmax_kernel[(rows,)](
         best, at, out, chunks, CHUNKS_PAD=max(2, triton.next_power_of_2(chunks)), num_warps=1
     )

@@ -8,7 +8,7 @@ step at 256 rows on an H100. Here one pass: each program draws its chunk's noise
 (`tl.rand`), keyed by the row's seed and the column, so a row's noise depends on its seed
 alone, not on the batch it is in or the chunking. Stage 1: a program a (row, chunk of BLOCK
 columns) writes the chunk's best score and its first column; stage 2, a program a row, takes
-the first chunk holding the row's best (as `kernels.triton.argmax`).
+the first chunk holding the row's best (`kernels.triton.argmax.first_best_chunk`, the argmax's own).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton import dual_jit
+from kernels.triton.argmax import first_best_chunk
 
 BLOCK = 2048  # columns a stage-1 program races
 
@@ -54,15 +55,6 @@ def _race_chunk_kernel(
     best, at = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
     tl.store(best_ptr + row * chunks + chunk, best)
     tl.store(idx_ptr + row * chunks + chunk, chunk * BLOCK + at)
-
-
-@dual_jit()
-def _race_rows_kernel(best_ptr, idx_ptr, out_ptr, chunks, CHUNKS_PAD: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, CHUNKS_PAD)
-    best = tl.load(best_ptr + row * chunks + offs, mask=offs < chunks, other=float("-inf"))
-    _, j = tl.max(best, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    tl.store(out_ptr + row, tl.load(idx_ptr + row * chunks + j).to(out_ptr.dtype.element_ty))
 
 
 def exponential_race(
@@ -107,7 +99,4 @@ def exponential_race(
         NOISE=noise is not None,
         num_warps=4,
     )
-    _race_rows_kernel[(rows,)](
-        best, at, out, chunks, CHUNKS_PAD=max(2, triton.next_power_of_2(chunks)), num_warps=1
-    )
-    return out
+    return first_best_chunk(best, at, out)
